@@ -1,0 +1,25 @@
+"""CLI: ``python -m async_rl.demo prepare --output-dir DIR [--seed 0] [--train-size N] [--val-size M]``."""
+
+import argparse
+
+from async_rl.demo.task import DEFAULT_TRAIN_SIZE, DEFAULT_VAL_SIZE, prepare
+
+
+def main(argv=None) -> None:
+    """Parse arguments and run the chosen command."""
+    parser = argparse.ArgumentParser(prog="python -m async_rl.demo", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    prep = commands.add_parser("prepare", help="write model, tokenizer, data, reward.py and overrides.txt")
+    prep.add_argument("--output-dir", required=True)
+    prep.add_argument("--seed", type=int, default=0)
+    prep.add_argument("--train-size", type=int, default=DEFAULT_TRAIN_SIZE)
+    prep.add_argument("--val-size", type=int, default=DEFAULT_VAL_SIZE)
+    args = parser.parse_args(argv)
+
+    paths = prepare(args.output_dir, seed=args.seed, train_size=args.train_size, val_size=args.val_size)
+    for name, path in paths.items():
+        print(f"{name}: {path}")
+
+
+if __name__ == "__main__":
+    main()
