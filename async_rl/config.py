@@ -1,0 +1,128 @@
+"""The pipeline's config keys: defaults, reading from verl's config, fail-fast validation.
+
+Every key is added to a verl command with `+` (verl's schema does not know them):
+
+| key | default | allowed |
+|---|---|---|
+| actor_rollout_ref.async_pipeline | False | bool |
+| trainer.use_nodes_ratios | [0.5, 0.5, 0.5, 0.5] | 4 numbers in (0, 1]: train, logp, ref_logp, generate |
+| actor_rollout_ref.rollout.enable_dual_buffer | True | bool |
+| actor_rollout_ref.rollout.param_update_preduce_bucket_size_mb | 512 | number > 0 (MB) |
+| actor_rollout_ref.rollout.param_update_consume_bucket_size_mb | 128 | number > 0 (MB) |
+| trainer.generate_ahead_steps | 2 | int >= 1 (k; staleness bound eta = k - 1) |
+| trainer.async_stall_timeout_s | 600 | number > 0: no step for this long fails the run |
+| reward.async_timeout_s | 60 | number > 0: one reward call may take this long |
+
+Validation runs in the driver before any Ray actor starts and raises
+`AsyncConfigError` with one message naming the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+USE_NODES_ROLES = ("train", "logp", "ref_logp", "generate")
+
+
+class AsyncConfigError(ValueError):
+    """A pipeline config key has a value that cannot work."""
+
+    def __init__(self, key: str, value: Any, allowed: str):
+        self.key = key
+        super().__init__(f"invalid config: {key}={value!r}; allowed: {allowed}")
+
+
+@dataclass(frozen=True)
+class AsyncPipelineConfig:
+    """The pipeline's own settings, validated."""
+
+    enabled: bool = False
+    use_nodes_ratios: tuple[float, float, float, float] = (0.5, 0.5, 0.5, 0.5)
+    enable_dual_buffer: bool = True
+    preduce_bucket_size_mb: float = 512.0
+    consume_bucket_size_mb: float = 128.0
+    generate_ahead_steps: int = 2
+    stall_timeout_s: float = 600.0
+    reward_timeout_s: float = 60.0
+    ratios_by_role: dict = field(default_factory=dict)
+
+    @property
+    def max_staleness(self) -> int:
+        """eta: how many versions older than the trainer a trained sample may be."""
+        return self.generate_ahead_steps - 1
+
+
+# (dotted key, dataclass field, default)
+_KEYS = (
+    ("actor_rollout_ref.async_pipeline", "enabled", False),
+    ("trainer.use_nodes_ratios", "use_nodes_ratios", [0.5, 0.5, 0.5, 0.5]),
+    ("actor_rollout_ref.rollout.enable_dual_buffer", "enable_dual_buffer", True),
+    ("actor_rollout_ref.rollout.param_update_preduce_bucket_size_mb", "preduce_bucket_size_mb", 512),
+    ("actor_rollout_ref.rollout.param_update_consume_bucket_size_mb", "consume_bucket_size_mb", 128),
+    ("trainer.generate_ahead_steps", "generate_ahead_steps", 2),
+    ("trainer.async_stall_timeout_s", "stall_timeout_s", 600),
+    ("reward.async_timeout_s", "reward_timeout_s", 60),
+)
+CONFIG_KEYS = tuple(k for k, _, _ in _KEYS)
+
+
+def _select(config, key: str, default):
+    value = OmegaConf.select(config, key, default=default) if isinstance(config, DictConfig) else default
+    if isinstance(value, (DictConfig, ListConfig)):
+        value = OmegaConf.to_container(value, resolve=True)
+    return value
+
+
+def _as_bool(key: str, value) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise AsyncConfigError(key, value, "true or false")
+
+
+def _as_positive_number(key: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise AsyncConfigError(key, value, "a number > 0")
+    return float(value)
+
+
+def _as_ratios(key: str, value) -> tuple[float, ...]:
+    allowed = f"a list of {len(USE_NODES_ROLES)} numbers in (0, 1] for {list(USE_NODES_ROLES)}"
+    if not isinstance(value, (list, tuple)) or len(value) != len(USE_NODES_ROLES):
+        raise AsyncConfigError(key, value, allowed)
+    for v in value:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
+            raise AsyncConfigError(key, value, allowed)
+    return tuple(float(v) for v in value)
+
+
+def _as_ahead_steps(key: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise AsyncConfigError(key, value, "an integer >= 1 (1 = synchronous on-policy, 2 = one-step-off)")
+    return value
+
+
+def read_async_config(config) -> AsyncPipelineConfig:
+    """Read and validate the pipeline keys from a verl config; raises AsyncConfigError."""
+    raw = {fld: _select(config, key, default) for key, fld, default in _KEYS}
+    keys = {fld: key for key, fld, _ in _KEYS}
+    ratios = _as_ratios(keys["use_nodes_ratios"], raw["use_nodes_ratios"])
+    return AsyncPipelineConfig(
+        enabled=_as_bool(keys["enabled"], raw["enabled"]),
+        use_nodes_ratios=ratios,
+        enable_dual_buffer=_as_bool(keys["enable_dual_buffer"], raw["enable_dual_buffer"]),
+        preduce_bucket_size_mb=_as_positive_number(keys["preduce_bucket_size_mb"], raw["preduce_bucket_size_mb"]),
+        consume_bucket_size_mb=_as_positive_number(keys["consume_bucket_size_mb"], raw["consume_bucket_size_mb"]),
+        generate_ahead_steps=_as_ahead_steps(keys["generate_ahead_steps"], raw["generate_ahead_steps"]),
+        stall_timeout_s=_as_positive_number(keys["stall_timeout_s"], raw["stall_timeout_s"]),
+        reward_timeout_s=_as_positive_number(keys["reward_timeout_s"], raw["reward_timeout_s"]),
+        ratios_by_role=dict(zip(USE_NODES_ROLES, ratios)),
+    )
+
+
+def async_pipeline_enabled(config) -> bool:
+    """True when the user asked for the pipeline (`+actor_rollout_ref.async_pipeline=True`)."""
+    value = _select(config, "actor_rollout_ref.async_pipeline", False)
+    return value is True or (isinstance(value, str) and value.lower() == "true")

@@ -1,0 +1,70 @@
+"""Calls into verl's engine worker groups, with verl's own padding conversions.
+
+These mirror `RayPPOTrainer._compute_old_log_prob`, `_compute_ref_log_prob` and
+`_update_actor` (verl 0.9.1): DataProto -> TensorDict -> no-padding -> worker ->
+padding. The stages call these instead of re-implementing the data plumbing.
+"""
+
+from __future__ import annotations
+
+import torch
+from omegaconf import DictConfig
+from verl import DataProto
+from verl.utils import tensordict_utils as tu
+from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
+
+# Tensors the engines need; the rest of the batch stays with the stage.
+_ENGINE_KEYS = ("input_ids", "attention_mask", "position_ids", "response_mask", "prompts", "responses")
+_TRAIN_KEYS = _ENGINE_KEYS + ("old_log_probs", "ref_log_prob", "advantages", "rollout_log_probs", "rollout_is_weights")
+
+
+def _to_no_padding(batch: DataProto, keys: tuple[str, ...]):
+    present = [k for k in keys if k in batch.batch.keys()]
+    td = batch.select(batch_keys=present, non_tensor_batch_keys=[]).to_tensordict()
+    return left_right_2_no_padding(td)
+
+
+def compute_log_prob(worker_group, batch: DataProto, temperature: float) -> torch.Tensor:
+    """Log-probs of the responses under the worker group's current weights, (bs, resp_len)."""
+    td = _to_no_padding(batch, _ENGINE_KEYS)
+    tu.assign_non_tensor(td, calculate_entropy=False, compute_loss=False, temperature=temperature)
+    output = worker_group.compute_log_prob(td)
+    return no_padding_2_padding(tu.get(output, "log_probs"), td).float()
+
+
+def compute_ref_log_prob(worker_group, batch: DataProto, temperature: float) -> torch.Tensor:
+    """Log-probs under the frozen reference model, (bs, resp_len)."""
+    td = _to_no_padding(batch, _ENGINE_KEYS)
+    tu.assign_non_tensor(td, calculate_entropy=False, compute_loss=False, temperature=temperature)
+    output = worker_group.compute_ref_log_prob(td)
+    return no_padding_2_padding(tu.get(output, "log_probs"), td).float()
+
+
+def update_actor(worker_group, batch: DataProto, actor_rollout_ref: DictConfig) -> dict[str, float]:
+    """One PPO update over `batch` (verl's mini-batches and epochs); returns verl's actor metrics."""
+    actor_cfg = actor_rollout_ref.actor
+    td = _to_no_padding(batch, _TRAIN_KEYS)
+    mini_batch = actor_cfg.ppo_mini_batch_size * actor_rollout_ref.rollout.n
+    tu.assign_non_tensor(
+        td,
+        calculate_entropy=bool(actor_cfg.get("calculate_entropy", False) or actor_cfg.entropy_coeff != 0.0),
+        distillation_use_topk=False,
+        distillation_only=False,
+        global_batch_size=mini_batch,
+        mini_batch_size=mini_batch,
+        epochs=actor_cfg.ppo_epochs,
+        seed=actor_cfg.data_loader_seed,
+        dataloader_kwargs={"shuffle": actor_cfg.shuffle},
+        compute_loss=True,
+        temperature=actor_rollout_ref.rollout.temperature,
+        multi_turn=False,
+    )
+    output = worker_group.update_actor(td)
+    metrics = tu.get(output, "metrics")
+    out = {}
+    for key, value in metrics.items():
+        name = "perf/mfu/actor" if key == "mfu" else f"actor/{key}"
+        if isinstance(value, (list, tuple)):
+            value = sum(value) / max(len(value), 1)
+        out[name] = float(value)
+    return out

@@ -1,0 +1,39 @@
+"""Resource split (`trainer.use_nodes_ratios`) and verl worker groups for the stages."""
+
+from __future__ import annotations
+
+import math
+
+import ray
+from omegaconf import DictConfig
+
+from async_rl.config import USE_NODES_ROLES, AsyncPipelineConfig
+
+
+def total_device_slots(config: DictConfig) -> int:
+    """Devices (GPUs; on CPU, worker processes) the job may use: nnodes x n_gpus_per_node."""
+    return int(config.trainer.nnodes) * int(config.trainer.n_gpus_per_node)
+
+
+def split_world_sizes(total_slots: int, async_cfg: AsyncPipelineConfig) -> dict[str, int]:
+    """World size per role: floor(ratio x slots), at least 1.
+
+    Ratios may sum above 1: roles that share a fraction are placed on the same devices
+    (the proposal's [0.5, 0.5, 0.5, 0.5]: train, logp and ref_logp on one half,
+    generate on the other).
+    """
+    return {role: max(1, math.floor(async_cfg.ratios_by_role[role] * total_slots)) for role in USE_NODES_ROLES}
+
+
+def make_worker_group(config: DictConfig, role: str, world_size: int, name: str):
+    """verl `RayWorkerGroup` of `PipelineWorker` (role `actor` or `ref`), models initialised."""
+    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+
+    from async_rl.workers import PipelineWorker
+
+    on_cpu = str(config.trainer.device) == "cpu"
+    pool = RayResourcePool([world_size], use_gpu=not on_cpu, max_colocate_count=1, name_prefix=name)
+    worker_cls = RayClassWithInitArgs(cls=ray.remote(PipelineWorker), config=config.actor_rollout_ref, role=role)
+    group = RayWorkerGroup(pool, worker_cls, name_prefix=name, device_name="cpu" if on_cpu else "cuda")
+    group.init_model()
+    return group

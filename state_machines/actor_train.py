@@ -1,0 +1,156 @@
+"""actor_train stage: joins reward, logp and ref_logp per step, trains, publishes weights.
+
+For step j it waits for the three results of batch j (in order), builds verl's
+training batch (token-level scores on the last response token, advantages through
+verl's `compute_advantage`: GRPO and every other estimator verl has), runs verl's
+`update_actor` on the train worker group, gathers the new weights (version j + 1)
+and sends them to param_update. Step metrics use verl's names
+(`compute_data_metrics`, `actor/*`) plus `async/*`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from async_rl import engine_calls
+from async_rl.resources import make_worker_group
+from async_rl.staleness import sample_staleness
+from param_update.gather import gather_full_weights, publish
+from state_machines.base import END_OF_STREAM, StateMachine
+from state_machines.logp import LogpResult
+from state_machines.param_update import NewWeights
+from state_machines.ref_logp import RefLogpResult
+from state_machines.reward import ScoredBatch
+from state_machines.rollout import resolve
+
+_PARTS = {ScoredBatch: "reward", LogpResult: "logp", RefLogpResult: "ref_logp"}
+
+
+class StalenessViolation(RuntimeError):
+    """A sample older than the bound reached training (a scheduling bug, never expected)."""
+
+
+def place_scores_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Sequence scores (bs,) -> token-level scores (bs, resp_len), on each last response token."""
+    token_scores = torch.zeros_like(response_mask, dtype=torch.float32)
+    last = (response_mask.sum(-1) - 1).clamp(min=0).long()
+    has_tokens = response_mask.sum(-1) > 0
+    rows = torch.arange(len(scores))[has_tokens]
+    token_scores[rows, last[has_tokens]] = scores[has_tokens]
+    return token_scores
+
+
+class ActorTrainStage(StateMachine):
+    """verl's actor update, one step per batch, in batch order."""
+
+    def __init__(self, config, world_size: int, max_staleness: int):
+        super().__init__("actor_train", inbox_size=6)
+        self.config = config
+        self.world_size = world_size
+        self.max_staleness = max_staleness
+        self.worker_group = None
+        self.version = 0  # trainer's policy version: number of updates done
+        self._parts: dict[int, dict[str, Any]] = {}
+        self._metrics: list[dict] = []
+        self._last_step_end = None
+
+    def setup(self) -> int:
+        self.worker_group = make_worker_group(self.config, "actor", self.world_size, "train")
+        return self.world_size
+
+    def initial_weights(self):
+        """Version 0's full tensors (receivers start from the same checkpoint; used by tests)."""
+        return gather_full_weights(self.worker_group)
+
+    async def get_input_data(self):
+        want = self.version  # batch j is trained at trainer version j
+        while len(self._parts.get(want, {})) < len(_PARTS):
+            item = await self.next_from_inbox()
+            if item is END_OF_STREAM:
+                if self._parts:
+                    raise RuntimeError(f"upstreams ended with incomplete steps {sorted(self._parts)}")
+                return END_OF_STREAM
+            self._parts.setdefault(item.index, {})[_PARTS[type(item)]] = item
+        return self._parts.pop(want)
+
+    def _training_batch(self, batch, parts) -> "Any":
+        from verl.trainer.ppo.ray_trainer import compute_advantage
+
+        algo = self.config.algorithm
+        response_mask = batch.batch["response_mask"]
+        token_scores = place_scores_on_last_token(parts["reward"].scores, response_mask)
+        batch.batch["token_level_scores"] = token_scores
+        batch.batch["token_level_rewards"] = token_scores
+        batch.batch["old_log_probs"] = parts["logp"].old_log_probs
+        if parts["ref_logp"].ref_log_prob is not None:
+            batch.batch["ref_log_prob"] = parts["ref_logp"].ref_log_prob
+        return compute_advantage(
+            batch,
+            adv_estimator=algo.adv_estimator,
+            gamma=algo.gamma,
+            lam=algo.lam,
+            num_repeat=int(self.config.actor_rollout_ref.rollout.n),
+            norm_adv_by_std_in_grpo=algo.get("norm_adv_by_std_in_grpo", True),
+            config=algo,
+        )
+
+    def _staleness_metrics(self, batch) -> dict[str, float]:
+        versions = batch.batch["token_versions"]
+        mask = batch.batch["response_mask"].bool()
+        big = torch.iinfo(torch.long).max
+        oldest = torch.where(mask, versions, torch.full_like(versions, big)).min(dim=-1).values
+        start = torch.tensor([int(v) for v in batch.non_tensor_batch["start_version"]])
+        oldest = torch.where(oldest == big, start, oldest)
+        staleness = torch.tensor([sample_staleness(self.version, int(v)) for v in oldest])
+        if int(staleness.max()) > self.max_staleness:
+            raise StalenessViolation(
+                f"step {self.version}: a sample has staleness {int(staleness.max())} > eta={self.max_staleness}"
+            )
+        return {
+            "async/staleness/max": float(staleness.max()),
+            "async/staleness/mean": float(staleness.float().mean()),
+        }
+
+    async def process_data(self, parts: dict) -> NewWeights:
+        from verl.trainer.ppo.metric_utils import compute_data_metrics
+
+        step_start = time.perf_counter()
+        batch = await resolve(parts["logp"].batch_ref)
+        batch = self._training_batch(batch, parts)
+        metrics = self._staleness_metrics(batch)
+        metrics["async/logp_version"] = float(parts["logp"].logp_version)
+        t0 = time.perf_counter()
+        metrics.update(
+            await asyncio.to_thread(engine_calls.update_actor, self.worker_group, batch, self.config.actor_rollout_ref)
+        )
+        t1 = time.perf_counter()
+        named = await asyncio.to_thread(gather_full_weights, self.worker_group)
+        t2 = time.perf_counter()
+        weights_ref = publish(named)
+        self.version += 1
+        metrics.update(compute_data_metrics(batch, use_critic=False))
+        now = time.perf_counter()
+        metrics.update(
+            {
+                "training/global_step": self.version,
+                "async/param_version": float(self.version),
+                "timing_s/update_actor": t1 - t0,
+                "timing_s/param_update/gather": t2 - t1,
+                "timing_s/step": now - (self._last_step_end if self._last_step_end is not None else step_start),
+            }
+        )
+        self._last_step_end = now
+        self._metrics.append(metrics)
+        return NewWeights(version=self.version, weights_ref=weights_ref)
+
+    async def send_output_data(self, data: NewWeights) -> bool:
+        return await self.send_downstream(data)
+
+    def pop_metrics(self) -> list[dict]:
+        out, self._metrics = self._metrics, []
+        return out

@@ -1,0 +1,268 @@
+"""The abstract async state machine every pipeline stage subclasses.
+
+A stage is a producer/consumer: `get_input_data` -> `process_data` -> `send_output_data`.
+The base class owns everything else:
+
+- the loop, with up to `max_inflight` items processed concurrently and outputs sent in
+  input order;
+- a bounded inbox (`inbox_size` items): an upstream's `put` awaits while it is full,
+  which is the backpressure that keeps fast stages from running away;
+- end of stream: a stage ends once every upstream has sent `END_OF_STREAM`, after
+  draining what it holds, and then sends `END_OF_STREAM` downstream;
+- busy/idle timing (seconds with at least one item in `process_data`);
+- `stop()` (cancel now) and `drain()` (take no new input, finish what is held);
+- errors: an exception in any method ends `run()` with `StageError` naming the stage
+  and the original exception; the pipeline driver stops the whole run on it.
+
+Downstreams are Ray actor handles (`handle.put.remote`) or, in tests, local stages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+import traceback
+from abc import ABC, abstractmethod
+from typing import Any, Optional
+
+
+class _EndOfStream:
+    """Sentinel sent downstream when a stage has no more output."""
+
+    _instance = None
+
+    def __new__(cls):
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __reduce__(self):  # stays a singleton across Ray serialization
+        return (_EndOfStream, ())
+
+    def __repr__(self) -> str:
+        return "END_OF_STREAM"
+
+
+END_OF_STREAM = _EndOfStream()
+
+
+class StageError(RuntimeError):
+    """A stage failed; the message names the stage and the original exception."""
+
+    def __init__(self, stage: str, original: BaseException, where: str):
+        self.stage = stage
+        self.original_type = type(original).__name__
+        tb = "".join(traceback.format_exception(type(original), original, original.__traceback__))
+        super().__init__(
+            f"stage '{stage}' failed in {where}: {type(original).__name__}: {original}\n--- original traceback ---\n{tb}"
+        )
+
+
+async def call_put(target: Any, item: Any) -> None:
+    """`await target.put(item)` for a Ray actor handle or a local stage."""
+    put = target.put
+    if hasattr(put, "remote"):
+        await put.remote(item)
+    else:
+        await put(item)
+
+
+class BusyTimer:
+    """Seconds with at least one item being processed, since `start()`."""
+
+    def __init__(self):
+        self.started_at: Optional[float] = None
+        self._busy_total = 0.0
+        self._active = 0
+        self._active_since = 0.0
+
+    def start(self) -> None:
+        self.started_at = time.perf_counter()
+
+    def enter(self) -> None:
+        if self._active == 0:
+            self._active_since = time.perf_counter()
+        self._active += 1
+
+    def leave(self) -> None:
+        self._active -= 1
+        if self._active == 0:
+            self._busy_total += time.perf_counter() - self._active_since
+
+    def busy_s(self) -> float:
+        extra = time.perf_counter() - self._active_since if self._active else 0.0
+        return self._busy_total + extra
+
+    def wall_s(self) -> float:
+        return 0.0 if self.started_at is None else time.perf_counter() - self.started_at
+
+
+class StateMachine(ABC):
+    """Abstract pipeline stage; subclasses implement the three data methods.
+
+    Args:
+        name: stage name used in metrics (`async/<name>/busy_ratio`) and errors.
+        inbox_size: items the inbox holds before upstream `put` calls wait.
+        max_inflight: items processed concurrently (outputs keep input order).
+    """
+
+    def __init__(self, name: str, inbox_size: int = 2, max_inflight: int = 1):
+        if inbox_size < 1 or max_inflight < 1:
+            raise ValueError(f"stage '{name}': inbox_size and max_inflight must be >= 1")
+        self.name = name
+        self.inbox_size = inbox_size
+        self.max_inflight = max_inflight
+        self.downstream: list[Any] = []
+        self.num_upstreams = 0
+        self._inbox: Optional[asyncio.Queue] = None
+        self._ends_seen = 0
+        self._draining = False
+        self._stopped = False
+        self._run_task: Optional[asyncio.Task] = None
+        self.items_processed = 0
+        self.timer = BusyTimer()
+
+    # ---- wiring -------------------------------------------------------------------
+    def connect(self, downstream: list[Any], num_upstreams: int) -> None:
+        """Set where outputs go and how many upstreams must end before this stage ends."""
+        self.downstream = list(downstream)
+        self.num_upstreams = num_upstreams
+
+    @property
+    def inbox(self) -> asyncio.Queue:
+        if self._inbox is None:  # created inside the running event loop
+            self._inbox = asyncio.Queue(maxsize=self.inbox_size)
+        return self._inbox
+
+    async def put(self, item: Any) -> None:
+        """Called by upstreams; waits while the inbox is full (backpressure)."""
+        await self.inbox.put(item)
+
+    # ---- helpers for subclasses ------------------------------------------------------
+    async def next_from_inbox(self) -> Any:
+        """Next upstream item, or END_OF_STREAM once every upstream has ended."""
+        while True:
+            if self._ends_seen >= self.num_upstreams:
+                return END_OF_STREAM
+            item = await self.inbox.get()
+            if item is END_OF_STREAM:
+                self._ends_seen += 1
+                continue
+            return item
+
+    async def send_downstream(self, item: Any) -> bool:
+        """Put `item` into every downstream inbox (waits on full inboxes)."""
+        await asyncio.gather(*(call_put(d, item) for d in self.downstream))
+        return True
+
+    # ---- the three methods a stage implements ----------------------------------------
+    @abstractmethod
+    async def get_input_data(self) -> Optional[Any]:
+        """Next unit of work, or END_OF_STREAM when there is no more."""
+
+    @abstractmethod
+    async def process_data(self, data: Any) -> Any:
+        """Do the stage's work on one unit; return the output (None: nothing to send)."""
+
+    @abstractmethod
+    async def send_output_data(self, data: Any) -> bool:
+        """Send one output downstream; return True when sent."""
+
+    # ---- lifecycle ----------------------------------------------------------------
+    async def on_start(self) -> None:
+        """Hook: runs once in the stage's event loop before the first item."""
+
+    async def on_end(self) -> None:
+        """Hook: runs once after the last output, before END_OF_STREAM goes downstream."""
+
+    async def _process_timed(self, data: Any) -> Any:
+        self.timer.enter()
+        try:
+            return await self.process_data(data)
+        finally:
+            self.timer.leave()
+
+    async def run(self) -> dict:
+        """The stage loop; returns final stats. Raises StageError on any failure."""
+        self._run_task = asyncio.current_task()
+        self.timer.start()
+        where = "on_start"
+        inflight: collections.deque[asyncio.Task] = collections.deque()
+        try:
+            await self.on_start()
+            while not self._stopped:
+                while inflight and (len(inflight) >= self.max_inflight or inflight[0].done()):
+                    where = "process_data"
+                    out = await inflight.popleft()
+                    self.items_processed += 1
+                    if out is not None:
+                        where = "send_output_data"
+                        await self.send_output_data(out)
+                if self._draining:
+                    break
+                where = "get_input_data"
+                data = await self._get_input_or_wake(inflight)
+                if data is END_OF_STREAM:
+                    break
+                inflight.append(asyncio.ensure_future(self._process_timed(data)))
+            while inflight and not self._stopped:
+                where = "process_data"
+                out = await inflight.popleft()
+                self.items_processed += 1
+                if out is not None:
+                    where = "send_output_data"
+                    await self.send_output_data(out)
+            where = "on_end"
+            await self.on_end()
+            if not self._stopped:
+                where = "send END_OF_STREAM"
+                await self.send_downstream(END_OF_STREAM)
+        except asyncio.CancelledError:
+            for task in inflight:
+                task.cancel()
+            if not self._stopped:
+                raise
+        except StageError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - re-raised with the stage's name
+            for task in inflight:
+                task.cancel()
+            raise StageError(self.name, exc, where) from exc
+        return self.stats()
+
+    async def _get_input_or_wake(self, inflight) -> Any:
+        """Await the next input; meanwhile send in-flight outputs as they finish, in order."""
+        get_task = asyncio.ensure_future(self.get_input_data())
+        try:
+            while inflight and not get_task.done():
+                await asyncio.wait({get_task, inflight[0]}, return_when=asyncio.FIRST_COMPLETED)
+                if inflight[0].done():
+                    out = await inflight.popleft()
+                    self.items_processed += 1
+                    if out is not None:
+                        await self.send_output_data(out)
+            return await get_task
+        except BaseException:
+            get_task.cancel()
+            raise
+
+    def drain(self) -> None:
+        """Take no new input; finish the items in flight, then end normally."""
+        self._draining = True
+
+    def stop(self) -> None:
+        """Stop now: cancel the loop and anything in flight; no END_OF_STREAM is sent."""
+        self._stopped = True
+        if self._run_task is not None and not self._run_task.done():
+            self._run_task.cancel()
+
+    def stats(self) -> dict:
+        """Cumulative timing: busy seconds, wall seconds, items processed."""
+        return {
+            "name": self.name,
+            "busy_s": self.timer.busy_s(),
+            "wall_s": self.timer.wall_s(),
+            "items": self.items_processed,
+            "inbox": self._inbox.qsize() if self._inbox is not None else 0,
+        }

@@ -1,0 +1,117 @@
+"""generate stage: admits prompt batches under the staleness bound and samples responses.
+
+Talks to rollout servers only through verl's server interface (`generate` on the
+server handle of a `RolloutReplica`), so the CPU backend, sglang and vllm are
+interchangeable. Each batch's n samples per prompt are spread round-robin over the
+servers; up to `generate_ahead_steps` batches are in flight, each admitted only when
+AReaL's rule allows it (`async_rl.staleness`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass
+
+from async_rl.batch import Sample
+from async_rl.staleness import StalenessController
+from state_machines.base import StateMachine
+from state_machines.dataloader import PromptBatch
+
+
+@dataclass
+class GeneratedBatch:
+    """All samples of one step: `n` responses for each prompt of the PromptBatch."""
+
+    index: int
+    samples: list[Sample]
+    start_version: int  # version served when the batch was admitted
+
+
+def sampling_params_from_config(rollout_cfg, validate: bool = False) -> dict:
+    """verl's rollout sampling keys -> server sampling params (vllm/sglang names)."""
+    if validate:
+        val = rollout_cfg.val_kwargs
+        greedy = not val.do_sample
+        return {
+            "temperature": 0.0 if greedy else float(val.temperature),
+            "top_p": 1.0 if greedy else float(val.top_p),
+            "top_k": -1 if greedy else int(val.top_k),
+            "max_tokens": int(rollout_cfg.response_length),
+            "logprobs": True,
+        }
+    return {
+        "temperature": float(rollout_cfg.temperature),
+        "top_p": float(rollout_cfg.top_p),
+        "top_k": int(rollout_cfg.top_k),
+        "max_tokens": int(rollout_cfg.response_length),
+        "logprobs": True,
+    }
+
+
+async def generate_one(server, prompt_ids: list[int], sampling_params: dict, timeout_s: float):
+    """One request through verl's server interface; returns its TokenOutput."""
+    request_id = uuid.uuid4().hex
+    ref = server.generate.remote(prompt_ids=prompt_ids, sampling_params=dict(sampling_params), request_id=request_id)
+    return await asyncio.wait_for(ref, timeout=timeout_s)
+
+
+class GenerateStage(StateMachine):
+    """Samples `n` responses per prompt on the rollout servers, within the staleness bound."""
+
+    def __init__(self, servers, rollout_cfg, max_staleness: int, request_timeout_s: float = 600.0):
+        super().__init__("generate", inbox_size=max_staleness + 1, max_inflight=max_staleness + 1)
+        if not servers:
+            raise ValueError("generate stage needs at least one rollout server")
+        self.servers = list(servers)
+        self.n = int(rollout_cfg.n)
+        self.sampling_params = sampling_params_from_config(rollout_cfg)
+        self.staleness = StalenessController(max_staleness)
+        self.request_timeout_s = request_timeout_s
+        self._next_server = 0
+
+    async def set_served_version(self, version: int) -> None:
+        """Called by param_update once every server serves `version`."""
+        await self.staleness.set_served_version(version)
+
+    def served_version(self) -> int:
+        return self.staleness.served_version
+
+    async def get_input_data(self):
+        item = await self.next_from_inbox()
+        if isinstance(item, PromptBatch):
+            # Admission happens here, in input order, so batch j never overtakes j-1.
+            await self.staleness.wait_until_admitted(item.index)
+        return item
+
+    def _pick_server(self):
+        server = self.servers[self._next_server % len(self.servers)]
+        self._next_server += 1
+        return server
+
+    async def process_data(self, batch: PromptBatch) -> GeneratedBatch:
+        start_version = self.staleness.served_version
+        jobs, meta = [], []
+        for prompt_ids, non_tensor in zip(batch.prompt_ids, batch.non_tensor):
+            uid = uuid.uuid4().hex
+            for _ in range(self.n):
+                jobs.append(generate_one(self._pick_server(), prompt_ids, self.sampling_params, self.request_timeout_s))
+                meta.append((uid, prompt_ids, non_tensor))
+        outputs = await asyncio.gather(*jobs)
+        samples = []
+        for (uid, prompt_ids, non_tensor), out in zip(meta, outputs):
+            versions = out.extra_fields.get("token_versions") or [start_version] * len(out.token_ids)
+            samples.append(
+                Sample(
+                    uid=uid,
+                    prompt_ids=list(prompt_ids),
+                    response_ids=list(out.token_ids),
+                    rollout_log_probs=list(out.log_probs or [0.0] * len(out.token_ids)),
+                    token_versions=list(versions),
+                    non_tensor={**non_tensor, "start_version": start_version},
+                )
+            )
+        return GeneratedBatch(index=batch.index, samples=samples, start_version=start_version)
+
+    async def send_output_data(self, data: GeneratedBatch) -> bool:
+        return await self.send_downstream(data)

@@ -1,0 +1,55 @@
+"""ref_logp stage: log-probs under the frozen reference policy (verl's ref engine).
+
+Runs only when verl's config needs a reference policy (KL loss or KL in reward,
+`verl.trainer.ppo.utils.need_reference_policy`); otherwise it passes batches through
+with no reference log-probs, so the pipeline's shape does not change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from async_rl import engine_calls
+from async_rl.resources import make_worker_group
+from state_machines.base import StateMachine
+from state_machines.rollout import RolloutBatch
+
+
+@dataclass
+class RefLogpResult:
+    index: int
+    ref_log_prob: Optional[torch.Tensor]  # (bs, response_len), None without a reference policy
+
+
+class RefLogpStage(StateMachine):
+    """verl `compute_ref_log_prob` on a separate worker group."""
+
+    def __init__(self, config, world_size: int, enabled: bool):
+        super().__init__("ref_logp")
+        self.config = config
+        self.world_size = world_size
+        self.enabled = enabled
+        self.temperature = float(config.actor_rollout_ref.rollout.temperature)
+        self.worker_group = None
+
+    def setup(self) -> int:
+        if self.enabled:
+            self.worker_group = make_worker_group(self.config, "ref", self.world_size, "ref")
+        return self.world_size if self.enabled else 0
+
+    async def get_input_data(self):
+        return await self.next_from_inbox()
+
+    async def process_data(self, data: RolloutBatch) -> RefLogpResult:
+        if not self.enabled:
+            return RefLogpResult(index=data.index, ref_log_prob=None)
+        batch = await data.get()
+        ref = await asyncio.to_thread(engine_calls.compute_ref_log_prob, self.worker_group, batch, self.temperature)
+        return RefLogpResult(index=data.index, ref_log_prob=ref)
+
+    async def send_output_data(self, data: RefLogpResult) -> bool:
+        return await self.send_downstream(data)

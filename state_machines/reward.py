@@ -1,0 +1,92 @@
+"""reward stage: scores responses with verl's scoring, off the critical path.
+
+The scoring function is verl's: the user's `reward.custom_reward_function` (loaded
+with `verl.trainer.ppo.reward.get_custom_reward_fn`) or verl's
+`default_compute_score` by data source. It runs in a worker thread under a timeout
+(`reward.async_timeout_s`), so a hanging or raising reward function fails the run
+with a message naming it instead of stalling the pipeline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import torch
+
+from state_machines.base import StateMachine
+from state_machines.rollout import RolloutBatch
+
+
+@dataclass
+class ScoredBatch:
+    """Per-sample scores of one step's batch (sequence-level, placed on the last token later)."""
+
+    index: int
+    scores: torch.Tensor  # (bs,) float32
+
+
+class RewardFunctionError(RuntimeError):
+    """The reward function raised or timed out."""
+
+
+def load_score_fn(config):
+    """verl's scoring callable: custom function if configured, else `default_compute_score`."""
+    from verl.trainer.ppo.reward import get_custom_reward_fn
+
+    fn = get_custom_reward_fn(config)
+    if fn is not None:
+        return fn, str(config.reward.custom_reward_function.get("name", "compute_score"))
+    from verl.utils.reward_score import default_compute_score
+
+    return default_compute_score, "verl.utils.reward_score.default_compute_score"
+
+
+def score_batch(batch, tokenizer, score_fn) -> torch.Tensor:
+    """Decode each response (skipping special tokens, as verl's reward manager does) and score it."""
+    responses = batch.batch["responses"]
+    lengths = batch.batch["response_mask"].sum(-1).tolist()
+    scores = []
+    for i in range(len(batch)):
+        text = tokenizer.decode(responses[i, : int(lengths[i])].tolist(), skip_special_tokens=True)
+        result = score_fn(
+            data_source=batch.non_tensor_batch["data_source"][i],
+            solution_str=text,
+            ground_truth=batch.non_tensor_batch["reward_model"][i]["ground_truth"],
+            extra_info=batch.non_tensor_batch.get("extra_info", [None] * len(batch))[i],
+        )
+        scores.append(float(result["score"] if isinstance(result, dict) else result))
+    return torch.tensor(scores, dtype=torch.float32)
+
+
+class RewardStage(StateMachine):
+    """Scores each step's batch; the result goes to actor_train."""
+
+    def __init__(self, config, tokenizer, timeout_s: float):
+        super().__init__("reward")
+        self.tokenizer = tokenizer
+        self.score_fn, self.score_fn_name = load_score_fn(config)
+        self.timeout_s = timeout_s
+
+    async def get_input_data(self):
+        return await self.next_from_inbox()
+
+    async def process_data(self, data: RolloutBatch) -> ScoredBatch:
+        batch = await data.get()
+        try:
+            scores = await asyncio.wait_for(
+                asyncio.to_thread(score_batch, batch, self.tokenizer, self.score_fn), timeout=self.timeout_s
+            )
+        except asyncio.TimeoutError as exc:
+            raise RewardFunctionError(
+                f"reward function {self.score_fn_name} did not return within reward.async_timeout_s="
+                f"{self.timeout_s:g} s for batch {data.index}"
+            ) from exc
+        except Exception as exc:
+            raise RewardFunctionError(
+                f"reward function {self.score_fn_name} raised {type(exc).__name__}: {exc} (batch {data.index})"
+            ) from exc
+        return ScoredBatch(index=data.index, scores=scores)
+
+    async def send_output_data(self, data: ScoredBatch) -> bool:
+        return await self.send_downstream(data)

@@ -1,0 +1,54 @@
+"""rollout stage: turns generated samples into one verl `DataProto` per step and fans out.
+
+The batch is put into Ray's object store once; reward, logp and ref_logp each get a
+reference to it (`RolloutBatch`), so it is serialized once, not three times.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from async_rl.batch import build_batch
+from state_machines.base import StateMachine
+from state_machines.generate import GeneratedBatch
+
+
+@dataclass
+class RolloutBatch:
+    """One step's padded batch, by reference (`ray.ObjectRef` to a DataProto, or the DataProto)."""
+
+    index: int
+    batch_ref: Any
+    start_version: int
+
+    async def get(self):
+        return await resolve(self.batch_ref)
+
+
+async def resolve(value):
+    """The object behind a `ray.ObjectRef`, or `value` itself."""
+    return await value if isinstance(value, ray.ObjectRef) else value
+
+
+class RolloutStage(StateMachine):
+    """Pads and stacks a step's samples (verl layout) and sends the batch to every consumer."""
+
+    def __init__(self, max_prompt_length: int, max_response_length: int, pad_token_id: int):
+        super().__init__("rollout")
+        self.max_prompt_length = max_prompt_length
+        self.max_response_length = max_response_length
+        self.pad_token_id = pad_token_id
+
+    async def get_input_data(self):
+        return await self.next_from_inbox()
+
+    async def process_data(self, data: GeneratedBatch) -> RolloutBatch:
+        batch = build_batch(data.samples, self.max_prompt_length, self.max_response_length, self.pad_token_id)
+        ref = ray.put(batch) if ray.is_initialized() else batch
+        return RolloutBatch(index=data.index, batch_ref=ref, start_version=data.start_version)
+
+    async def send_output_data(self, data: RolloutBatch) -> bool:
+        return await self.send_downstream(data)

@@ -1,0 +1,75 @@
+"""Small, named patches that let verl 0.9.1's FSDP2 workers run on CPU.
+
+Each is applied only inside the pipeline's own worker processes on a CPU run
+(`apply_cpu_worker_patches`), never at `import verl`: without
+`async_pipeline=True` verl is untouched. Each has a test that fails without it
+(tests/test_verl_patches.py).
+
+1. `gloo_process_group`: verl builds the backend string `cpu:gloo,cpu:gloo` on a
+   CPU platform, which torch rejects; use plain `gloo`.
+2. `unpinned_cpu_offload`: forward-only FSDP2 engines use
+   `CPUOffloadPolicy(pin_memory=True)`; pinning needs an accelerator.
+3. `engine_device`: verl registers its FSDP engine for cuda/npu only; the env var
+   `VERL_ENGINE_DEVICE=cuda` selects that (device-agnostic) engine class.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+_APPLIED: set[str] = set()
+
+
+def patch_gloo_process_group() -> None:
+    """Make `initialize_global_process_group_ray` use backend `gloo` on CPU."""
+    if "gloo_process_group" in _APPLIED:
+        return
+    import verl.utils.distributed as dist_utils
+    import verl.workers.engine_workers as engine_workers
+
+    original = dist_utils.initialize_global_process_group_ray
+
+    @functools.wraps(original)
+    def initialize_with_gloo(timeout_second=None, backend=None):
+        return original(timeout_second=timeout_second, backend=backend or "gloo")
+
+    dist_utils.initialize_global_process_group_ray = initialize_with_gloo
+    engine_workers.initialize_global_process_group_ray = initialize_with_gloo
+    _APPLIED.add("gloo_process_group")
+
+
+def patch_unpinned_cpu_offload() -> None:
+    """Force `pin_memory=False` in the CPUOffloadPolicy verl's FSDP2 engine builds."""
+    if "unpinned_cpu_offload" in _APPLIED:
+        return
+    import verl.workers.engine.fsdp.transformer_impl as fsdp_impl
+
+    original_policy = fsdp_impl.CPUOffloadPolicy
+
+    def unpinned_policy(*args, **kwargs):
+        kwargs["pin_memory"] = False
+        return original_policy(*args, **kwargs)
+
+    fsdp_impl.CPUOffloadPolicy = unpinned_policy
+    _APPLIED.add("unpinned_cpu_offload")
+
+
+def set_engine_device_env() -> None:
+    """Select verl's FSDP engine class (registered for cuda/npu) on CPU."""
+    os.environ.setdefault("VERL_ENGINE_DEVICE", "cuda")
+
+
+def apply_cpu_worker_patches() -> None:
+    """Apply every CPU patch; idempotent. Call in a worker process before verl builds engines."""
+    from verl_patches.cpu_platform import make_cpu_platform_class
+
+    make_cpu_platform_class()
+    set_engine_device_env()
+    patch_gloo_process_group()
+    patch_unpinned_cpu_offload()
+
+
+def applied_patches() -> frozenset[str]:
+    """Names of the patches applied in this process."""
+    return frozenset(_APPLIED)
