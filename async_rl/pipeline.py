@@ -1,0 +1,304 @@
+"""The pipeline driver: builds the stages as Ray actors, wires them, runs, watches, tears down.
+
+    dataloader -> generate -> rollout -> reward ---\
+                                      -> logp ------> actor_train -> param_update
+                                      -> ref_logp --/       (weights -> rollout servers, logp)
+
+The driver validates the pipeline's keys before Ray starts, starts every stage's
+`run()`, logs each training step through verl's `Tracking`, validates every
+`trainer.test_freq` steps, and stops the whole run (all actors, Ray) on the first stage
+error or when no step completes within `trainer.async_stall_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any
+
+import ray
+from omegaconf import DictConfig, OmegaConf
+
+from async_rl.config import AsyncPipelineConfig, read_async_config
+from async_rl.resources import split_world_sizes, total_device_slots
+
+logger = logging.getLogger(__name__)
+
+STAGE_NAMES = ("dataloader", "generate", "rollout", "reward", "logp", "ref_logp", "actor_train", "param_update")
+SETUP_TIMEOUT_S = 600.0
+CALL_TIMEOUT_S = 120.0
+
+
+class PipelineError(RuntimeError):
+    """The pipeline stopped: a stage failed, stalled, or could not start."""
+
+
+def validate_pipeline_config(config: DictConfig) -> AsyncPipelineConfig:
+    """Everything checkable before Ray starts; raises AsyncConfigError / ValueError naming the key."""
+    from async_rl.rollout_backends import check_rollout_name
+
+    async_cfg = read_async_config(config)
+    check_rollout_name(config.actor_rollout_ref.rollout.name)
+    for key in ("data.train_files", "actor_rollout_ref.model.path"):
+        value = OmegaConf.select(config, key)
+        paths = list(value) if isinstance(value, (list, tuple)) or OmegaConf.is_list(value) else [value]
+        for path in paths:
+            if not path or (not str(path).startswith(("hdfs://", "s3://")) and not os.path.exists(str(path))):
+                raise FileNotFoundError(f"{key}={path!r}: no such file or directory")
+    if int(config.trainer.get("total_training_steps") or 0) <= 0 and int(config.trainer.total_epochs) <= 0:
+        raise ValueError("set trainer.total_training_steps or trainer.total_epochs to a positive number")
+    return async_cfg
+
+
+def ray_init_kwargs(config: DictConfig) -> dict:
+    """verl's `ray_kwargs.ray_init` plus what a small CPU machine needs (logical CPUs, no dashboard)."""
+    kwargs = OmegaConf.to_container(config.get("ray_kwargs", {}).get("ray_init", {}), resolve=True) or {}
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    env_vars = dict(kwargs.get("runtime_env", {}).get("env_vars", {}))
+    env_vars.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if str(config.trainer.device) == "cpu":
+        env_vars.update({"VERL_PLATFORM": "cpu", "VERL_ENGINE_DEVICE": "cuda"})
+        kwargs.setdefault("num_cpus", max(16, os.cpu_count() or 1))  # logical: stages mostly wait
+    kwargs.setdefault("include_dashboard", False)
+    kwargs["runtime_env"] = {**kwargs.get("runtime_env", {}), "env_vars": env_vars}
+    return kwargs
+
+
+def count_rows(files) -> int:
+    """Rows in the parquet training files (before verl's length filter)."""
+    import pyarrow.parquet as pq
+
+    paths = list(files) if isinstance(files, (list, tuple)) or OmegaConf.is_list(files) else [files]
+    return sum(pq.ParquetFile(str(p)).metadata.num_rows for p in paths)
+
+
+def total_training_steps(config: DictConfig, train_rows: int) -> int:
+    steps = config.trainer.get("total_training_steps")
+    if steps:
+        return int(steps)
+    return int(config.trainer.total_epochs) * (train_rows // int(config.data.train_batch_size))
+
+
+class AsyncPipeline:
+    """Builds and runs the async pipeline for one verl config."""
+
+    def __init__(self, config: DictConfig):
+        self.config = config
+        self.async_cfg = validate_pipeline_config(config)
+        self.stages: dict[str, Any] = {}
+        self.replicas: list = []
+        self.tracking = None
+        self.validator = None
+        self.history: list[dict] = []  # every logged step's metrics (tests and benches read it)
+
+    # ---- build ----------------------------------------------------------------------
+    def _start_ray(self) -> None:
+        if str(self.config.trainer.device) == "cpu":
+            os.environ.setdefault("VERL_PLATFORM", "cpu")
+            os.environ.setdefault("VERL_ENGINE_DEVICE", "cuda")
+            from verl_patches.cpu_platform import make_cpu_platform_class
+
+            make_cpu_platform_class()
+        if not ray.is_initialized():
+            ray.init(**ray_init_kwargs(self.config))
+            self._owns_ray = True
+        else:
+            self._owns_ray = False
+
+    def _stage(self, name: str, cls, *args, **kwargs):
+        actor_cls = ray.remote(cls).options(name=f"async_rl_{name}_{os.getpid()}", num_cpus=0, max_concurrency=64)
+        handle = actor_cls.remote(*args, **kwargs)
+        self.stages[name] = handle
+        return handle
+
+    def build(self) -> None:
+        from state_machines.actor_train import ActorTrainStage
+        from state_machines.dataloader import DataloaderStage
+        from state_machines.generate import GenerateStage
+        from state_machines.logp import LogpStage
+        from state_machines.param_update import ParamUpdateStage
+        from state_machines.ref_logp import RefLogpStage
+        from state_machines.reward import RewardStage
+        from state_machines.rollout import RolloutStage
+        from verl.trainer.ppo.utils import need_reference_policy
+        from verl.utils import hf_tokenizer
+
+        from async_rl.rollout_backends import launch_rollout_replicas
+        from async_rl.validation import Validator
+        from param_update.interface import BlockingWeightSync
+
+        cfg = self.config
+        sizes = split_world_sizes(total_device_slots(cfg), self.async_cfg)
+        self.world_sizes = sizes
+        tokenizer = hf_tokenizer(cfg.actor_rollout_ref.model.path, trust_remote_code=False)
+        self.replicas = launch_rollout_replicas(cfg, num_replicas=sizes["generate"], timeout_s=SETUP_TIMEOUT_S)
+        servers = [r.server_handle for r in self.replicas]
+        self.validator = Validator(cfg, tokenizer, servers)
+        steps = total_training_steps(cfg, count_rows(cfg.data.train_files))
+        self.total_steps = steps
+        eta = self.async_cfg.max_staleness
+        rollout_cfg = cfg.actor_rollout_ref.rollout
+
+        dataloader = self._stage("dataloader", DataloaderStage, cfg, tokenizer, steps)
+        generate = self._stage("generate", GenerateStage, servers, rollout_cfg, eta)
+        rollout = self._stage(
+            "rollout", RolloutStage, int(cfg.data.max_prompt_length), int(rollout_cfg.response_length),
+            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+        )
+        reward = self._stage("reward", RewardStage, cfg, tokenizer, self.async_cfg.reward_timeout_s)
+        logp = self._stage("logp", LogpStage, cfg, sizes["logp"])
+        ref_logp = self._stage("ref_logp", RefLogpStage, cfg, sizes["ref_logp"], need_reference_policy(cfg))
+        train = self._stage("actor_train", ActorTrainStage, cfg, sizes["train"], eta)
+        sync = BlockingWeightSync(servers, logp, generate)
+        param_update = self._stage("param_update", ParamUpdateStage, sync)
+
+        # engines start in parallel; each has its own timeout-bounded wait
+        self._wait({n: self.stages[n].setup.remote() for n in ("actor_train", "logp", "ref_logp")}, SETUP_TIMEOUT_S,
+                   "start verl worker groups")
+        wiring = {
+            "dataloader": ([generate], 0),
+            "generate": ([rollout], 1),
+            "rollout": ([reward, logp, ref_logp], 1),
+            "reward": ([train], 1),
+            "logp": ([train], 1),
+            "ref_logp": ([train], 1),
+            "actor_train": ([param_update], 3),
+            "param_update": ([], 1),
+        }
+        self._wait({n: self.stages[n].connect.remote(*wiring[n]) for n in STAGE_NAMES}, CALL_TIMEOUT_S, "wire stages")
+
+    def _wait(self, refs: dict[str, Any], timeout_s: float, what: str) -> dict[str, Any]:
+        names = list(refs)
+        ready, pending = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+        if pending:
+            late = [n for n, r in refs.items() if r in pending]
+            raise PipelineError(f"timed out after {timeout_s:g} s waiting to {what}: {late}")
+        try:
+            return dict(zip(names, ray.get(list(refs.values()), timeout=timeout_s)))
+        except ray.exceptions.RayError as exc:
+            raise PipelineError(f"failed to {what}: {exc}") from exc
+
+    # ---- run ------------------------------------------------------------------------
+    def _make_tracking(self):
+        from verl.utils.tracking import Tracking
+
+        cfg = self.config
+        return Tracking(
+            project_name=cfg.trainer.project_name,
+            experiment_name=cfg.trainer.experiment_name,
+            default_backend=list(cfg.trainer.logger) if OmegaConf.is_list(cfg.trainer.logger) else cfg.trainer.logger,
+            config=OmegaConf.to_container(cfg, resolve=True),
+        )
+
+    def _log(self, metrics: dict, step: int) -> None:
+        self.history.append({"step": step, **metrics})
+        self.tracking.log(data=metrics, step=step)
+
+    def _busy_ratios(self, last: dict) -> dict[str, float]:
+        stats = self._wait({n: self.stages[n].stats.remote() for n in STAGE_NAMES}, CALL_TIMEOUT_S, "read stage stats")
+        ratios = {}
+        for name, s in stats.items():
+            prev = last.get(name, {"busy_s": 0.0, "wall_s": 0.0})
+            wall = s["wall_s"] - prev["wall_s"]
+            ratios[f"async/{name}/busy_ratio"] = (s["busy_s"] - prev["busy_s"]) / wall if wall > 0 else 0.0
+        last.update(stats)
+        return ratios
+
+    def _validate(self, step: int) -> dict:
+        version = ray.get(self.stages["generate"].served_version.remote(), timeout=CALL_TIMEOUT_S)
+        metrics = self.validator.run(timeout_s=SETUP_TIMEOUT_S)
+        metrics["val-aux/param_version"] = float(version)
+        self._log(metrics, step)
+        return metrics
+
+    def run(self) -> list[dict]:
+        """Train to the end; returns every logged step's metrics. Raises PipelineError on failure."""
+        self._start_ray()
+        try:
+            self.build()
+            self.tracking = self._make_tracking()
+            self._loop()
+        finally:
+            self.shutdown()
+        return self.history
+
+    def _loop(self) -> None:
+        from tqdm import tqdm
+
+        cfg = self.config
+        test_freq = int(cfg.trainer.get("test_freq", -1) or -1)
+        if cfg.trainer.get("val_before_train", True):
+            self._validate(step=0)
+        runs = {self.stages[n].run.remote(): n for n in STAGE_NAMES}
+        last_stats: dict = {}
+        self._busy_ratios(last_stats)
+        step, last_progress = 0, time.monotonic()
+        progress = tqdm(total=self.total_steps, desc="async-rl", unit="step", dynamic_ncols=True)
+        pending = list(runs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
+            for ref in done:
+                try:
+                    ray.get(ref, timeout=CALL_TIMEOUT_S)
+                except ray.exceptions.RayError as exc:
+                    raise PipelineError(f"pipeline stopped because stage '{runs[ref]}' failed:\n{_cause(exc)}") from exc
+            new_steps = ray.get(self.stages["actor_train"].pop_metrics.remote(), timeout=CALL_TIMEOUT_S)
+            if new_steps:
+                sync_timings = ray.get(self.stages["param_update"].pop_timings.remote(), timeout=CALL_TIMEOUT_S)
+                busy = self._busy_ratios(last_stats)
+                for metrics in new_steps:
+                    step = int(metrics["training/global_step"])
+                    metrics.update(busy)
+                    for timings in sync_timings.values():
+                        metrics.update(timings)
+                    self._log(metrics, step)
+                    progress.update(1)
+                    progress.set_postfix(score=f"{metrics.get('critic/score/mean', float('nan')):.3f}",
+                                         stale=int(metrics["async/staleness/max"]))
+                    if test_freq > 0 and step % test_freq == 0 and step < self.total_steps:
+                        self._validate(step)
+                last_progress = time.monotonic()
+            elif time.monotonic() - last_progress > self.async_cfg.stall_timeout_s:
+                states = self._wait({n: self.stages[n].stats.remote() for n in STAGE_NAMES}, CALL_TIMEOUT_S,
+                                    "read stage stats")
+                raise PipelineError(
+                    f"no training step completed for {self.async_cfg.stall_timeout_s:g} s "
+                    f"(trainer.async_stall_timeout_s); stage states: {states}"
+                )
+        progress.close()
+        if test_freq > 0 or cfg.trainer.get("val_before_train", True):
+            self._validate(step)
+
+    def shutdown(self) -> None:
+        """Kill every stage (their worker groups and servers go with them) and stop Ray if we started it."""
+        for handle in list(self.stages.values()):
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception:  # noqa: BLE001 - best effort on teardown
+                pass
+        for replica in self.replicas:
+            for server in getattr(replica, "servers", []):
+                try:
+                    ray.kill(server, no_restart=True)
+                except Exception:  # noqa: BLE001
+                    pass
+        if self.tracking is not None:
+            try:
+                self.tracking.finish() if hasattr(self.tracking, "finish") else None
+            except Exception:  # noqa: BLE001
+                pass
+        if getattr(self, "_owns_ray", False) and ray.is_initialized():
+            ray.shutdown()
+
+
+def _cause(exc: BaseException) -> str:
+    """The deepest useful message of a Ray error (the StageError text)."""
+    cause = getattr(exc, "cause", None)
+    return str(cause) if cause is not None else str(exc)
+
+
+def run_async_pipeline(config: DictConfig, task_runner_class=None) -> None:
+    """Drop-in for verl's `run_ppo(config, task_runner_class)` when async_pipeline=True."""
+    AsyncPipeline(config).run()

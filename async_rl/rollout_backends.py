@@ -1,0 +1,75 @@
+"""Rollout backends through verl's replica registry.
+
+`actor_rollout_ref.rollout.name` picks the replica class from verl's
+`RolloutReplicaRegistry`: `cpu` (this project's CPU backend, registered by the plugin),
+or verl's own `sglang` / `vllm` servers on GPUs. The generate stage only ever sees the
+replicas' server handles, so nothing else changes with the backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from omegaconf import DictConfig
+
+
+def registered_rollout_names() -> list[str]:
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    from async_rl.rollout.cpu_replica import register_cpu_rollout
+
+    register_cpu_rollout()
+    return sorted(RolloutReplicaRegistry._registry)
+
+
+def check_rollout_name(name) -> None:
+    """Fail fast on a rollout backend verl's registry does not know."""
+    names = registered_rollout_names()
+    if name not in names:
+        raise ValueError(f"invalid config: actor_rollout_ref.rollout.name={name!r}; allowed: {names}")
+
+
+def replica_world_size(rollout_cfg) -> int:
+    """Devices one replica spans (tp x dp x pp), as verl's RolloutReplica computes it."""
+    return (
+        int(rollout_cfg.tensor_model_parallel_size)
+        * int(rollout_cfg.get("data_parallel_size", 1) or 1)
+        * int(rollout_cfg.get("pipeline_model_parallel_size", 1) or 1)
+    )
+
+
+def make_rollout_replicas(config: DictConfig, generate_slots: int) -> list:
+    """Replica objects (not started) for the generate share of the devices."""
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.rollout.replica import get_rollout_replica_class
+
+    rollout_cfg = config.actor_rollout_ref.rollout
+    check_rollout_name(rollout_cfg.name)
+    replica_cls = get_rollout_replica_class(rollout_cfg.name)
+    model_cfg = omega_conf_to_dataclass(config.actor_rollout_ref.model)
+    count = max(1, generate_slots // replica_world_size(rollout_cfg))
+    return [
+        replica_cls(
+            replica_rank=rank,
+            config=rollout_cfg,
+            model_config=model_cfg,
+            gpus_per_node=int(config.trainer.n_gpus_per_node),
+        )
+        for rank in range(count)
+    ]
+
+
+def launch_rollout_replicas(config: DictConfig, num_replicas: int, timeout_s: float) -> list:
+    """Start standalone replicas on the generate share; fails with a clear error after `timeout_s`."""
+    replicas = make_rollout_replicas(config, num_replicas)
+
+    async def start_all():
+        await asyncio.wait_for(asyncio.gather(*(r.init_standalone() for r in replicas)), timeout=timeout_s)
+
+    try:
+        asyncio.run(start_all())
+    except asyncio.TimeoutError as exc:
+        raise RuntimeError(
+            f"rollout backend {config.actor_rollout_ref.rollout.name!r} did not start within {timeout_s:g} s"
+        ) from exc
+    return replicas

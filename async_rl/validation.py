@@ -1,0 +1,66 @@
+"""Validation: greedy generation of the validation set on the rollout servers, verl's metrics.
+
+Metrics come from verl's `process_validation_metrics` under verl's names
+(`val-core/<data_source>/reward/mean@1`, ...).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from state_machines.dataloader import load_prompt_dataset, tokenize_row
+from state_machines.generate import generate_one, sampling_params_from_config
+from state_machines.reward import load_score_fn
+
+
+class Validator:
+    """Scores the policy the rollout servers serve on `data.val_files`."""
+
+    def __init__(self, config, tokenizer, servers):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.servers = list(servers)
+        dataset = load_prompt_dataset(config.data.val_files, config.data, tokenizer, is_train=False)
+        max_len = int(config.data.max_prompt_length)
+        self.rows = [tokenize_row(dataset[i], tokenizer, max_len) for i in range(len(dataset))]
+        self.score_fn, _ = load_score_fn(config)
+        self.sampling_params = sampling_params_from_config(config.actor_rollout_ref.rollout, validate=True)
+        self.n = int(config.actor_rollout_ref.rollout.val_kwargs.get("n", 1))
+
+    async def _generate_all(self, timeout_s: float):
+        jobs = []
+        for i, (prompt_ids, _) in enumerate(self.rows):
+            for k in range(self.n):
+                server = self.servers[(i * self.n + k) % len(self.servers)]
+                jobs.append(generate_one(server, prompt_ids, self.sampling_params, timeout_s))
+        return await asyncio.gather(*jobs)
+
+    def run(self, timeout_s: float) -> dict[str, float]:
+        from verl.trainer.ppo.metric_utils import process_validation_metrics
+
+        outputs = asyncio.run(self._generate_all(timeout_s))
+        sources, uids, scores = [], [], []
+        for j, out in enumerate(outputs):
+            prompt_ids, info = self.rows[j // self.n]
+            text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+            result = self.score_fn(
+                data_source=info["data_source"],
+                solution_str=text,
+                ground_truth=info["reward_model"]["ground_truth"],
+                extra_info=info.get("extra_info"),
+            )
+            scores.append(float(result["score"] if isinstance(result, dict) else result))
+            sources.append(info["data_source"])
+            uids.append(str(j // self.n))
+        nested = process_validation_metrics(sources, uids, {"reward": scores})
+        metrics = {}
+        for source, var2metric in nested.items():
+            for var, metric2val in var2metric.items():
+                n_max = max(int(name.split("@")[-1].split("/")[0]) for name in metric2val)
+                for name, value in metric2val.items():
+                    core = name.startswith(("mean", "maj", "best")) and f"@{n_max}" in name
+                    metrics[f"{'val-core' if core else 'val-aux'}/{source}/{var}/{name}"] = float(value)
+        metrics["val-aux/reward/mean"] = float(np.mean(scores)) if scores else float("nan")
+        return metrics
