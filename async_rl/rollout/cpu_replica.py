@@ -1,0 +1,86 @@
+"""CPU rollout replica and its registration in verl's rollout replica registry.
+
+After :func:`register_cpu_rollout`, ``actor_rollout_ref.rollout.name=cpu`` makes verl's
+``get_rollout_replica_class`` (and thus ``LLMServerManager``) build :class:`CPURolloutReplica`.
+Only standalone mode is supported: each replica is one :class:`CPURolloutServer` Ray actor
+that asks Ray for logical CPUs only, never GPUs.
+"""
+
+from __future__ import annotations
+
+import ray
+from verl.workers.rollout.replica import RolloutMode, RolloutReplica, RolloutReplicaRegistry
+
+from async_rl.rollout.cpu_server import CPURolloutServer
+
+CPU_ROLLOUT_NAME = "cpu"
+
+
+class CPURolloutReplica(RolloutReplica):
+    """One CPU rollout server per replica.
+
+    Class attribute ``num_cpus`` is the logical CPUs each server actor requests from Ray (torch then
+    uses as many intra-op threads as Ray's ``OMP_NUM_THREADS`` allows).
+    """
+
+    num_cpus: float = 1
+
+    def rollout_worker_use_gpu(self) -> bool:
+        return False
+
+    async def init_standalone(self):
+        """Start the server actor directly: no resource pool, no GPU bundles, no worker group."""
+        self.rollout_mode = RolloutMode.STANDALONE
+        self.workers = []
+        await self.launch_servers()
+
+    async def init_colocated(self, resource_pool=None):
+        """Same as standalone: a CPU server has no accelerator to share, so the pool is not used."""
+        self.rollout_mode = RolloutMode.COLOCATED
+        self.workers = []
+        await self.launch_servers()
+
+    async def init_hybrid(self, worker_group):
+        raise NotImplementedError(
+            "rollout.name=cpu supports standalone replicas only (hybrid engines need a worker-side "
+            "ServerAdapter, which verl's get_rollout_class does not have for 'cpu')"
+        )
+
+    async def init_hybrid_colocated(self, worker_group, resource_pool):
+        await self.init_hybrid(worker_group)
+
+    def _server_name(self) -> str:
+        if self.is_reward_model:
+            kind = "reward_"
+        elif self.is_teacher_model:
+            kind = "teacher_"
+        else:
+            kind = ""
+        return f"cpu_rollout_server_{kind}{self.replica_rank}{self.name_suffix}"
+
+    async def launch_servers(self):
+        """Create the server actor, load the model and record its handle and address."""
+        server = (
+            ray.remote(CPURolloutServer)
+            .options(name=self._server_name(), num_cpus=self.num_cpus, num_gpus=0, max_concurrency=self.max_concurrency)
+            .remote(
+                config=self.config,
+                model_config=self.model_config,
+                replica_rank=self.replica_rank,
+                rollout_mode=self.rollout_mode,
+            )
+        )
+        await server.launch_server.remote()
+        self.servers = [server]
+        self._server_handle = server
+        address, port = await server.get_server_address.remote()
+        self._server_address = f"{address}:{port}"
+
+
+def _load_cpu_replica() -> type[RolloutReplica]:
+    return CPURolloutReplica
+
+
+def register_cpu_rollout() -> None:
+    """Register :class:`CPURolloutReplica` under ``"cpu"`` (idempotent)."""
+    RolloutReplicaRegistry.register(CPU_ROLLOUT_NAME, _load_cpu_replica)
