@@ -563,9 +563,9 @@ class ContinuousBatchingEngine:
         """Decode one token for ``batch`` rows and prefill ``prefill``; return the merged batch
         (rows: decoded first, then prefilled) with one sampled token and log-prob per row."""
         logits = []
-        dead = [i for i, s in enumerate(batch.seqs) if s.done]
-        if dead:
-            batch.select([i for i in range(len(batch)) if i not in set(dead)])
+        live = [i for i, s in enumerate(batch.seqs) if not s.done]
+        if len(live) < len(batch):  # drop rows aborted since the last step
+            batch.select(live)
         if len(batch):
             logits.append(self._decode(batch))
         start = 0
