@@ -58,6 +58,16 @@ class StageError(RuntimeError):
             f"stage '{stage}' failed in {where}: {type(original).__name__}: {original}\n--- original traceback ---\n{tb}"
         )
 
+    def __reduce__(self):  # picklable (Ray sends it to the driver): rebuild from the message
+        return (_rebuild_stage_error, (self.stage, self.original_type, self.args[0]))
+
+
+def _rebuild_stage_error(stage: str, original_type: str, message: str) -> StageError:
+    err = StageError.__new__(StageError)
+    RuntimeError.__init__(err, message)
+    err.stage, err.original_type = stage, original_type
+    return err
+
 
 async def call_put(target: Any, item: Any) -> None:
     """`await target.put(item)` for a Ray actor handle or a local stage."""

@@ -1,0 +1,199 @@
+"""Tests for the pipeline's config keys (async_rl/config.py): defaults and fail-fast validation."""
+
+import pytest
+from omegaconf import OmegaConf
+
+from async_rl.config import (
+    CONFIG_KEYS,
+    USE_NODES_ROLES,
+    AsyncConfigError,
+    AsyncPipelineConfig,
+    async_pipeline_enabled,
+    read_async_config,
+)
+
+RATIOS = "trainer.use_nodes_ratios"
+AHEAD = "trainer.generate_ahead_steps"
+ENABLED = "actor_rollout_ref.async_pipeline"
+DUAL = "actor_rollout_ref.rollout.enable_dual_buffer"
+PREDUCE = "actor_rollout_ref.rollout.param_update_preduce_bucket_size_mb"
+CONSUME = "actor_rollout_ref.rollout.param_update_consume_bucket_size_mb"
+STALL = "trainer.async_stall_timeout_s"
+REWARD = "reward.async_timeout_s"
+
+BOOL_KEYS = (ENABLED, DUAL)
+POSITIVE_KEYS = (PREDUCE, CONSUME, STALL, REWARD)
+
+
+def nested(values: dict) -> dict:
+    """{'a.b.c': 1} -> {'a': {'b': {'c': 1}}}."""
+    out: dict = {}
+    for key, value in values.items():
+        *parents, leaf = key.split(".")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out
+
+
+def cfg(values: dict | None = None):
+    """A verl-like config (unrelated keys in the same sections) plus `values`."""
+    base = {"trainer": {"total_epochs": 1, "project_name": "p"}, "actor_rollout_ref": {"rollout": {"name": "vllm"}}}
+    config = OmegaConf.create(base)
+    return OmegaConf.merge(config, OmegaConf.create(nested(values or {})))
+
+
+def rejected(key, value) -> AsyncConfigError:
+    with pytest.raises(AsyncConfigError) as info:
+        read_async_config(cfg({key: value}))
+    assert info.value.key == key
+    return info.value
+
+
+# ---- defaults -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make", [lambda: OmegaConf.create({}), cfg], ids=["empty", "verl-like"])
+def test_defaults_when_no_key_present(make):
+    c = read_async_config(make())
+    assert c.enabled is False
+    assert c.use_nodes_ratios == (0.5, 0.5, 0.5, 0.5)
+    assert c.enable_dual_buffer is True
+    assert c.preduce_bucket_size_mb == 512.0
+    assert c.consume_bucket_size_mb == 128.0
+    assert c.generate_ahead_steps == 2 and c.max_staleness == 1
+    assert c.stall_timeout_s == 600.0
+    assert c.reward_timeout_s == 60.0
+    assert c.ratios_by_role == {"train": 0.5, "logp": 0.5, "ref_logp": 0.5, "generate": 0.5}
+    assert c == AsyncPipelineConfig(ratios_by_role=dict(zip(USE_NODES_ROLES, (0.5,) * 4)))
+
+
+def test_config_keys_listed():
+    assert set(CONFIG_KEYS) == set(BOOL_KEYS + POSITIVE_KEYS + (RATIOS, AHEAD))
+    assert len(CONFIG_KEYS) == 8
+
+
+def test_every_key_is_read():
+    c = read_async_config(
+        cfg(
+            {
+                ENABLED: True,
+                RATIOS: [1, 0.25, 0.75, 1.0],
+                DUAL: False,
+                PREDUCE: 64,
+                CONSUME: 0.5,
+                AHEAD: 4,
+                STALL: 30,
+                REWARD: 2.5,
+            }
+        )
+    )
+    assert c.enabled is True and c.enable_dual_buffer is False
+    assert c.use_nodes_ratios == (1.0, 0.25, 0.75, 1.0)
+    assert all(isinstance(r, float) for r in c.use_nodes_ratios)
+    assert c.ratios_by_role == {"train": 1.0, "logp": 0.25, "ref_logp": 0.75, "generate": 1.0}
+    assert c.preduce_bucket_size_mb == 64.0 and isinstance(c.preduce_bucket_size_mb, float)
+    assert c.consume_bucket_size_mb == 0.5
+    assert c.generate_ahead_steps == 4 and c.max_staleness == 3
+    assert c.stall_timeout_s == 30.0 and c.reward_timeout_s == 2.5
+
+
+def test_ratios_as_tuple_and_interpolation_are_read():
+    config = OmegaConf.create({"trainer": {"r": 0.2, "use_nodes_ratios": ["${trainer.r}", 0.3, 0.4, 0.5]}})
+    assert read_async_config(config).use_nodes_ratios == (0.2, 0.3, 0.4, 0.5)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 10])
+def test_max_staleness_is_k_minus_one(k):
+    c = read_async_config(cfg({AHEAD: k}))
+    assert c.generate_ahead_steps == k
+    assert c.max_staleness == k - 1
+
+
+# ---- bad values -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        [0.5, 0.5, 0.5],  # too short
+        [0.5, 0.5, 0.5, 0.5, 0.5],  # too long
+        [],
+        0.5,  # not a list
+        "0.5,0.5,0.5,0.5",
+        [0.5, 0.5, 0.5, "0.5"],  # an element of the wrong type
+        [0.5, True, 0.5, 0.5],  # bools are not numbers here
+        [0.5, None, 0.5, 0.5],
+        [0, 0.5, 0.5, 0.5],  # 0 is outside (0, 1]
+        [0.5, 1.5, 0.5, 0.5],
+        [0.5, 0.5, -0.5, 0.5],
+        [0.5, 0.5, 0.5, 1.0000001],
+    ],
+)
+def test_bad_ratios_rejected(value):
+    err = rejected(RATIOS, value)
+    msg = str(err)
+    assert RATIOS in msg and repr(value) in msg
+    assert "(0, 1]" in msg and "4 numbers" in msg
+    for role in USE_NODES_ROLES:
+        assert role in msg
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, "2", 2.0, True, None, [2]])
+def test_bad_generate_ahead_steps_rejected(value):
+    msg = str(rejected(AHEAD, value))
+    assert f"{AHEAD}={value!r}" in msg
+    assert "integer >= 1" in msg
+
+
+@pytest.mark.parametrize("key", POSITIVE_KEYS)
+@pytest.mark.parametrize("value", [0, -3, -0.5, "512", True, None])
+def test_bad_positive_numbers_rejected(key, value):
+    msg = str(rejected(key, value))
+    assert f"{key}={value!r}" in msg
+    assert "> 0" in msg
+
+
+@pytest.mark.parametrize("key", BOOL_KEYS)
+@pytest.mark.parametrize("value", ["true", "True", "false", "1", 1, 0, None])
+def test_booleans_given_as_other_types_rejected(key, value):
+    msg = str(rejected(key, value))
+    assert f"{key}={value!r}" in msg
+    assert "true or false" in msg
+
+
+def test_error_message_format():
+    err = rejected(AHEAD, 0)
+    assert str(err).startswith(f"invalid config: {AHEAD}=0; allowed: ")
+    assert isinstance(err, ValueError)
+
+
+@pytest.mark.parametrize("key", BOOL_KEYS)
+@pytest.mark.parametrize("value", [True, False])
+def test_booleans_accepted(key, value):
+    c = read_async_config(cfg({key: value}))
+    assert (c.enabled if key == ENABLED else c.enable_dual_buffer) is value
+
+
+def test_boundary_values_accepted():
+    c = read_async_config(cfg({RATIOS: [1, 1, 1, 1e-6], AHEAD: 1, PREDUCE: 1e-3}))
+    assert c.use_nodes_ratios == (1.0, 1.0, 1.0, 1e-6)
+    assert c.max_staleness == 0
+    assert c.preduce_bucket_size_mb == 1e-3
+
+
+# ---- async_pipeline_enabled -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [(True, True), (False, False), ("true", True), ("True", True), ("TRUE", True), ("false", False), ("yes", False), (1, False)],
+)
+def test_async_pipeline_enabled(value, expected):
+    assert async_pipeline_enabled(cfg({ENABLED: value})) is expected
+
+
+def test_async_pipeline_enabled_default_off():
+    assert async_pipeline_enabled(OmegaConf.create({})) is False
+    assert async_pipeline_enabled(cfg()) is False
