@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 USE_NODES_ROLES = ("train", "logp", "ref_logp", "generate")
 
@@ -120,6 +120,20 @@ def read_async_config(config) -> AsyncPipelineConfig:
         reward_timeout_s=_as_positive_number(keys["reward_timeout_s"], raw["reward_timeout_s"]),
         ratios_by_role=dict(zip(USE_NODES_ROLES, ratios)),
     )
+
+
+def strip_async_keys(config: DictConfig) -> None:
+    """Remove the pipeline's keys from a verl config (in place) once read.
+
+    verl turns sections such as `actor_rollout_ref.rollout` into dataclasses that reject
+    unknown fields, so the keys must not reach verl's workers.
+    """
+    for key in CONFIG_KEYS:
+        parent_key, _, leaf = key.rpartition(".")
+        parent = OmegaConf.select(config, parent_key)
+        if isinstance(parent, DictConfig) and leaf in parent:
+            with open_dict(parent):
+                parent.pop(leaf)
 
 
 def async_pipeline_enabled(config) -> bool:

@@ -63,7 +63,7 @@ def update_actor(worker_group, batch: DataProto, actor_rollout_ref: DictConfig) 
     metrics = tu.get(output, "metrics")
     out = {}
     for key, value in metrics.items():
-        name = "perf/mfu/actor" if key == "mfu" else f"actor/{key}"
+        name = "perf/mfu/actor" if key == "mfu" else (key if key.startswith("actor/") else f"actor/{key}")
         if isinstance(value, (list, tuple)):
             value = sum(value) / max(len(value), 1)
         out[name] = float(value)

@@ -21,13 +21,13 @@ from typing import Any
 import ray
 from omegaconf import DictConfig, OmegaConf
 
-from async_rl.config import AsyncPipelineConfig, read_async_config
+from async_rl.config import AsyncPipelineConfig, read_async_config, strip_async_keys
 from async_rl.resources import split_world_sizes, total_device_slots
 
 logger = logging.getLogger(__name__)
 
 STAGE_NAMES = ("dataloader", "generate", "rollout", "reward", "logp", "ref_logp", "actor_train", "param_update")
-SETUP_TIMEOUT_S = 600.0
+SETUP_TIMEOUT_S = 300.0
 CALL_TIMEOUT_S = 120.0
 
 
@@ -62,7 +62,8 @@ def ray_init_kwargs(config: DictConfig) -> dict:
         env_vars.update({"VERL_PLATFORM": "cpu", "VERL_ENGINE_DEVICE": "cuda"})
         kwargs.setdefault("num_cpus", max(16, os.cpu_count() or 1))  # logical: stages mostly wait
     kwargs.setdefault("include_dashboard", False)
-    kwargs["runtime_env"] = {**kwargs.get("runtime_env", {}), "env_vars": env_vars}
+    runtime_env = {k: v for k, v in kwargs.get("runtime_env", {}).items() if v is not None}
+    kwargs["runtime_env"] = {**runtime_env, "env_vars": env_vars}
     return kwargs
 
 
@@ -85,8 +86,9 @@ class AsyncPipeline:
     """Builds and runs the async pipeline for one verl config."""
 
     def __init__(self, config: DictConfig):
-        self.config = config
         self.async_cfg = validate_pipeline_config(config)
+        self.config = config.copy()
+        strip_async_keys(self.config)
         self.stages: dict[str, Any] = {}
         self.replicas: list = []
         self.tracking = None
@@ -96,19 +98,24 @@ class AsyncPipeline:
     # ---- build ----------------------------------------------------------------------
     def _start_ray(self) -> None:
         if str(self.config.trainer.device) == "cpu":
-            os.environ.setdefault("VERL_PLATFORM", "cpu")
-            os.environ.setdefault("VERL_ENGINE_DEVICE", "cuda")
-            from verl_patches.cpu_platform import make_cpu_platform_class
+            from verl_patches.cpu_patches import set_engine_device_env, use_cpu_platform
 
-            make_cpu_platform_class()
+            use_cpu_platform()
+            set_engine_device_env()
+        self._ray_kwargs = ray_init_kwargs(self.config)
         if not ray.is_initialized():
-            ray.init(**ray_init_kwargs(self.config))
+            ray.init(**self._ray_kwargs)
             self._owns_ray = True
         else:
             self._owns_ray = False
 
     def _stage(self, name: str, cls, *args, **kwargs):
-        actor_cls = ray.remote(cls).options(name=f"async_rl_{name}_{os.getpid()}", num_cpus=0, max_concurrency=64)
+        actor_cls = ray.remote(cls).options(
+            name=f"async_rl_{name}_{os.getpid()}",
+            num_cpus=0,
+            max_concurrency=64,
+            runtime_env={"env_vars": self._ray_kwargs["runtime_env"]["env_vars"]},
+        )
         handle = actor_cls.remote(*args, **kwargs)
         self.stages[name] = handle
         return handle

@@ -32,8 +32,15 @@ def make_worker_group(config: DictConfig, role: str, world_size: int, name: str)
     from async_rl.workers import PipelineWorker
 
     on_cpu = str(config.trainer.device) == "cpu"
+    if on_cpu:
+        from verl_patches.cpu_patches import set_engine_device_env, use_cpu_platform
+
+        use_cpu_platform()
+        set_engine_device_env()
     pool = RayResourcePool([world_size], use_gpu=not on_cpu, max_colocate_count=1, name_prefix=name)
-    worker_cls = RayClassWithInitArgs(cls=ray.remote(PipelineWorker), config=config.actor_rollout_ref, role=role)
+    worker_cls = RayClassWithInitArgs(
+        cls=ray.remote(PipelineWorker), config=config.actor_rollout_ref, role=role, on_cpu=on_cpu
+    )
     group = RayWorkerGroup(pool, worker_cls, name_prefix=name, device_name="cpu" if on_cpu else "cuda")
     group.init_model()
     return group

@@ -12,8 +12,6 @@ backward) plus two things the pipeline needs:
 
 from __future__ import annotations
 
-import os
-
 import torch
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.workers.engine_workers import ActorRolloutRefWorker
@@ -22,8 +20,8 @@ from verl.workers.engine_workers import ActorRolloutRefWorker
 class PipelineWorker(ActorRolloutRefWorker):
     """`ActorRolloutRefWorker` with CPU patches and full-tensor weight I/O."""
 
-    def __init__(self, config, role: str, **kwargs):
-        if os.environ.get("VERL_PLATFORM", "") == "cpu":
+    def __init__(self, config, role: str, on_cpu: bool = False, **kwargs):
+        if on_cpu:
             from verl_patches.cpu_patches import apply_cpu_worker_patches
 
             apply_cpu_worker_patches()

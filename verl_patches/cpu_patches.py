@@ -60,11 +60,21 @@ def set_engine_device_env() -> None:
     os.environ.setdefault("VERL_ENGINE_DEVICE", "cuda")
 
 
-def apply_cpu_worker_patches() -> None:
-    """Apply every CPU patch; idempotent. Call in a worker process before verl builds engines."""
+def use_cpu_platform() -> None:
+    """Make verl's platform singleton the CPU platform in this process (and its children via env)."""
+    from verl.plugin.platform import get_platform, set_platform
+
     from verl_patches.cpu_platform import make_cpu_platform_class
 
-    make_cpu_platform_class()
+    os.environ["VERL_PLATFORM"] = "cpu"
+    platform_cls = make_cpu_platform_class()
+    if get_platform().device_name != "cpu":
+        set_platform(platform_cls())
+
+
+def apply_cpu_worker_patches() -> None:
+    """Apply every CPU patch; idempotent. Call in a worker process before verl builds engines."""
+    use_cpu_platform()
     set_engine_device_env()
     patch_gloo_process_group()
     patch_unpinned_cpu_offload()

@@ -1,6 +1,8 @@
 """The `verl.plugins` entry point: `import verl` loads this module in every process.
 
-It does one cheap thing: it wraps `verl.utils.config.validate_config`, which
+It does three cheap things. It registers (never selects) a CPU platform in verl's
+`PlatformRegistry`; it keeps `trainer.device=cpu` from being rewritten to `cuda` by
+`auto_set_device` when the flag is set; and it wraps `verl.utils.config.validate_config`, which
 `verl.trainer.main_ppo.main` calls before it dispatches. With
 `+actor_rollout_ref.async_pipeline=True` the wrapper validates the pipeline's keys
 (failing before Ray starts) and points the caller's `run_ppo` at `async_rl.pipeline.run_async_pipeline`. Without the flag it calls
@@ -50,4 +52,41 @@ def wrap_validate_config() -> None:
     config_module.validate_config = validate_config
 
 
+def wrap_auto_set_device() -> None:
+    """Keep `trainer.device=cpu` for the pipeline.
+
+    verl 0.9.1's `auto_set_device` falls back to the nvidia platform on a machine with
+    no accelerator and rewrites `trainer.device=cpu` to `cuda`. With the flag set and
+    `trainer.device=cpu`, the wrapper leaves the config alone; otherwise it is verl's.
+    """
+    import verl.utils.device as device_module
+
+    original = device_module.auto_set_device
+    if getattr(original, _WRAPPED_MARK, False):
+        return
+
+    @functools.wraps(original)
+    def auto_set_device(config) -> None:
+        from async_rl.config import async_pipeline_enabled
+
+        if async_pipeline_enabled(config) and str(config.trainer.get("device", "")) == "cpu":
+            return None
+        return original(config)
+
+    setattr(auto_set_device, _WRAPPED_MARK, True)
+    device_module.auto_set_device = auto_set_device
+
+
+def register_cpu_platform() -> None:
+    """Register (not select) the CPU platform, so `VERL_PLATFORM=cpu` resolves in any process.
+
+    It never auto-detects; only the pipeline sets `VERL_PLATFORM=cpu`, on CPU runs.
+    """
+    from verl_patches.cpu_platform import make_cpu_platform_class
+
+    make_cpu_platform_class()
+
+
 wrap_validate_config()
+wrap_auto_set_device()
+register_cpu_platform()

@@ -108,6 +108,48 @@ def _format_value(value: Any) -> str:
     return text
 
 
+# The async pipeline on this CPU machine (see README "Configuration" and ARCHITECTURE.md):
+# verl's FSDP2 engine in fp32 with sdpa attention, the CPU rollout backend, dynamic
+# micro-batches, one PPO mini-batch per step, metrics to console + JSONL file.
+CPU_PIPELINE_OVERRIDES: dict[str, str] = {
+    "trainer.device": "cpu",
+    "trainer.nnodes": "1",
+    "trainer.n_gpus_per_node": "2",
+    "trainer.total_training_steps": "300",
+    "trainer.test_freq": "10",
+    "trainer.val_before_train": "True",
+    "trainer.save_freq": "-1",
+    "trainer.logger": "[console,file]",
+    "trainer.project_name": "async_rl_demo",
+    "trainer.experiment_name": "copy_digits",
+    "actor_rollout_ref.rollout.name": "cpu",
+    "actor_rollout_ref.rollout.val_kwargs.do_sample": "False",
+    "actor_rollout_ref.actor.strategy": "fsdp2",
+    "actor_rollout_ref.ref.strategy": "fsdp2",
+    "actor_rollout_ref.actor.use_torch_compile": "False",
+    "actor_rollout_ref.ref.use_torch_compile": "False",
+    "+actor_rollout_ref.model.override_config.attn_implementation": "sdpa",
+    "+actor_rollout_ref.actor.fsdp_config.mixed_precision": "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
+    "+actor_rollout_ref.ref.fsdp_config.mixed_precision": "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
+    "actor_rollout_ref.actor.ppo_mini_batch_size": str(TRAIN_BATCH_SIZE),
+    "actor_rollout_ref.actor.use_dynamic_bsz": "True",
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": "8192",
+    "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz": "True",
+    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": "8192",
+    "actor_rollout_ref.ref.log_prob_use_dynamic_bsz": "True",
+    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": "8192",
+    "actor_rollout_ref.actor.use_kl_loss": "False",
+    "actor_rollout_ref.actor.entropy_coeff": "0",
+    "algorithm.use_kl_in_reward": "False",
+    "+actor_rollout_ref.async_pipeline": "True",
+    "+trainer.use_nodes_ratios": "[0.5,0.5,0.5,0.5]",
+    "+actor_rollout_ref.rollout.enable_dual_buffer": "True",
+    "+actor_rollout_ref.rollout.param_update_preduce_bucket_size_mb": "512",
+    "+actor_rollout_ref.rollout.param_update_consume_bucket_size_mb": "128",
+    "+trainer.generate_ahead_steps": "2",
+}
+
+
 def demo_overrides(output_dir: str | Path, extra: Mapping[str, Any] | Iterable[str] | None = None) -> list[str]:
     """verl hydra overrides (``key=value``) for the demo prepared in ``output_dir``.
 
@@ -127,6 +169,7 @@ def demo_overrides(output_dir: str | Path, extra: Mapping[str, Any] | Iterable[s
         "algorithm.adv_estimator": "grpo",
         "actor_rollout_ref.rollout.n": _format_value(GROUP_SIZE),
         "actor_rollout_ref.actor.optim.lr": _format_value(LEARNING_RATE),
+        **CPU_PIPELINE_OVERRIDES,
     }
     if isinstance(extra, Mapping):
         overrides.update({key: _format_value(value) for key, value in extra.items()})
