@@ -130,6 +130,8 @@ class StateMachine(ABC):
         self._draining = False
         self._stopped = False
         self._run_task: Optional[asyncio.Task] = None
+        self._get_task: Optional[asyncio.Task] = None
+        self._where = "on_start"
         self.items_processed = 0
         self.timer = BusyTimer()
 
@@ -197,36 +199,36 @@ class StateMachine(ABC):
         """The stage loop; returns final stats. Raises StageError on any failure."""
         self._run_task = asyncio.current_task()
         self.timer.start()
-        where = "on_start"
+        self._where = "on_start"
         inflight: collections.deque[asyncio.Task] = collections.deque()
         try:
             await self.on_start()
             while not self._stopped:
                 while inflight and (len(inflight) >= self.max_inflight or inflight[0].done()):
-                    where = "process_data"
+                    self._where = "process_data"
                     out = await inflight.popleft()
                     self.items_processed += 1
                     if out is not None:
-                        where = "send_output_data"
+                        self._where = "send_output_data"
                         await self.send_output_data(out)
                 if self._draining:
                     break
-                where = "get_input_data"
+                self._where = "get_input_data"
                 data = await self._get_input_or_wake(inflight)
                 if data is END_OF_STREAM:
                     break
                 inflight.append(asyncio.ensure_future(self._process_timed(data)))
             while inflight and not self._stopped:
-                where = "process_data"
+                self._where = "process_data"
                 out = await inflight.popleft()
                 self.items_processed += 1
                 if out is not None:
-                    where = "send_output_data"
+                    self._where = "send_output_data"
                     await self.send_output_data(out)
-            where = "on_end"
+            self._where = "on_end"
             await self.on_end()
             if not self._stopped:
-                where = "send END_OF_STREAM"
+                self._where = "send END_OF_STREAM"
                 await self.send_downstream(END_OF_STREAM)
         except asyncio.CancelledError:
             for task in inflight:
@@ -238,21 +240,29 @@ class StateMachine(ABC):
         except BaseException as exc:  # noqa: BLE001 - re-raised with the stage's name
             for task in inflight:
                 task.cancel()
-            raise StageError(self.name, exc, where) from exc
+            raise StageError(self.name, exc, self._where) from exc
         return self.stats()
 
     async def _get_input_or_wake(self, inflight) -> Any:
         """Await the next input; meanwhile send in-flight outputs as they finish, in order."""
-        get_task = asyncio.ensure_future(self.get_input_data())
+        get_task = self._get_task = asyncio.ensure_future(self.get_input_data())
         try:
             while inflight and not get_task.done():
                 await asyncio.wait({get_task, inflight[0]}, return_when=asyncio.FIRST_COMPLETED)
                 if inflight[0].done():
+                    self._where = "process_data"
                     out = await inflight.popleft()
                     self.items_processed += 1
                     if out is not None:
+                        self._where = "send_output_data"
                         await self.send_output_data(out)
-            return await get_task
+                    self._where = "get_input_data"
+            try:
+                return await get_task
+            except asyncio.CancelledError:
+                if self._draining and get_task.cancelled() and not asyncio.current_task().cancelling():
+                    return END_OF_STREAM  # drain() cancelled the wait for new input
+                raise
         except BaseException:
             get_task.cancel()
             raise
@@ -260,6 +270,8 @@ class StateMachine(ABC):
     def drain(self) -> None:
         """Take no new input; finish the items in flight, then end normally."""
         self._draining = True
+        if self._get_task is not None and not self._get_task.done():
+            self._get_task.cancel()
 
     def stop(self) -> None:
         """Stop now: cancel the loop and anything in flight; no END_OF_STREAM is sent."""

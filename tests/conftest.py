@@ -1,0 +1,46 @@
+"""Shared fixtures: the demo task built once per session, and running verl's command on it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: long end-to-end runs (CI runs them too)")
+
+
+@pytest.fixture(scope="session")
+def demo_dir(tmp_path_factory) -> Path:
+    """A prepared demo (tiny model, tokenizer, data, reward.py, overrides.txt)."""
+    from async_rl.demo import prepare
+
+    root = tmp_path_factory.mktemp("demo")
+    prepare(root, seed=0, train_size=1024, val_size=32)
+    return root
+
+
+def run_verl(demo_dir: Path, extra: dict, workdir: Path, timeout_s: float = 600) -> tuple[int, str, list[dict]]:
+    """`python -m verl.trainer.main_ppo <demo overrides + extra>`; returns (exit code, output, JSONL rows)."""
+    from async_rl.demo import demo_overrides
+
+    metrics_path = workdir / "metrics.jsonl"
+    env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(metrics_path), "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *demo_overrides(demo_dir, extra=extra)]
+    proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout_s)
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
+    return proc.returncode, proc.stdout + proc.stderr, rows
+
+
+def step_rows(rows: list[dict]) -> dict[int, dict]:
+    """Training-step metrics by step (rows carrying `training/global_step`)."""
+    return {r["step"]: r["data"] for r in rows if "training/global_step" in r["data"]}
+
+
+def val_rows(rows: list[dict]) -> dict[int, dict]:
+    return {r["step"]: r["data"] for r in rows if any(k.startswith("val-core/") for k in r["data"])}
