@@ -11,9 +11,6 @@ from pathlib import Path
 import pytest
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: long end-to-end runs (CI runs them too)")
-
 
 @pytest.fixture(scope="session")
 def demo_dir(tmp_path_factory) -> Path:
@@ -25,7 +22,7 @@ def demo_dir(tmp_path_factory) -> Path:
     return root
 
 
-def run_verl(demo_dir: Path, extra: dict, workdir: Path, timeout_s: float = 600) -> tuple[int, str, list[dict]]:
+def run_verl(demo_dir: Path, extra, workdir: Path, timeout_s: float = 600) -> tuple[int, str, list[dict]]:
     """`python -m verl.trainer.main_ppo <demo overrides + extra>`; returns (exit code, output, JSONL rows)."""
     from async_rl.demo import demo_overrides
 
