@@ -29,11 +29,6 @@ class Sample:
     non_tensor: dict[str, Any] = field(default_factory=dict)  # data_source, reward_model, ...
     score: float | None = None  # filled by the reward stage
 
-    @property
-    def oldest_version(self) -> int:
-        """Oldest policy version that produced any token (the prompt's start version if empty)."""
-        return min(self.token_versions) if self.token_versions else self.non_tensor.get("start_version", 0)
-
 
 def build_batch(samples: list[Sample], max_prompt_length: int, max_response_length: int, pad_token_id: int) -> DataProto:
     """Stack samples into a padded `DataProto` (verl's prompt/response layout)."""

@@ -63,10 +63,6 @@ class ActorTrainStage(StateMachine):
         self.worker_group = make_worker_group(self.config, "actor", self.world_size, "train")
         return self.world_size
 
-    def initial_weights(self):
-        """Version 0's full tensors (receivers start from the same checkpoint; used by tests)."""
-        return gather_full_weights(self.worker_group)
-
     async def get_input_data(self):
         want = self.version  # batch j is trained at trainer version j
         while len(self._parts.get(want, {})) < len(_PARTS):

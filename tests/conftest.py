@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 
-
 @pytest.fixture(scope="session")
 def demo_dir(tmp_path_factory) -> Path:
     """A prepared demo (tiny model, tokenizer, data, reward.py, overrides.txt)."""
