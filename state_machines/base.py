@@ -205,12 +205,7 @@ class StateMachine(ABC):
             await self.on_start()
             while not self._stopped:
                 while inflight and (len(inflight) >= self.max_inflight or inflight[0].done()):
-                    self._where = "process_data"
-                    out = await inflight.popleft()
-                    self.items_processed += 1
-                    if out is not None:
-                        self._where = "send_output_data"
-                        await self.send_output_data(out)
+                    await self._emit_oldest(inflight)
                 if self._draining:
                     break
                 self._where = "get_input_data"
@@ -219,12 +214,7 @@ class StateMachine(ABC):
                     break
                 inflight.append(asyncio.ensure_future(self._process_timed(data)))
             while inflight and not self._stopped:
-                self._where = "process_data"
-                out = await inflight.popleft()
-                self.items_processed += 1
-                if out is not None:
-                    self._where = "send_output_data"
-                    await self.send_output_data(out)
+                await self._emit_oldest(inflight)
             self._where = "on_end"
             await self.on_end()
             if not self._stopped:
@@ -243,6 +233,15 @@ class StateMachine(ABC):
             raise StageError(self.name, exc, self._where) from exc
         return self.stats()
 
+    async def _emit_oldest(self, inflight: collections.deque) -> None:
+        """Wait for the oldest in-flight item and send its output (outputs keep input order)."""
+        self._where = "process_data"
+        out = await inflight.popleft()
+        self.items_processed += 1
+        if out is not None:
+            self._where = "send_output_data"
+            await self.send_output_data(out)
+
     async def _get_input_or_wake(self, inflight) -> Any:
         """Await the next input; meanwhile send in-flight outputs as they finish, in order."""
         get_task = self._get_task = asyncio.ensure_future(self.get_input_data())
@@ -250,12 +249,7 @@ class StateMachine(ABC):
             while inflight and not get_task.done():
                 await asyncio.wait({get_task, inflight[0]}, return_when=asyncio.FIRST_COMPLETED)
                 if inflight[0].done():
-                    self._where = "process_data"
-                    out = await inflight.popleft()
-                    self.items_processed += 1
-                    if out is not None:
-                        self._where = "send_output_data"
-                        await self.send_output_data(out)
+                    await self._emit_oldest(inflight)
                     self._where = "get_input_data"
             try:
                 return await get_task
