@@ -12,7 +12,7 @@ import numpy as np
 
 from state_machines.dataloader import load_prompt_dataset, tokenize_row
 from state_machines.generate import generate_one, sampling_params_from_config
-from state_machines.reward import load_score_fn
+from state_machines.reward import call_score_fn, load_score_fn
 
 
 class Validator:
@@ -45,13 +45,15 @@ class Validator:
         for j, out in enumerate(outputs):
             prompt_ids, info = self.rows[j // self.n]
             text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-            result = self.score_fn(
-                data_source=info["data_source"],
-                solution_str=text,
-                ground_truth=info["reward_model"]["ground_truth"],
-                extra_info=info.get("extra_info"),
+            scores.append(
+                call_score_fn(
+                    self.score_fn,
+                    data_source=info["data_source"],
+                    solution_str=text,
+                    ground_truth=info["reward_model"]["ground_truth"],
+                    extra_info=info.get("extra_info"),
+                )
             )
-            scores.append(float(result["score"] if isinstance(result, dict) else result))
             sources.append(info["data_source"])
             uids.append(str(j // self.n))
         nested = process_validation_metrics(sources, uids, {"reward": scores})

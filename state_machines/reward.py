@@ -42,6 +42,12 @@ def load_score_fn(config):
     return default_compute_score, "verl.utils.reward_score.default_compute_score"
 
 
+def call_score_fn(score_fn, data_source, solution_str, ground_truth, extra_info) -> float:
+    """One score from verl's reward-function signature (a float, or a dict with "score")."""
+    result = score_fn(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth, extra_info=extra_info)
+    return float(result["score"] if isinstance(result, dict) else result)
+
+
 def score_batch(batch, tokenizer, score_fn) -> torch.Tensor:
     """Decode each response (skipping special tokens, as verl's reward manager does) and score it."""
     responses = batch.batch["responses"]
@@ -49,13 +55,15 @@ def score_batch(batch, tokenizer, score_fn) -> torch.Tensor:
     scores = []
     for i in range(len(batch)):
         text = tokenizer.decode(responses[i, : int(lengths[i])].tolist(), skip_special_tokens=True)
-        result = score_fn(
-            data_source=batch.non_tensor_batch["data_source"][i],
-            solution_str=text,
-            ground_truth=batch.non_tensor_batch["reward_model"][i]["ground_truth"],
-            extra_info=batch.non_tensor_batch.get("extra_info", [None] * len(batch))[i],
+        scores.append(
+            call_score_fn(
+                score_fn,
+                data_source=batch.non_tensor_batch["data_source"][i],
+                solution_str=text,
+                ground_truth=batch.non_tensor_batch["reward_model"][i]["ground_truth"],
+                extra_info=batch.non_tensor_batch.get("extra_info", [None] * len(batch))[i],
+            )
         )
-        scores.append(float(result["score"] if isinstance(result, dict) else result))
     return torch.tensor(scores, dtype=torch.float32)
 
 
