@@ -12,6 +12,7 @@ Every key is added to a verl command with `+` (verl's schema does not know them)
 | trainer.generate_ahead_steps | 2 | int >= 1 (k; staleness bound eta = k - 1) |
 | trainer.async_stall_timeout_s | 600 | number > 0: no step for this long fails the run |
 | reward.async_timeout_s | 60 | number > 0: one reward call may take this long |
+| trainer.async_stages | {} | name -> {cls, after, kwargs}: user stages (async_rl/stage_graph.py) |
 
 Validation runs in the driver before any Ray actor starts and raises
 `AsyncConfigError` with one message naming the key, the value and what is allowed.
@@ -48,6 +49,7 @@ class AsyncPipelineConfig:
     stall_timeout_s: float = 600.0
     reward_timeout_s: float = 60.0
     ratios_by_role: dict = field(default_factory=dict)
+    user_stages: tuple = ()  # async_rl.stage_graph.UserStageSpec, in insertion order
 
     @property
     def max_staleness(self) -> int:
@@ -66,7 +68,8 @@ _KEYS = (
     ("trainer.async_stall_timeout_s", "stall_timeout_s", 600),
     ("reward.async_timeout_s", "reward_timeout_s", 60),
 )
-CONFIG_KEYS = tuple(k for k, _, _ in _KEYS)
+STAGES_KEY = "trainer.async_stages"
+CONFIG_KEYS = tuple(k for k, _, _ in _KEYS) + (STAGES_KEY,)
 
 
 def _select(config, key: str, default):
@@ -106,6 +109,8 @@ def _as_ahead_steps(key: str, value) -> int:
 
 def read_async_config(config) -> AsyncPipelineConfig:
     """Read and validate the pipeline keys from a verl config; raises AsyncConfigError."""
+    from async_rl.stage_graph import parse_user_stages
+
     raw = {fld: _select(config, key, default) for key, fld, default in _KEYS}
     keys = {fld: key for key, fld, _ in _KEYS}
     ratios = _as_ratios(keys["use_nodes_ratios"], raw["use_nodes_ratios"])
@@ -119,6 +124,7 @@ def read_async_config(config) -> AsyncPipelineConfig:
         stall_timeout_s=_as_positive_number(keys["stall_timeout_s"], raw["stall_timeout_s"]),
         reward_timeout_s=_as_positive_number(keys["reward_timeout_s"], raw["reward_timeout_s"]),
         ratios_by_role=dict(zip(USE_NODES_ROLES, ratios)),
+        user_stages=parse_user_stages(_select(config, STAGES_KEY, None)),
     )
 
 

@@ -44,7 +44,8 @@ def update_actor(worker_group, batch: DataProto, actor_rollout_ref: DictConfig) 
     """One PPO update over `batch` (verl's mini-batches and epochs); returns verl's actor metrics."""
     actor_cfg = actor_rollout_ref.actor
     td = _to_no_padding(batch, _TRAIN_KEYS)
-    mini_batch = actor_cfg.ppo_mini_batch_size * actor_rollout_ref.rollout.n
+    # a filtered batch may hold fewer rows than one configured mini-batch: train it as one
+    mini_batch = min(int(actor_cfg.ppo_mini_batch_size) * int(actor_rollout_ref.rollout.n), len(batch))
     tu.assign_non_tensor(
         td,
         calculate_entropy=bool(actor_cfg.get("calculate_entropy", False) or actor_cfg.entropy_coeff != 0.0),

@@ -22,11 +22,11 @@ import ray
 from omegaconf import DictConfig, OmegaConf
 
 from async_rl.config import AsyncPipelineConfig, read_async_config, strip_async_keys
-from async_rl.resources import split_world_sizes, total_device_slots
+from async_rl.resources import check_cluster_fits, devices_needed, split_world_sizes, total_device_slots
+from async_rl.stage_graph import build_edges, upstream_counts
 
 logger = logging.getLogger(__name__)
 
-STAGE_NAMES = ("dataloader", "generate", "rollout", "reward", "logp", "ref_logp", "actor_train", "param_update")
 SETUP_TIMEOUT_S = 300.0
 CALL_TIMEOUT_S = 120.0
 
@@ -40,7 +40,9 @@ def validate_pipeline_config(config: DictConfig) -> AsyncPipelineConfig:
     from async_rl.rollout_backends import check_rollout_name
 
     async_cfg = read_async_config(config)
-    check_rollout_name(config.actor_rollout_ref.rollout.name)
+    for spec in async_cfg.user_stages:
+        spec.load_class()
+    check_rollout_name(config.actor_rollout_ref.rollout.name, config.trainer.device)
     for key in ("data.train_files", "actor_rollout_ref.model.path"):
         value = OmegaConf.select(config, key)
         paths = list(value) if isinstance(value, (list, tuple)) or OmegaConf.is_list(value) else [value]
@@ -94,6 +96,8 @@ class AsyncPipeline:
         self.tracking = None
         self.validator = None
         self.history: list[dict] = []  # every logged step's metrics (tests and benches read it)
+        self.edges = build_edges(self.async_cfg.user_stages)
+        self.stage_names = tuple(self.edges)
 
     # ---- build ----------------------------------------------------------------------
     def _start_ray(self) -> None:
@@ -109,15 +113,15 @@ class AsyncPipeline:
         else:
             self._owns_ray = False
 
-    def _stage(self, name: str, cls, *args, **kwargs):
+    def _stage(self, stage_name: str, cls, *args, **kwargs):
         actor_cls = ray.remote(cls).options(
-            name=f"async_rl_{name}_{os.getpid()}",
+            name=f"async_rl_{stage_name}_{os.getpid()}",
             num_cpus=0,
             max_concurrency=64,
             runtime_env={"env_vars": self._ray_kwargs["runtime_env"]["env_vars"]},
         )
         handle = actor_cls.remote(*args, **kwargs)
-        self.stages[name] = handle
+        self.stages[stage_name] = handle
         return handle
 
     def build(self) -> None:
@@ -132,7 +136,7 @@ class AsyncPipeline:
         from verl.trainer.ppo.utils import need_reference_policy
         from verl.utils import hf_tokenizer
 
-        from async_rl.rollout_backends import launch_rollout_replicas
+        from async_rl.rollout_backends import launch_rollout_replicas, make_rollout_replicas
         from async_rl.validation import Validator
         from param_update.interface import BlockingWeightSync
 
@@ -140,7 +144,11 @@ class AsyncPipeline:
         sizes = split_world_sizes(total_device_slots(cfg), self.async_cfg)
         self.world_sizes = sizes
         tokenizer = hf_tokenizer(cfg.actor_rollout_ref.model.path, trust_remote_code=False)
-        self.replicas = launch_rollout_replicas(cfg, num_replicas=sizes["generate"], timeout_s=SETUP_TIMEOUT_S)
+        replicas = make_rollout_replicas(cfg, generate_slots=sizes["generate"])
+        on_cpu = str(cfg.trainer.device) == "cpu"
+        needed = devices_needed(sizes, len(replicas), 1 if on_cpu else replicas[0].world_size, need_reference_policy(cfg))
+        check_cluster_fits(needed, on_cpu, ray.cluster_resources())
+        self.replicas = launch_rollout_replicas(replicas, cfg.actor_rollout_ref.rollout.name, timeout_s=SETUP_TIMEOUT_S)
         servers = [r.server_handle for r in self.replicas]
         self.validator = Validator(cfg, tokenizer, servers)
         steps = total_training_steps(cfg, count_rows(cfg.data.train_files))
@@ -148,33 +156,34 @@ class AsyncPipeline:
         eta = self.async_cfg.max_staleness
         rollout_cfg = cfg.actor_rollout_ref.rollout
 
-        dataloader = self._stage("dataloader", DataloaderStage, cfg, tokenizer, steps)
+        self._stage("dataloader", DataloaderStage, cfg, tokenizer, steps)
         generate = self._stage("generate", GenerateStage, servers, rollout_cfg, eta)
-        rollout = self._stage(
+        self._stage(
             "rollout", RolloutStage, int(cfg.data.max_prompt_length), int(rollout_cfg.response_length),
             tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
         )
-        reward = self._stage("reward", RewardStage, cfg, tokenizer, self.async_cfg.reward_timeout_s)
+        self._stage("reward", RewardStage, cfg, tokenizer, self.async_cfg.reward_timeout_s)
         logp = self._stage("logp", LogpStage, cfg, sizes["logp"])
-        ref_logp = self._stage("ref_logp", RefLogpStage, cfg, sizes["ref_logp"], need_reference_policy(cfg))
-        train = self._stage("actor_train", ActorTrainStage, cfg, sizes["train"], eta)
+        self._stage("ref_logp", RefLogpStage, cfg, sizes["ref_logp"], need_reference_policy(cfg))
+        self._stage("actor_train", ActorTrainStage, cfg, sizes["train"], eta)
         sync = BlockingWeightSync(servers, logp, generate)
-        param_update = self._stage("param_update", ParamUpdateStage, sync)
+        self._stage("param_update", ParamUpdateStage, sync)
+        for spec in self.async_cfg.user_stages:
+            self._stage(spec.name, spec.load_class(), config=cfg, name=spec.name, **spec.kwargs)
 
         # engines start in parallel; each has its own timeout-bounded wait
         self._wait({n: self.stages[n].setup.remote() for n in ("actor_train", "logp", "ref_logp")}, SETUP_TIMEOUT_S,
                    "start verl worker groups")
-        wiring = {
-            "dataloader": ([generate], 0),
-            "generate": ([rollout], 1),
-            "rollout": ([reward, logp, ref_logp], 1),
-            "reward": ([train], 1),
-            "logp": ([train], 1),
-            "ref_logp": ([train], 1),
-            "actor_train": ([param_update], 3),
-            "param_update": ([], 1),
+        self._wire()
+
+    def _wire(self) -> None:
+        """Connect every stage to its downstreams (`self.edges`)."""
+        upstreams = upstream_counts(self.edges)
+        calls = {
+            name: self.stages[name].connect.remote([self.stages[d] for d in downstream], upstreams[name])
+            for name, downstream in self.edges.items()
         }
-        self._wait({n: self.stages[n].connect.remote(*wiring[n]) for n in STAGE_NAMES}, CALL_TIMEOUT_S, "wire stages")
+        self._wait(calls, CALL_TIMEOUT_S, "wire stages")
 
     def _wait(self, refs: dict[str, Any], timeout_s: float, what: str) -> dict[str, Any]:
         names = list(refs)
@@ -204,7 +213,7 @@ class AsyncPipeline:
         self.tracking.log(data=metrics, step=step)
 
     def _busy_ratios(self, last: dict) -> dict[str, float]:
-        stats = self._wait({n: self.stages[n].stats.remote() for n in STAGE_NAMES}, CALL_TIMEOUT_S, "read stage stats")
+        stats = self._wait({n: self.stages[n].stats.remote() for n in self.stage_names}, CALL_TIMEOUT_S, "read stage stats")
         ratios = {}
         for name, s in stats.items():
             prev = last.get(name, {"busy_s": 0.0, "wall_s": 0.0})
@@ -238,7 +247,7 @@ class AsyncPipeline:
         test_freq = int(cfg.trainer.get("test_freq", -1) or -1)
         if cfg.trainer.get("val_before_train", True):
             self._validate(step=0)
-        runs = {self.stages[n].run.remote(): n for n in STAGE_NAMES}
+        runs = {self.stages[n].run.remote(): n for n in self.stage_names}
         last_stats: dict = {}
         self._busy_ratios(last_stats)
         step, last_progress = 0, time.monotonic()
@@ -268,7 +277,7 @@ class AsyncPipeline:
                         self._validate(step)
                 last_progress = time.monotonic()
             elif time.monotonic() - last_progress > self.async_cfg.stall_timeout_s:
-                states = self._wait({n: self.stages[n].stats.remote() for n in STAGE_NAMES}, CALL_TIMEOUT_S,
+                states = self._wait({n: self.stages[n].stats.remote() for n in self.stage_names}, CALL_TIMEOUT_S,
                                     "read stage stats")
                 raise PipelineError(
                     f"no training step completed for {self.async_cfg.stall_timeout_s:g} s "

@@ -44,3 +44,25 @@ def make_worker_group(config: DictConfig, role: str, world_size: int, name: str)
     group = RayWorkerGroup(pool, worker_cls, name_prefix=name, device_name="cpu" if on_cpu else "cuda")
     group.init_model()
     return group
+
+
+def devices_needed(world_sizes: dict[str, int], num_replicas: int, replica_devices: int, ref_enabled: bool) -> int:
+    """Devices the pipeline's pools take: one worker group per role plus the rollout replicas.
+
+    Each role gets its own pool (no sharing between pools), so this is a plain sum.
+    """
+    groups = world_sizes["train"] + world_sizes["logp"] + (world_sizes["ref_logp"] if ref_enabled else 0)
+    return groups + num_replicas * replica_devices
+
+
+def check_cluster_fits(needed: int, on_cpu: bool, cluster_resources: dict) -> None:
+    """Fail at once, not after a placement timeout, when Ray cannot place every pool."""
+    resource = "CPU" if on_cpu else "GPU"
+    have = int(cluster_resources.get(resource, 0))
+    if needed > have:
+        unit = "worker processes (logical CPUs)" if on_cpu else "GPUs"
+        raise RuntimeError(
+            f"the pipeline needs {needed} {unit} for its worker groups and rollout replicas, Ray has {have}: "
+            f"lower trainer.nnodes x trainer.n_gpus_per_node or trainer.use_nodes_ratios"
+            + (", or raise ray_kwargs.ray_init.num_cpus" if on_cpu else "")
+        )

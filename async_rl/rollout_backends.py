@@ -9,8 +9,16 @@ replicas' server handles, so nothing else changes with the backend.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 
 from omegaconf import DictConfig
+
+# verl's GPU servers: the engine package each needs, and how to install it
+GPU_BACKEND_PACKAGES = {
+    "vllm": ("vllm", "pip install 'verl-async-rl[vllm]'"),
+    "sglang": ("sglang", "pip install 'verl-async-rl[sglang]'"),
+    "trtllm": ("tensorrt_llm", "pip install tensorrt_llm"),
+}
 
 
 def registered_rollout_names() -> list[str]:
@@ -22,11 +30,28 @@ def registered_rollout_names() -> list[str]:
     return sorted(RolloutReplicaRegistry._registry)
 
 
-def check_rollout_name(name) -> None:
-    """Fail fast on a rollout backend verl's registry does not know."""
+def check_rollout_name(name, device: str = "cuda") -> None:
+    """Fail fast (before Ray starts) on a rollout backend that cannot run here.
+
+    The name must be in verl's registry; verl's GPU servers need their engine package
+    installed and `trainer.device` other than cpu.
+    """
     names = registered_rollout_names()
     if name not in names:
         raise ValueError(f"invalid config: actor_rollout_ref.rollout.name={name!r}; allowed: {names}")
+    if name not in GPU_BACKEND_PACKAGES:
+        return
+    package, install = GPU_BACKEND_PACKAGES[name]
+    if str(device) == "cpu":
+        raise ValueError(
+            f"invalid config: actor_rollout_ref.rollout.name={name!r} runs verl's GPU server, but "
+            f"trainer.device=cpu; use actor_rollout_ref.rollout.name=cpu on CPU"
+        )
+    if importlib.util.find_spec(package) is None:
+        raise ValueError(
+            f"invalid config: actor_rollout_ref.rollout.name={name!r} needs the {package!r} package, which is "
+            f"not installed ({install}, with your torch version pinned)"
+        )
 
 
 def replica_world_size(rollout_cfg) -> int:
@@ -44,7 +69,7 @@ def make_rollout_replicas(config: DictConfig, generate_slots: int) -> list:
     from verl.workers.rollout.replica import get_rollout_replica_class
 
     rollout_cfg = config.actor_rollout_ref.rollout
-    check_rollout_name(rollout_cfg.name)
+    check_rollout_name(rollout_cfg.name, config.trainer.device)
     replica_cls = get_rollout_replica_class(rollout_cfg.name)
     model_cfg = omega_conf_to_dataclass(config.actor_rollout_ref.model)
     count = max(1, generate_slots // replica_world_size(rollout_cfg))
@@ -59,9 +84,8 @@ def make_rollout_replicas(config: DictConfig, generate_slots: int) -> list:
     ]
 
 
-def launch_rollout_replicas(config: DictConfig, num_replicas: int, timeout_s: float) -> list:
-    """Start standalone replicas on the generate share; fails with a clear error after `timeout_s`."""
-    replicas = make_rollout_replicas(config, num_replicas)
+def launch_rollout_replicas(replicas: list, name: str, timeout_s: float) -> list:
+    """Start `replicas` standalone; fails with a clear error after `timeout_s`."""
 
     async def start_all():
         await asyncio.wait_for(asyncio.gather(*(r.init_standalone() for r in replicas)), timeout=timeout_s)
@@ -70,6 +94,6 @@ def launch_rollout_replicas(config: DictConfig, num_replicas: int, timeout_s: fl
         asyncio.run(start_all())
     except asyncio.TimeoutError as exc:
         raise RuntimeError(
-            f"rollout backend {config.actor_rollout_ref.rollout.name!r} did not start within {timeout_s:g} s"
+            f"rollout backend {name!r} did not start within {timeout_s:g} s"
         ) from exc
     return replicas

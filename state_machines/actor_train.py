@@ -11,6 +11,7 @@ and sends them to param_update. Step metrics use verl's names
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from typing import Any
 
@@ -43,6 +44,15 @@ def place_scores_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor
     rows = torch.arange(len(scores))[has_tokens]
     token_scores[rows, last[has_tokens]] = scores[has_tokens]
     return token_scores
+
+
+def trainable_rows(kept: int, mini_batch_rows: int, dp_size: int, group_size: int) -> int:
+    """Rows of a filtered batch that verl's update can take: whole mini-batches, or one
+    smaller mini-batch of whole groups that splits evenly over the data-parallel ranks."""
+    if kept >= mini_batch_rows:
+        return kept - kept % mini_batch_rows
+    unit = math.lcm(group_size, dp_size)
+    return kept - kept % unit
 
 
 class ActorTrainStage(StateMachine):
@@ -95,6 +105,14 @@ class ActorTrainStage(StateMachine):
             config=algo,
         )
 
+    def _rows_to_train(self, scored: ScoredBatch, num_rows: int) -> np.ndarray:
+        """Row indices to train on: the rows a filter stage kept, trimmed to what verl's update takes."""
+        keep = np.arange(num_rows) if scored.keep is None else np.flatnonzero(scored.keep.numpy())
+        actor_rollout_ref = self.config.actor_rollout_ref
+        n = int(actor_rollout_ref.rollout.n)
+        mini = int(actor_rollout_ref.actor.ppo_mini_batch_size) * n
+        return keep[: trainable_rows(len(keep), mini, self.world_size, n)]
+
     def _staleness_metrics(self, batch) -> dict[str, float]:
         versions = batch.batch["token_versions"]
         mask = batch.batch["response_mask"].bool()
@@ -118,12 +136,19 @@ class ActorTrainStage(StateMachine):
         step_start = time.perf_counter()
         batch = await resolve(parts["logp"].batch_ref)
         batch = self._training_batch(batch, parts)
-        metrics = self._staleness_metrics(batch)
+        rows = self._rows_to_train(parts["reward"], len(batch))
+        train_batch = batch if len(rows) == len(batch) else batch.select_idxs(rows)
+        metrics = dict(parts["reward"].metrics)
+        metrics.update(self._staleness_metrics(train_batch if len(rows) else batch))
         metrics["async/logp_version"] = float(parts["logp"].logp_version)
+        metrics["async/trained_rows"] = float(len(rows))
         t0 = time.perf_counter()
-        metrics.update(
-            await asyncio.to_thread(engine_calls.update_actor, self.worker_group, batch, self.config.actor_rollout_ref)
-        )
+        if len(rows):  # a step whose rows were all filtered out makes no update; its version carries the same weights
+            metrics.update(
+                await asyncio.to_thread(
+                    engine_calls.update_actor, self.worker_group, train_batch, self.config.actor_rollout_ref
+                )
+            )
         t1 = time.perf_counter()
         named = await asyncio.to_thread(gather_full_weights, self.worker_group)
         t2 = time.perf_counter()

@@ -10,8 +10,10 @@ with a message naming it instead of stalling the pipeline.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
 
+import numpy as np
 import torch
 
 from state_machines.base import StateMachine
@@ -20,10 +22,17 @@ from state_machines.rollout import RolloutBatch
 
 @dataclass
 class ScoredBatch:
-    """Per-sample scores of one step's batch (sequence-level, placed on the last token later)."""
+    """Per-sample scores of one step's batch (sequence-level, placed on the last token later).
+
+    Stages between reward and actor_train may set `keep` to train on a subset of rows
+    (actor_train still logs data metrics over every row) and add step `metrics`.
+    """
 
     index: int
     scores: torch.Tensor  # (bs,) float32
+    uids: np.ndarray  # (bs,) prompt-group id of each row (samples of one prompt share it)
+    keep: Optional[torch.Tensor] = None  # (bs,) bool: rows to train on; None = all
+    metrics: dict = field(default_factory=dict)  # merged into the step's logged metrics
 
 
 class RewardFunctionError(RuntimeError):
@@ -94,7 +103,7 @@ class RewardStage(StateMachine):
             raise RewardFunctionError(
                 f"reward function {self.score_fn_name} raised {type(exc).__name__}: {exc} (batch {data.index})"
             ) from exc
-        return ScoredBatch(index=data.index, scores=scores)
+        return ScoredBatch(index=data.index, scores=scores, uids=np.asarray(batch.non_tensor_batch["uid"]))
 
     async def send_output_data(self, data: ScoredBatch) -> bool:
         return await self.send_downstream(data)

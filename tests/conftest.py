@@ -21,6 +21,16 @@ def demo_dir(tmp_path_factory) -> Path:
     return root
 
 
+def compose_ppo(overrides):
+    """Compose verl's ppo_trainer config (as `main_ppo` does); unknown keys raise."""
+    import verl
+    from hydra import compose, initialize_config_dir
+
+    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        return compose("ppo_trainer", overrides=list(overrides))
+
+
 def run_verl(demo_dir: Path, extra, workdir: Path, timeout_s: float = 600) -> tuple[int, str, list[dict]]:
     """`python -m verl.trainer.main_ppo <demo overrides + extra>`; returns (exit code, output, JSONL rows)."""
     from async_rl.demo import demo_overrides

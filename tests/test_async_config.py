@@ -70,8 +70,8 @@ def test_defaults_when_no_key_present(make):
 
 
 def test_config_keys_listed():
-    assert set(CONFIG_KEYS) == set(BOOL_KEYS + POSITIVE_KEYS + (RATIOS, AHEAD))
-    assert len(CONFIG_KEYS) == 8
+    assert set(CONFIG_KEYS) == set(BOOL_KEYS + POSITIVE_KEYS + (RATIOS, AHEAD, "trainer.async_stages"))
+    assert len(CONFIG_KEYS) == 9
 
 
 def test_every_key_is_read():

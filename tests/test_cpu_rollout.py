@@ -1,7 +1,6 @@
 """Tests for the CPU rollout backend (engine, server, replica, registry) on a tiny random Qwen2."""
 
 import asyncio
-import importlib.util
 
 import pytest
 import torch
@@ -317,21 +316,13 @@ def test_cpu_replica_is_registered():
     assert get_rollout_replica_class("cpu") is CPURolloutReplica
 
 
-@pytest.mark.parametrize(
-    "name, module, loader, cls",
-    [
-        ("vllm", "vllm", "_load_vllm", "vLLMReplica"),
-        ("sglang", "sglang", "_load_sglang", "SGLangReplica"),
-    ],
-)
-def test_builtin_backends_still_resolve(name, module, loader, cls):
+@pytest.mark.parametrize("name, loader", [("vllm", "_load_vllm"), ("sglang", "_load_sglang")])
+def test_builtin_backends_stay_registered(name, loader):
+    """Registering 'cpu' leaves verl's own loaders in place (their selection: test_rollout_backends.py)."""
     from verl.workers.rollout import replica
 
     register_cpu_rollout()
     assert replica.RolloutReplicaRegistry._registry[name] is getattr(replica, loader)
-    if importlib.util.find_spec(module) is None:
-        pytest.skip(f"{module} is not installed: verl's {loader} is registered but cannot import {cls}")
-    assert replica.get_rollout_replica_class(name).__name__ == cls
 
 
 def test_replica_init_standalone_and_generate_over_ray(model_dir):

@@ -1,14 +1,12 @@
 """Tests for the copy-digits demo: prepare output, tokenizer, data format, reward, verl overrides."""
 
-import os
 import random
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
-import verl
-from hydra import compose, initialize_config_dir
+from conftest import compose_ppo
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from async_rl.demo.__main__ import main as cli_main
@@ -16,14 +14,7 @@ from async_rl.demo.reward import compute_score
 from async_rl.demo.task import DATA_SOURCE, demo_overrides
 from async_rl.demo.tokenizer import SEPARATOR
 
-VERL_CONFIG_DIR = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
 TRAIN_SIZE, VAL_SIZE = 48, 8
-
-
-def compose_ppo(overrides):
-    """Compose verl's ppo_trainer config; unknown keys raise."""
-    with initialize_config_dir(config_dir=VERL_CONFIG_DIR, version_base=None):
-        return compose("ppo_trainer", overrides=list(overrides))
 
 
 def token_ids(output):

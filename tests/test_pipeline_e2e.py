@@ -47,12 +47,47 @@ def test_pipeline_trains_with_bounded_staleness(demo_dir, tmp_path, k, steps):
     assert "val-core/async_rl/copy_digits/reward/mean@1" in vals[steps]
 
 
+def test_user_stage_inserted_with_two_config_lines(demo_dir, tmp_path):
+    """examples/group_filter_stage.py between reward and actor_train, from the verl command line."""
+    from async_rl.demo.task import GROUP_SIZE, TRAIN_BATCH_SIZE
+    from state_machines.actor_train import trainable_rows
+
+    extra = {
+        **_short_run(2, 3),
+        "trainer.test_freq": -1,
+        "trainer.val_before_train": False,
+        "+trainer.async_stages.group_filter.cls": "examples.group_filter_stage.GroupFilterStage",
+        "+trainer.async_stages.group_filter.after": "reward",
+    }
+    code, out, rows = run_verl(demo_dir, extra, tmp_path)
+    assert code == 0, out[-4000:]
+    by_step = step_rows(rows)
+    assert sorted(by_step) == [1, 2, 3]
+    for metrics in by_step.values():
+        assert "async/group_filter/busy_ratio" in metrics
+        kept_groups = metrics["async/group_filter/kept_groups"]
+        assert metrics["async/group_filter/kept_ratio"] == kept_groups / TRAIN_BATCH_SIZE
+        # the filter's decision reached the update: only rows of kept groups were trained
+        expected = trainable_rows(int(kept_groups) * GROUP_SIZE, TRAIN_BATCH_SIZE * GROUP_SIZE, 1, GROUP_SIZE)
+        assert metrics["async/trained_rows"] == expected
+
+
 def test_bad_config_value_fails_before_ray(demo_dir, tmp_path):
     code, out, _ = run_verl(demo_dir, ["+trainer.use_nodes_ratios=[0.5,0.5,1.5]"], tmp_path, timeout_s=120)
     assert code != 0
     assert "trainer.use_nodes_ratios=[0.5, 0.5, 1.5]" in out
     assert "allowed" in out
     assert "Started a local Ray instance" not in out
+
+
+def test_more_workers_than_ray_can_place_fails_at_once(demo_dir, tmp_path):
+    """Checked before any pool is placed (it used to wait out the 300 s placement timeout)."""
+    code, out, _ = run_verl(demo_dir, {"trainer.n_gpus_per_node": 64}, tmp_path, timeout_s=240)
+    assert code != 0
+    assert "the pipeline needs 96 worker processes" in out and "Ray has 16" in out
+    assert "Started a local Ray instance" in out  # it did get past the config checks
+    leftover = subprocess.run(["pgrep", "-f", "ray::"], capture_output=True, text=True).stdout.split()
+    assert not leftover, f"Ray processes left behind: {leftover}"
 
 
 def test_failing_reward_stops_the_run_with_the_stage_named(demo_dir, tmp_path):

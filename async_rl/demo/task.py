@@ -123,6 +123,7 @@ CPU_PIPELINE_OVERRIDES: dict[str, str] = {
     "trainer.project_name": "async_rl_demo",
     "trainer.experiment_name": "copy_digits",
     "actor_rollout_ref.rollout.name": "cpu",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size": "1",  # a CPU replica is one process
     "actor_rollout_ref.rollout.val_kwargs.do_sample": "False",
     "actor_rollout_ref.actor.strategy": "fsdp2",
     "actor_rollout_ref.ref.strategy": "fsdp2",

@@ -1,0 +1,110 @@
+"""Which stage feeds which: the built-in graph and user stages inserted into it.
+
+The eight built-in stages form a fixed graph (`BUILTIN_EDGES`). A user stage is added
+with two lines of config and lands on the edge after an existing stage:
+
+    +trainer.async_stages.group_filter.cls=examples.group_filter_stage.GroupFilterStage
+    +trainer.async_stages.group_filter.after=reward
+
+turns `reward -> actor_train` into `reward -> group_filter -> actor_train`. Optional
+`kwargs` (a dict) go to the stage's constructor: `cls(config=<verl config>, name=<name>,
+**kwargs)`. Stages are inserted in the order given, so one may go after another.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from async_rl.config import STAGES_KEY, AsyncConfigError
+
+BUILTIN_STAGES = ("dataloader", "generate", "rollout", "reward", "logp", "ref_logp", "actor_train", "param_update")
+BUILTIN_EDGES: dict[str, tuple[str, ...]] = {
+    "dataloader": ("generate",),
+    "generate": ("rollout",),
+    "rollout": ("reward", "logp", "ref_logp"),
+    "reward": ("actor_train",),
+    "logp": ("actor_train",),
+    "ref_logp": ("actor_train",),
+    "actor_train": ("param_update",),
+    "param_update": (),
+}
+
+
+@dataclass(frozen=True)
+class UserStageSpec:
+    """A user stage from `trainer.async_stages.<name>`: its class path, position and kwargs."""
+
+    name: str
+    cls_path: str
+    after: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def load_class(self) -> type:
+        """Import `cls_path` ("package.module.Class"); raises AsyncConfigError naming the key."""
+        from state_machines.base import StateMachine
+
+        key = f"{STAGES_KEY}.{self.name}.cls"
+        module_name, _, class_name = self.cls_path.rpartition(".")
+        if not module_name:
+            raise AsyncConfigError(key, self.cls_path, "a dotted path 'package.module.Class'")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise AsyncConfigError(key, self.cls_path, f"an importable module ({type(exc).__name__}: {exc})") from exc
+        cls = getattr(module, class_name, None)
+        if not (isinstance(cls, type) and issubclass(cls, StateMachine)):
+            raise AsyncConfigError(key, self.cls_path, f"a subclass of state_machines.base.StateMachine in {module_name}")
+        return cls
+
+
+def parse_user_stages(raw: Any) -> tuple[UserStageSpec, ...]:
+    """`trainer.async_stages` (a dict name -> {cls, after, kwargs}) -> specs, validated.
+
+    Checks names, keys and positions; the classes are imported by `load_class`.
+    """
+    if raw is None:
+        return ()
+    if not isinstance(raw, dict):
+        raise AsyncConfigError(STAGES_KEY, raw, "a mapping <stage name> -> {cls: package.module.Class, after: <stage>}")
+    specs: list[UserStageSpec] = []
+    known = set(BUILTIN_STAGES)
+    for name, entry in raw.items():
+        key = f"{STAGES_KEY}.{name}"
+        if not isinstance(name, str) or not name.isidentifier():
+            raise AsyncConfigError(key, name, "a stage name that is a Python identifier")
+        if name in known:
+            raise AsyncConfigError(key, name, f"a name not already used by a stage ({sorted(known)})")
+        if not isinstance(entry, dict) or set(entry) - {"cls", "after", "kwargs"} or "cls" not in entry:
+            raise AsyncConfigError(key, entry, "{cls: package.module.Class, after: <stage>, kwargs: {...} (optional)}")
+        after = entry.get("after")
+        if after not in known or after == "param_update":
+            allowed = sorted(known - {"param_update"})
+            raise AsyncConfigError(f"{key}.after", after, f"a stage with a downstream, one of {allowed}")
+        kwargs = entry.get("kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise AsyncConfigError(f"{key}.kwargs", kwargs, "a mapping of constructor keyword arguments")
+        if not isinstance(entry["cls"], str):
+            raise AsyncConfigError(f"{key}.cls", entry["cls"], "a dotted path 'package.module.Class'")
+        specs.append(UserStageSpec(name=name, cls_path=entry["cls"], after=after, kwargs=dict(kwargs)))
+        known.add(name)
+    return tuple(specs)
+
+
+def build_edges(user_stages: tuple[UserStageSpec, ...] = ()) -> dict[str, tuple[str, ...]]:
+    """The stage graph (name -> downstream names) with each user stage on the edge after its `after`."""
+    edges = dict(BUILTIN_EDGES)
+    for spec in user_stages:
+        edges[spec.name] = edges[spec.after]
+        edges[spec.after] = (spec.name,)
+    return edges
+
+
+def upstream_counts(edges: dict[str, tuple[str, ...]]) -> dict[str, int]:
+    """How many upstreams each stage waits on for END_OF_STREAM."""
+    counts = {name: 0 for name in edges}
+    for downstream in edges.values():
+        for name in downstream:
+            counts[name] += 1
+    return counts

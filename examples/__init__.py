@@ -1,0 +1,1 @@
+"""Runnable examples: the CPU quickstart script and a custom pipeline stage."""

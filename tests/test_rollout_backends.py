@@ -1,0 +1,187 @@
+"""Rollout backend selection (async_rl/rollout_backends.py) and the requests the generate stage builds.
+
+verl's sglang / vllm servers cannot start without a GPU, so what is checked here is
+everything up to the server: the name -> replica-class selection, the fail-fast errors,
+and that the generate stage's requests fit verl's GPU servers' `generate` (signatures
+read from verl's source, which imports without vllm / sglang).
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import importlib.util
+import inspect
+from pathlib import Path
+
+import pytest
+from conftest import compose_ppo
+from omegaconf import OmegaConf
+
+from async_rl.rollout_backends import GPU_BACKEND_PACKAGES, check_rollout_name, make_rollout_replicas
+from state_machines.dataloader import PromptBatch
+from state_machines.generate import GenerateStage, sampling_params_from_config
+
+GPU_SERVERS = {
+    "vllm": ("workers/rollout/vllm_rollout/vllm_async_server.py", "vLLMHttpServer"),
+    "sglang": ("workers/rollout/sglang_rollout/async_sglang_server.py", "SGLangHttpServer"),
+}
+# the sampling keys verl's own agent loop sends these servers (verl/experimental/agent_loop/agent_loop.py)
+VERL_AGENT_LOOP_KEYS = {"temperature", "top_p", "top_k", "repetition_penalty", "logprobs"}
+
+
+def rollout_cfg(**overrides):
+    base = {
+        "name": "cpu", "n": 2, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "response_length": 5,
+        "val_kwargs": {"do_sample": False, "temperature": 0.0, "top_p": 1.0, "top_k": -1, "n": 1},
+    }
+    return OmegaConf.create({**base, **overrides})
+
+
+def server_generate_def(name: str) -> ast.AsyncFunctionDef:
+    """The `generate` method of verl's GPU server class, parsed from verl's source (no import)."""
+    import verl
+
+    path, cls_name = GPU_SERVERS[name]
+    tree = ast.parse((Path(verl.__file__).parent / path).read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls_name)
+    return next(n for n in cls.body if isinstance(n, ast.AsyncFunctionDef) and n.name == "generate")
+
+
+def signature_of(fn: ast.AsyncFunctionDef) -> inspect.Signature:
+    args = fn.args
+    defaults = [None] * (len(args.args) - len(args.defaults)) + list(args.defaults)
+    params = [
+        inspect.Parameter(a.arg, inspect.Parameter.POSITIONAL_OR_KEYWORD, **({} if d is None else {"default": None}))
+        for a, d in zip(args.args, defaults)
+    ]
+    if args.kwarg is not None:
+        params.append(inspect.Parameter(args.kwarg.arg, inspect.Parameter.VAR_KEYWORD))
+    return inspect.Signature(params)
+
+
+def popped_sampling_keys(fn: ast.AsyncFunctionDef) -> set[str]:
+    """Keys the server's generate pops or reads from `sampling_params` itself."""
+    keys = set()
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("pop", "get"):
+            if isinstance(node.func.value, ast.Name) and node.func.value.id == "sampling_params" and node.args:
+                if isinstance(node.args[0], ast.Constant):
+                    keys.add(node.args[0].value)
+        if isinstance(node, ast.Compare) and isinstance(node.left, ast.Constant):
+            if any(isinstance(c, ast.Name) and c.id == "sampling_params" for c in node.comparators):
+                keys.add(node.left.value)
+    return keys
+
+
+class RecordingServer:
+    """Stands in for a verl server actor handle: records `generate.remote(**kwargs)` calls."""
+
+    def __init__(self):
+        self.calls = []
+        server = self
+
+        class _Generate:
+            @staticmethod
+            async def remote(**kwargs):
+                from verl.workers.rollout.replica import TokenOutput
+
+                server.calls.append(kwargs)
+                return TokenOutput(token_ids=[5, 6], log_probs=[-0.1, -0.2], stop_reason="completed")
+
+        self.generate = _Generate()
+
+
+def captured_requests(cfg) -> list[dict]:
+    servers = [RecordingServer(), RecordingServer()]
+    stage = GenerateStage(servers, cfg, max_staleness=1)
+    batch = PromptBatch(index=0, prompt_ids=[[1, 2, 3], [4, 5]], non_tensor=[{"data_source": "d"}] * 2)
+    out = asyncio.run(asyncio.wait_for(stage.process_data(batch), 10))
+    assert len(out.samples) == 4 and all(s.response_ids == [5, 6] for s in out.samples)
+    calls = servers[0].calls + servers[1].calls
+    assert len(servers[0].calls) == len(servers[1].calls) == 2  # spread round-robin
+    return calls
+
+
+# ---- selection ------------------------------------------------------------------------
+
+
+def test_unknown_backend_lists_the_registered_ones():
+    with pytest.raises(ValueError) as info:
+        check_rollout_name("hf")
+    message = str(info.value)
+    assert "actor_rollout_ref.rollout.name='hf'" in message
+    for name in ("cpu", "vllm", "sglang"):
+        assert repr(name) in message
+
+
+@pytest.mark.parametrize("name", ["vllm", "sglang"])
+def test_gpu_backend_with_cpu_device_fails_fast(name):
+    with pytest.raises(ValueError, match=rf"rollout.name='{name}' runs verl's GPU server, but trainer.device=cpu"):
+        check_rollout_name(name, device="cpu")
+
+
+@pytest.mark.parametrize("name", ["vllm", "sglang"])
+def test_gpu_backend_needs_its_engine_package(name):
+    """Without the package: a message naming it and the install; with it: verl's replica class."""
+    package, install = GPU_BACKEND_PACKAGES[name]
+    if importlib.util.find_spec(package) is None:
+        with pytest.raises(ValueError) as info:
+            check_rollout_name(name, device="cuda")
+        assert f"needs the {package!r} package" in str(info.value) and install in str(info.value)
+    else:
+        from verl.workers.rollout.replica import get_rollout_replica_class
+
+        check_rollout_name(name, device="cuda")
+        assert get_rollout_replica_class(name).__name__ == {"vllm": "vLLMReplica", "sglang": "SGLangReplica"}[name]
+
+
+def test_cpu_backend_builds_one_replica_per_generate_slot(demo_dir):
+    from async_rl.demo import demo_overrides
+    from async_rl.rollout.cpu_replica import CPURolloutReplica
+
+    from async_rl.config import strip_async_keys
+
+    config = compose_ppo(demo_overrides(demo_dir))
+    strip_async_keys(config)  # as the pipeline does before verl sees the config
+    replicas = make_rollout_replicas(config, generate_slots=3)
+    assert [type(r) for r in replicas] == [CPURolloutReplica] * 3
+    assert [r.replica_rank for r in replicas] == [0, 1, 2]
+    config.actor_rollout_ref.rollout.name = "vllm"
+    with pytest.raises(ValueError, match="trainer.device=cpu"):
+        make_rollout_replicas(config, generate_slots=1)
+
+
+# ---- the requests ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(GPU_SERVERS))
+def test_generate_requests_fit_verl_gpu_server(name):
+    fn = server_generate_def(name)
+    signature = signature_of(fn)
+    handled = popped_sampling_keys(fn) | VERL_AGENT_LOOP_KEYS
+    assert {"max_tokens", "max_new_tokens", "logprobs"} <= popped_sampling_keys(fn)  # the parser sees them
+    for cfg in (rollout_cfg(), rollout_cfg(temperature=0.7, top_p=0.9, top_k=20)):
+        for call in captured_requests(cfg):
+            signature.bind("self", **call)  # raises TypeError on a keyword the server does not take
+            assert set(call["sampling_params"]) <= handled, set(call["sampling_params"]) - handled
+            assert call["prompt_ids"] in ([1, 2, 3], [4, 5])
+            assert call["sampling_params"]["max_tokens"] == 5 and call["sampling_params"]["logprobs"] is True
+
+
+def test_sampling_params_follow_the_rollout_config():
+    cfg = rollout_cfg(temperature=0.7, top_p=0.9, top_k=20)
+    assert sampling_params_from_config(cfg) == {
+        "temperature": 0.7, "top_p": 0.9, "top_k": 20, "max_tokens": 5, "logprobs": True,
+    }
+    greedy = sampling_params_from_config(cfg, validate=True)
+    assert (greedy["temperature"], greedy["top_p"], greedy["top_k"]) == (0.0, 1.0, -1)
+    sampled = sampling_params_from_config(
+        rollout_cfg(val_kwargs={"do_sample": True, "temperature": 0.5, "top_p": 0.8, "top_k": 3, "n": 4}), validate=True
+    )
+    assert (sampled["temperature"], sampled["top_p"], sampled["top_k"]) == (0.5, 0.8, 3)
+
+
+def test_requests_with_a_distinct_id_each():
+    calls = captured_requests(rollout_cfg())
+    assert len({c["request_id"] for c in calls}) == len(calls)
