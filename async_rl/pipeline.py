@@ -91,8 +91,15 @@ class AsyncPipeline:
         self.async_cfg = validate_pipeline_config(config)
         self.config = config.copy()
         strip_async_keys(self.config)
+        if str(self.config.actor_rollout_ref.rollout.name) != "cpu":  # verl's GPU servers load through it
+            from param_update.checkpoint_engine import use_staged_checkpoint_engine
+
+            use_staged_checkpoint_engine(
+                self.config, self.async_cfg.consume_bucket_size_mb, self.async_cfg.enable_dual_buffer
+            )
         self.stages: dict[str, Any] = {}
         self.replicas: list = []
+        self.receivers: list = []  # weight receivers (param_update/overlapped.py)
         self.tracking = None
         self.validator = None
         self.history: list[dict] = []  # every logged step's metrics (tests and benches read it)
@@ -138,7 +145,6 @@ class AsyncPipeline:
 
         from async_rl.rollout_backends import launch_rollout_replicas, make_rollout_replicas
         from async_rl.validation import Validator
-        from param_update.interface import BlockingWeightSync
 
         cfg = self.config
         sizes = split_world_sizes(total_device_slots(cfg), self.async_cfg)
@@ -163,18 +169,61 @@ class AsyncPipeline:
             tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
         )
         self._stage("reward", RewardStage, cfg, tokenizer, self.async_cfg.reward_timeout_s)
-        logp = self._stage("logp", LogpStage, cfg, sizes["logp"])
+        bucket_bytes = self._check_weight_sync()
+        dual = self.async_cfg.enable_dual_buffer
+        logp = self._stage("logp", LogpStage, cfg, sizes["logp"], bucket_bytes["consume"])
         self._stage("ref_logp", RefLogpStage, cfg, sizes["ref_logp"], need_reference_policy(cfg))
-        self._stage("actor_train", ActorTrainStage, cfg, sizes["train"], eta)
-        sync = BlockingWeightSync(servers, logp, generate)
-        self._stage("param_update", ParamUpdateStage, sync)
+        receivers = self._weight_receivers(logp)
+        param_update = self._stage("param_update", ParamUpdateStage, receivers, generate)
+        self._stage("actor_train", ActorTrainStage, cfg, sizes["train"], eta, param_update, bucket_bytes["preduce"])
         for spec in self.async_cfg.user_stages:
             self._stage(spec.name, spec.load_class(), config=cfg, name=spec.name, **spec.kwargs)
 
         # engines start in parallel; each has its own timeout-bounded wait
         self._wait({n: self.stages[n].setup.remote() for n in ("actor_train", "logp", "ref_logp")}, SETUP_TIMEOUT_S,
                    "start verl worker groups")
+        self._configure_receivers(dual, bucket_bytes["consume"])
         self._wire()
+
+    def _weight_receivers(self, logp) -> list:
+        """The weight sync's receivers: every rollout replica, then the logp stage."""
+        from param_update.checkpoint_engine import GPUReplicaReceiver
+        from param_update.overlapped import ActorReceiver
+
+        on_cpu = str(self.config.actor_rollout_ref.rollout.name) == "cpu"
+        rollout = [
+            ActorReceiver(f"rollout_server_{i}", r.server_handle, True) if on_cpu
+            else GPUReplicaReceiver(f"rollout_replica_{i}", r)
+            for i, r in enumerate(self.replicas)
+        ]
+        self.receivers = rollout + [ActorReceiver("logp", logp, False)]
+        return self.receivers
+
+    def _configure_receivers(self, dual: bool, consume_bytes: int) -> None:
+        """Set every rollout receiver up for the trainer's layout (a mismatch fails here, at start)."""
+        from param_update.checkpoint_engine import GPUReplicaReceiver
+        from param_update.overlapped import ActorReceiver
+
+        layout = ray.get(self.stages["actor_train"].weight_layout.remote(), timeout=CALL_TIMEOUT_S)
+        servers = [r for r in self.receivers if isinstance(r, ActorReceiver) and r.serves_generation]
+        calls = {r.name: r.handle.configure_weight_sync.remote(dual, consume_bytes, layout) for r in servers}
+        self._wait(calls, SETUP_TIMEOUT_S, "set up the rollout servers' weight staging")
+        gpu = [r for r in self.receivers if isinstance(r, GPUReplicaReceiver)]
+        if gpu:
+            asyncio.run(asyncio.wait_for(asyncio.gather(*(r.configure(layout, dual) for r in gpu)), SETUP_TIMEOUT_S))
+
+    def _check_weight_sync(self) -> dict[str, int]:
+        """Bucket sizes (bytes) after the start-time checks of param_update/capacity.py."""
+        from param_update.capacity import check_weight_sync, model_weight_bytes
+
+        store = ray.cluster_resources().get("object_store_memory")
+        return check_weight_sync(
+            model_weight_bytes(self.config.actor_rollout_ref.model.path),
+            self.async_cfg.preduce_bucket_size_mb,
+            self.async_cfg.consume_bucket_size_mb,
+            self.async_cfg.enable_dual_buffer,
+            int(store) if store else None,
+        )
 
     def _wire(self) -> None:
         """Connect every stage to its downstreams (`self.edges`)."""
@@ -229,16 +278,31 @@ class AsyncPipeline:
         self._log(metrics, step)
         return metrics
 
-    def run(self) -> list[dict]:
-        """Train to the end; returns every logged step's metrics. Raises PipelineError on failure."""
+    def run(self, after_training=None) -> list[dict]:
+        """Train to the end; returns every logged step's metrics. Raises PipelineError on failure.
+
+        `after_training(pipeline)`, if given, runs once training is done, before the actors go.
+        """
         self._start_ray()
         try:
             self.build()
             self.tracking = self._make_tracking()
             self._loop()
+            if after_training is not None:
+                after_training(self)
         finally:
             self.shutdown()
         return self.history
+
+    def weight_digests(self) -> dict[str, dict[str, str]]:
+        """Per-tensor digests of the weights held by the trainer, the logp workers and every
+        rollout server (name -> digest): equal digests mean bit-identical weights."""
+        calls = {"actor_train": self.stages["actor_train"].weight_digests.remote(),
+                 "logp": self.stages["logp"].weight_digests.remote()}
+        if str(self.config.actor_rollout_ref.rollout.name) == "cpu":
+            calls.update({f"rollout_server_{i}": r.server_handle.weight_digests.remote()
+                          for i, r in enumerate(self.replicas)})
+        return self._wait(calls, CALL_TIMEOUT_S, "read weight digests")
 
     def _loop(self) -> None:
         from tqdm import tqdm
@@ -251,6 +315,7 @@ class AsyncPipeline:
         last_stats: dict = {}
         self._busy_ratios(last_stats)
         step, last_progress = 0, time.monotonic()
+        last_sync: dict = {}  # the newest completed weight sync's timings, logged with each step
         progress = tqdm(total=self.total_steps, desc="async-rl", unit="step", dynamic_ncols=True)
         pending = list(runs)
         while pending:
@@ -263,12 +328,14 @@ class AsyncPipeline:
             new_steps = ray.get(self.stages["actor_train"].pop_metrics.remote(), timeout=CALL_TIMEOUT_S)
             if new_steps:
                 sync_timings = ray.get(self.stages["param_update"].pop_timings.remote(), timeout=CALL_TIMEOUT_S)
+                if sync_timings:
+                    version = max(sync_timings)
+                    last_sync = {**sync_timings[version], "async/param_update/synced_version": float(version)}
                 busy = self._busy_ratios(last_stats)
                 for metrics in new_steps:
                     step = int(metrics["training/global_step"])
                     metrics.update(busy)
-                    for timings in sync_timings.values():
-                        metrics.update(timings)
+                    metrics.update(last_sync)
                     self._log(metrics, step)
                     progress.update(1)
                     progress.set_postfix(score=f"{metrics.get('critic/score/mean', float('nan')):.3f}",

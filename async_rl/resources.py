@@ -29,7 +29,7 @@ def make_worker_group(config: DictConfig, role: str, world_size: int, name: str)
     """verl `RayWorkerGroup` of `PipelineWorker` (role `actor` or `ref`), models initialised."""
     from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 
-    from async_rl.workers import PipelineWorker
+    from async_rl.workers import CONCURRENCY_GROUPS, PipelineWorker
 
     on_cpu = str(config.trainer.device) == "cpu"
     if on_cpu:
@@ -39,7 +39,10 @@ def make_worker_group(config: DictConfig, role: str, world_size: int, name: str)
         set_engine_device_env()
     pool = RayResourcePool([world_size], use_gpu=not on_cpu, max_colocate_count=1, name_prefix=name)
     worker_cls = RayClassWithInitArgs(
-        cls=ray.remote(PipelineWorker), config=config.actor_rollout_ref, role=role, on_cpu=on_cpu
+        cls=ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(PipelineWorker),
+        config=config.actor_rollout_ref,
+        role=role,
+        on_cpu=on_cpu,
     )
     group = RayWorkerGroup(pool, worker_cls, name_prefix=name, device_name="cpu" if on_cpu else "cuda")
     group.init_model()

@@ -1,24 +1,31 @@
 """verl's engine worker, as the pipeline's train / logp / ref_logp stages drive it.
 
 `PipelineWorker` is verl's `ActorRolloutRefWorker` (FSDP2 engine, real forward and
-backward) plus two things the pipeline needs:
+backward) plus what the pipeline needs:
 
 - CPU runs: verl's small CPU patches (`verl_patches.cpu_patches`) applied in the
   worker process before verl builds its engine.
-- weights as plain full tensors: `get_full_weights` (gather, trainer side) and
-  `load_full_weights` (logp side), so that weights can travel through Ray's object
-  store between separately placed worker groups (`param_update/`).
+- the training side of the weight sync (`send_weight_buckets`: gather + send,
+  param_update/sender.py) and the receiving side for logp workers (stage, check,
+  commit, discard: param_update/staging.py). Staging runs in its own concurrency group
+  ("weights"), so a logp worker registers buckets of version v while it computes with
+  v - 1; loading runs in the default group, never beside a forward.
 """
 
 from __future__ import annotations
 
+import ray
 import torch
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.workers.engine_workers import ActorRolloutRefWorker
 
+WEIGHTS_GROUP = "weights"  # Ray concurrency group of the staging calls
+CONCURRENCY_GROUPS = {WEIGHTS_GROUP: 1}
+RECV_TIMEOUT_S = 300.0
+
 
 class PipelineWorker(ActorRolloutRefWorker):
-    """`ActorRolloutRefWorker` with CPU patches and full-tensor weight I/O."""
+    """`ActorRolloutRefWorker` with CPU patches and bucketed weight send / receive."""
 
     def __init__(self, config, role: str, on_cpu: bool = False, **kwargs):
         if on_cpu:
@@ -26,27 +33,109 @@ class PipelineWorker(ActorRolloutRefWorker):
 
             apply_cpu_worker_patches()
         super().__init__(config, role, **kwargs)
+        self._bucket_sender = None
+        self._stager = None
 
     def _engine(self):
         worker = self.actor if self.actor is not None else self.ref
         return worker.engine
 
+    # ---- training side: gather + send ------------------------------------------------
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def get_full_weights(self) -> list[tuple[str, torch.Tensor]] | None:
-        """Full (unsharded) HF-named tensors on CPU; rank 0 returns them, other ranks None.
+    def send_weight_buckets(self, version: int, bucket_bytes: int, sink) -> dict[str, float]:
+        """gather (collective: every rank must call it) and hand rank 0's buckets to its send thread.
 
-        Every rank must call this: gathering FSDP2 shards is a collective.
+        Returns `{"gather_s": ...}` as soon as the gather is done; the buckets reach `sink`
+        (the param_update stage) from the send thread while training goes on.
         """
-        per_tensor, _ = self._engine().get_per_tensor_param()
-        named = [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in per_tensor]
-        return named if torch.distributed.get_rank() == 0 else None
+        from param_update.sender import BucketSender, live_storage_addresses
+
+        if self._bucket_sender is None:
+            self._bucket_sender = BucketSender()
+        engine = self._engine()
+        live = live_storage_addresses(engine.module.state_dict().values())
+        per_tensor, _ = engine.get_per_tensor_param()
+        is_sender = torch.distributed.get_rank() == 0
+        return self._bucket_sender.gather_and_send(per_tensor, version, bucket_bytes, sink, is_sender, live)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def load_full_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
-        """Load full HF-named tensors into this rank's FSDP2 shards; returns tensors loaded."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    def weight_layout(self) -> dict[str, tuple]:
+        """HF name -> (dtype, global shape) of what `send_weight_buckets` sends (no data moves)."""
+        from verl.utils.model import convert_weight_keys
 
         module = self._engine().module
-        state = dict(named_tensors)
-        set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=True, strict=False))
-        return len(state)
+        state = convert_weight_keys(module.state_dict(), getattr(module, "_fsdp_wrapped_module", module))
+        return {name: (t.dtype, tuple(t.shape)) for name, t in state.items()}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def weight_digests(self) -> dict[str, str] | None:
+        """HF name -> digest of the full weights (collective; rank 0 returns them, others None)."""
+        from param_update.buckets import tensor_digest
+
+        per_tensor, _ = self._engine().get_per_tensor_param()
+        digests = {name: tensor_digest(t) for name, t in per_tensor}
+        return digests if torch.distributed.get_rank() == 0 else None
+
+    # ---- receiving side (logp): stage, check, commit ---------------------------------------
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def configure_weight_sync(self) -> None:
+        """Set up this rank's staging (a load into FSDP2 shards is always a copy).
+
+        Names are the HF names the trainer sends (verl's `convert_weight_keys`), shapes global.
+        """
+        from verl.utils.model import convert_weight_keys
+
+        from param_update.staging import VersionStager
+
+        module = self._engine().module
+        hf_model = getattr(module, "_fsdp_wrapped_module", module)
+        state = module.state_dict()
+        self._module_key = convert_weight_keys({key: key for key in state}, hf_model)  # HF name -> module key
+        expected = {name: (state[key].dtype, tuple(state[key].shape)) for name, key in self._module_key.items()}
+        self._stager = VersionStager(expected)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    @ray.method(concurrency_group=WEIGHTS_GROUP)
+    def stage_weight_bucket(self, version: int, index: int, refs: list, slices: list) -> dict[str, float]:
+        """recv (fetch from Ray's object store) + register-buffer; runs beside compute."""
+        import time
+
+        from param_update.buckets import Bucket
+
+        start = time.perf_counter()
+        data = ray.get(refs[0], timeout=RECV_TIMEOUT_S)
+        fetched = time.perf_counter()
+        self._stager.stage(version, Bucket(version, index, data, slices))
+        return {"recv_s": fetched - start, "register_s": time.perf_counter() - fetched}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    @ray.method(concurrency_group=WEIGHTS_GROUP)
+    def check_weights(self, version: int, num_buckets: int) -> None:
+        self._stager.check_complete(version, num_buckets)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    @ray.method(concurrency_group=WEIGHTS_GROUP)
+    def discard_weights(self, version: int) -> None:
+        if self._stager.version == version:
+            self._stager.reset()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def commit_weights(self, version: int, num_buckets: int, consume_bytes: int) -> int:
+        """load: the staged version into this rank's FSDP2 shards, `consume_bytes` at a time; returns tensors."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        self._stager.check_complete(version, num_buckets)
+        module = self._engine().module
+        options = StateDictOptions(full_state_dict=True, strict=False)
+        loaded, group, group_bytes = 0, {}, 0
+        for name, tensor in self._stager.named_tensors():
+            group[self._module_key[name]] = tensor
+            group_bytes += tensor.nbytes
+            if group_bytes >= consume_bytes:
+                set_model_state_dict(module, group, options=options)
+                loaded, group, group_bytes = loaded + len(group), {}, 0
+        if group:
+            set_model_state_dict(module, group, options=options)
+            loaded += len(group)
+        self._stager.reset()
+        return loaded

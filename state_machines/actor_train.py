@@ -1,10 +1,11 @@
-"""actor_train stage: joins reward, logp and ref_logp per step, trains, publishes weights.
+"""actor_train stage: joins reward, logp and ref_logp per step, trains, sends the new weights.
 
 For step j it waits for the three results of batch j (in order), builds verl's
 training batch (token-level scores on the last response token, advantages through
 verl's `compute_advantage`: GRPO and every other estimator verl has), runs verl's
-`update_actor` on the train worker group, gathers the new weights (version j + 1)
-and sends them to param_update. Step metrics use verl's names
+`update_actor` on the train worker group, then gathers version j + 1 into buckets
+that the workers' send thread streams to param_update (param_update/sender.py); the
+next step starts as soon as the gather is done. Step metrics use verl's names
 (`compute_data_metrics`, `actor/*`) plus `async/*`.
 """
 
@@ -21,7 +22,6 @@ import torch
 from async_rl import engine_calls
 from async_rl.resources import make_worker_group
 from async_rl.staleness import sample_staleness
-from param_update.gather import gather_full_weights, publish
 from state_machines.base import END_OF_STREAM, StateMachine
 from state_machines.logp import LogpResult
 from state_machines.param_update import NewWeights
@@ -58,11 +58,14 @@ def trainable_rows(kept: int, mini_batch_rows: int, dp_size: int, group_size: in
 class ActorTrainStage(StateMachine):
     """verl's actor update, one step per batch, in batch order."""
 
-    def __init__(self, config, world_size: int, max_staleness: int):
+    def __init__(self, config, world_size: int, max_staleness: int, weight_sink=None, bucket_bytes: int = 512 << 20):
+        """`weight_sink`: the param_update stage handle; `bucket_bytes`: the gather's bucket size."""
         super().__init__("actor_train", inbox_size=6)
         self.config = config
         self.world_size = world_size
         self.max_staleness = max_staleness
+        self.weight_sink = weight_sink
+        self.bucket_bytes = bucket_bytes
         self.worker_group = None
         self.version = 0  # trainer's policy version: number of updates done
         self._parts: dict[int, dict[str, Any]] = {}
@@ -72,6 +75,14 @@ class ActorTrainStage(StateMachine):
     def setup(self) -> int:
         self.worker_group = make_worker_group(self.config, "actor", self.world_size, "train")
         return self.world_size
+
+    def weight_digests(self) -> dict[str, str]:
+        """name -> digest of the full weights this stage's workers hold (bit-identity checks)."""
+        return self.worker_group.weight_digests()[0]
+
+    def weight_layout(self) -> dict:
+        """name -> (dtype, shape) of the weights this stage sends (param_update checks receivers against it)."""
+        return self.worker_group.weight_layout()[0]
 
     async def get_input_data(self):
         want = self.version  # batch j is trained at trainer version j
@@ -130,7 +141,7 @@ class ActorTrainStage(StateMachine):
             "async/staleness/mean": float(staleness.float().mean()),
         }
 
-    async def process_data(self, parts: dict) -> NewWeights:
+    async def process_data(self, parts: dict) -> None:
         from verl.trainer.ppo.metric_utils import compute_data_metrics
 
         step_start = time.perf_counter()
@@ -150,9 +161,12 @@ class ActorTrainStage(StateMachine):
                 )
             )
         t1 = time.perf_counter()
-        named = await asyncio.to_thread(gather_full_weights, self.worker_group)
+        # announce the version first: param_update stages its buckets while the gather still runs
+        await self.send_downstream(NewWeights(version=self.version + 1, started_at=time.time()))
+        await asyncio.to_thread(
+            self.worker_group.send_weight_buckets, self.version + 1, self.bucket_bytes, self.weight_sink
+        )
         t2 = time.perf_counter()
-        weights_ref = publish(named)
         self.version += 1
         metrics.update(compute_data_metrics(batch, use_critic=False))
         now = time.perf_counter()
@@ -161,15 +175,15 @@ class ActorTrainStage(StateMachine):
                 "training/global_step": self.version,
                 "async/param_version": float(self.version),
                 "timing_s/update_actor": t1 - t0,
-                "timing_s/param_update/gather": t2 - t1,
+                "timing_s/gather_weights": t2 - t1,  # training waits this long for the weight sync
                 "timing_s/step": now - (self._last_step_end if self._last_step_end is not None else step_start),
             }
         )
         self._last_step_end = now
         self._metrics.append(metrics)
-        return NewWeights(version=self.version, weights_ref=weights_ref)
+        return None  # NewWeights already went downstream
 
-    async def send_output_data(self, data: NewWeights) -> bool:
+    async def send_output_data(self, data) -> bool:
         return await self.send_downstream(data)
 
     def pop_metrics(self) -> list[dict]:

@@ -56,6 +56,41 @@ async def generate_one(server, prompt_ids: list[int], sampling_params: dict, tim
     return await asyncio.wait_for(ref, timeout=timeout_s)
 
 
+@dataclass
+class Response:
+    """A response assembled from one or more segments (a segment ends when a weight load aborts it)."""
+
+    token_ids: list[int]
+    log_probs: list[float]
+    token_versions: list[int]
+    segments: int
+
+
+async def generate_resumable(
+    server, prompt_ids: list[int], sampling_params: dict, timeout_s: float, served_version: int, max_segments: int = 64
+) -> Response:
+    """Generate, resubmitting prompt + tokens so far whenever the server aborts the request
+    (verl's GPU servers abort in-flight requests around a weight load). Tokens, behaviour
+    log-probs and the version of each token are kept; the resubmission gets the remaining
+    token budget and its KV cache is recomputed under the new weights."""
+    budget = int(sampling_params["max_tokens"])
+    tokens: list[int] = []
+    log_probs: list[float] = []
+    versions: list[int] = []
+    for segment in range(1, max_segments + 1):
+        params = {**sampling_params, "max_tokens": budget - len(tokens)}
+        out = await generate_one(server, list(prompt_ids) + tokens, params, timeout_s)
+        fields = out.extra_fields or {}
+        tokens += list(out.token_ids)
+        log_probs += list(out.log_probs or [0.0] * len(out.token_ids))
+        version = fields.get("global_steps", served_version)
+        versions += list(fields.get("token_versions") or [version if version is not None else served_version]
+                         * len(out.token_ids))
+        if out.stop_reason != "aborted" or len(tokens) >= budget:
+            return Response(tokens, log_probs, versions, segment)
+    raise RuntimeError(f"request aborted {max_segments} times in a row; the rollout server keeps aborting it")
+
+
 class GenerateStage(StateMachine):
     """Samples `n` responses per prompt on the rollout servers, within the staleness bound."""
 
@@ -95,19 +130,19 @@ class GenerateStage(StateMachine):
         for prompt_ids, non_tensor in zip(batch.prompt_ids, batch.non_tensor):
             uid = uuid.uuid4().hex
             for _ in range(self.n):
-                jobs.append(generate_one(self._pick_server(), prompt_ids, self.sampling_params, self.request_timeout_s))
+                jobs.append(generate_resumable(self._pick_server(), prompt_ids, self.sampling_params,
+                                               self.request_timeout_s, start_version))
                 meta.append((uid, prompt_ids, non_tensor))
         outputs = await asyncio.gather(*jobs)
         samples = []
         for (uid, prompt_ids, non_tensor), out in zip(meta, outputs):
-            versions = out.extra_fields.get("token_versions") or [start_version] * len(out.token_ids)
             samples.append(
                 Sample(
                     uid=uid,
                     prompt_ids=list(prompt_ids),
-                    response_ids=list(out.token_ids),
-                    rollout_log_probs=list(out.log_probs or [0.0] * len(out.token_ids)),
-                    token_versions=list(versions),
+                    response_ids=out.token_ids,
+                    rollout_log_probs=out.log_probs,
+                    token_versions=out.token_versions,
                     non_tensor={**non_tensor, "start_version": start_version},
                 )
             )

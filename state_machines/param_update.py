@@ -1,36 +1,61 @@
-"""param_update stage: takes each new version from actor_train and syncs it to the receivers."""
+"""param_update stage: receives each new version's buckets and syncs them to every receiver.
+
+The trainer's send thread announces buckets here (`put_bucket`, `end_version`); actor_train
+sends one `NewWeights` per version through the inbox when its gather is done. For each,
+`OverlappedWeightSync` stages the buckets on the rollout servers and logp workers as they
+arrive and loads the complete version (param_update/overlapped.py).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from param_update.interface import WeightSync
+from param_update.overlapped import BucketRef, BucketStream, OverlappedWeightSync, VersionEnd
 from state_machines.base import StateMachine
 
 
 @dataclass
 class NewWeights:
-    """A trained version: its full tensors by reference (gathered by actor_train)."""
+    """Version `version` is on its way (its buckets arrive through `put_bucket`)."""
 
     version: int
-    weights_ref: Any
+    started_at: float  # wall time (time.time()) when its gather began
 
 
 class ParamUpdateStage(StateMachine):
-    """Syncs every new version through a `WeightSync`; keeps the timings for metrics."""
+    """Syncs every new version; keeps the per-part timings for the driver's metrics.
 
-    def __init__(self, weight_sync: WeightSync):
+    Args:
+        receivers: weight receivers (`param_update.overlapped.ActorReceiver`, `GPUReplicaReceiver`).
+        generate_stage: handle told the served version after each load.
+        max_buckets_in_flight: buckets announced but not yet staged everywhere.
+        timeout_s: one wait in a sync (a bucket, a receiver call) may take this long.
+    """
+
+    def __init__(self, receivers, generate_stage, max_buckets_in_flight: int = 4, timeout_s: float = 300.0):
         super().__init__("param_update", inbox_size=1)
-        self.weight_sync = weight_sync
+        self.stream = BucketStream(max_buckets_in_flight)
+        self.weight_sync = OverlappedWeightSync(receivers, generate_stage, self.stream, timeout_s)
         self.synced_version = 0
         self.timings: dict[int, dict[str, float]] = {}
 
+    # ---- called by the trainer's send thread -------------------------------------------
+    async def put_bucket(self, version: int, index: int, refs: list, slices: list) -> None:
+        """Announce one bucket; returns when there is room for it (backpressure on the sender)."""
+        await self.stream.put_bucket(BucketRef(version, index, refs, slices))
+
+    def end_version(self, version: int, num_buckets: int, trainer_timings: dict) -> None:
+        self.stream.end_version(VersionEnd(version, num_buckets, trainer_timings))
+
+    def sender_failed(self, version: int, message: str) -> None:
+        self.stream.fail(version, message)
+
+    # ---- the state machine ---------------------------------------------------------------
     async def get_input_data(self):
         return await self.next_from_inbox()
 
     async def process_data(self, data: NewWeights) -> None:
-        self.timings[data.version] = await self.weight_sync.sync(data.version, data.weights_ref)
+        self.timings[data.version] = await self.weight_sync.sync(data.version, data.started_at)
         self.synced_version = data.version
         return None  # nothing flows downstream: receivers are called directly
 

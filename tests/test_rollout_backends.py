@@ -185,3 +185,31 @@ def test_sampling_params_follow_the_rollout_config():
 def test_requests_with_a_distinct_id_each():
     calls = captured_requests(rollout_cfg())
     assert len({c["request_id"] for c in calls}) == len(calls)
+
+
+def test_aborted_request_is_resubmitted_with_its_tokens_and_the_remaining_budget():
+    """verl's GPU servers abort in-flight requests around a weight load; nothing generated is lost."""
+    from verl.workers.rollout.replica import TokenOutput
+
+    from state_machines.generate import generate_resumable
+
+    calls = []
+    replies = [
+        TokenOutput(token_ids=[7, 8], log_probs=[-0.1, -0.2], stop_reason="aborted", extra_fields={"global_steps": 3}),
+        TokenOutput(token_ids=[], log_probs=[], stop_reason="aborted", extra_fields={"global_steps": 4}),
+        TokenOutput(token_ids=[9], log_probs=[-0.3], stop_reason="completed", extra_fields={"global_steps": 4}),
+    ]
+
+    class Server:
+        class generate:  # noqa: N801 - mimics a Ray actor method
+            @staticmethod
+            async def remote(**kwargs):
+                calls.append(kwargs)
+                return replies[len(calls) - 1]
+
+    out = asyncio.run(generate_resumable(Server, [1, 2], {"temperature": 1.0, "max_tokens": 5}, 10, served_version=3))
+    assert (out.token_ids, out.log_probs, out.token_versions, out.segments) == (
+        [7, 8, 9], [-0.1, -0.2, -0.3], [3, 3, 4], 3
+    )
+    assert [c["prompt_ids"] for c in calls] == [[1, 2], [1, 2, 7, 8], [1, 2, 7, 8]]
+    assert [c["sampling_params"]["max_tokens"] for c in calls] == [5, 3, 3]

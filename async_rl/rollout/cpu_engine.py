@@ -21,8 +21,10 @@ Only models whose layers are all full attention are supported (Qwen2/Qwen3,
 Llama, ...); sliding-window or linear-attention layers are rejected at
 construction.
 
-Weights: :meth:`ContinuousBatchingEngine.update_weights` runs between steps
-(it takes the same lock as a step, so never in the middle of a forward). After
+Weights: :meth:`ContinuousBatchingEngine.load_staged` (a complete version staged by
+param_update: swap of a dual buffer's halves, or a copy) and
+:meth:`ContinuousBatchingEngine.update_weights` (full tensors) run between steps
+(they take the same lock as a step, so never in the middle of a forward). After
 an update the KV cache is dropped and every in-flight sequence is re-prefilled
 with the new weights, so each token's log-prob is exactly the one its recorded
 version assigns to it given the whole prefix.
@@ -50,6 +52,7 @@ import asyncio
 import collections
 import logging
 import math
+import time
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -454,6 +457,33 @@ class ContinuousBatchingEngine:
             self._cache_stale = True
         self._wakeup.set()
 
+    def weight_layout(self):
+        """(expected, aliases, tensors) of the model's weights, for a staging buffer (param_update.staging)."""
+        from param_update.staging import weight_layout
+
+        return weight_layout(self.model.state_dict(keep_vars=True))
+
+    async def load_staged(self, stager, version: int, consume_bytes: int, swap: bool) -> float:
+        """load: make a complete staged version (param_update.staging) the served weights, between two steps.
+
+        `swap` (dual buffer): the staged tensors become the weights, zero copy; else they are
+        copied in, `consume_bytes` at a time. Either way no step runs meanwhile, so no token
+        ever sees two versions. Returns the seconds generation was blocked (the step lock held).
+        """
+        self._ensure_started()
+        _, _, tensors = self.weight_layout()
+        async with self._step_lock:
+            start = time.perf_counter()
+            if swap:
+                stager.swap_into(tensors)
+            else:
+                await asyncio.to_thread(stager.copy_into, tensors, consume_bytes)
+            self._version = version
+            self._cache_stale = True
+            blocked_s = time.perf_counter() - start
+        self._wakeup.set()
+        return blocked_s
+
     async def close(self) -> None:
         """Abort everything and stop the background loop."""
         self._closed = True
@@ -633,9 +663,10 @@ class ContinuousBatchingEngine:
 
 
 def _copy_into(params: dict[str, torch.Tensor], updates: list[tuple[str, torch.Tensor]]) -> None:
+    # new private storage, not an in-place copy: swapped-in weights may be read-only object-store views
     with torch.no_grad():
         for name, tensor in updates:
-            params[name].copy_(tensor.detach().to(device="cpu", dtype=params[name].dtype))
+            params[name].data = tensor.detach().to(device="cpu", dtype=params[name].dtype).clone()
 
 
 def _default_eos(model: PreTrainedModel) -> set[int]:

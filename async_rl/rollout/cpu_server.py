@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from typing import Any, Optional
 
 import torch
@@ -58,6 +59,8 @@ class CPURolloutServer:
         self.engine: Optional[ContinuousBatchingEngine] = None
         self.max_model_len: Optional[int] = self.config.max_model_len
         self._rejecting = False  # set by abort_all_requests(reject_request=True) until resume_generation()
+        self._stager = None  # param_update staging buffer, set by configure_weight_sync()
+        self._consume_bytes = 0
 
         # There is no HTTP endpoint. The port is reserved (bound, never listening) only so that
         # "ip:port" is unique per replica: verl's load balancer keys servers by that address.
@@ -191,9 +194,63 @@ class CPURolloutServer:
         await self.engine.update_weights(
             [(name, t if isinstance(t, torch.Tensor) else torch.as_tensor(t)) for name, t in named_tensors], version
         )
+        if self._stager is not None:
+            self._stager.release_serving()  # the engine copied the weights into its own memory
 
     async def get_param_version(self) -> int:
         return self.engine.param_version
+
+    # ------------------------------------------------------------------ weights, in buckets (param_update/)
+
+    def configure_weight_sync(self, dual_buffer: bool, consume_bucket_bytes: int, sender_layout=None) -> None:
+        """Set up staging: `dual_buffer` loads by swapping in the staged version, else by copying it.
+
+        `sender_layout` (name -> (dtype, shape), the trainer's) is checked against this model
+        now, so a mismatch fails at start rather than at the first sync.
+        """
+        from param_update.staging import VersionStager, layout_mismatches
+
+        expected, aliases, _ = self.engine.weight_layout()
+        problems = layout_mismatches(sender_layout, expected, aliases) if sender_layout is not None else []
+        if problems:
+            raise ValueError(
+                f"rollout server {self.replica_rank} cannot take the trainer's weights: " + "; ".join(problems[:5])
+            )
+        self._stager = VersionStager(expected, aliases)
+        self._dual_buffer = dual_buffer
+        self._consume_bytes = int(consume_bucket_bytes)
+
+    async def stage_weight_bucket(self, version: int, index: int, refs: list, slices: list) -> dict[str, float]:
+        """recv (fetch bucket `index` of `version` from Ray's object store) + register-buffer (stage it)."""
+        from param_update.buckets import Bucket
+
+        start = time.perf_counter()
+        data = await refs[0]
+        fetched = time.perf_counter()
+        await asyncio.to_thread(self._stager.stage, version, Bucket(version, index, data, slices))
+        return {"recv_s": fetched - start, "register_s": time.perf_counter() - fetched}
+
+    def check_weights(self, version: int, num_buckets: int) -> None:
+        """Raise unless every bucket and tensor of `version` is staged."""
+        self._stager.check_complete(version, num_buckets)
+
+    async def commit_weights(self, version: int, num_buckets: int) -> dict[str, float]:
+        """load: serve the staged `version` from the next decoding step on."""
+        self._stager.check_complete(version, num_buckets)
+        start = time.perf_counter()
+        blocked_s = await self.engine.load_staged(self._stager, version, self._consume_bytes, swap=self._dual_buffer)
+        return {"load_s": time.perf_counter() - start, "blocked_s": blocked_s}
+
+    def weight_digests(self) -> dict[str, str]:
+        """name -> digest of the served weights (bit-identity checks against the trainer)."""
+        from param_update.buckets import tensor_digest
+
+        return {name: tensor_digest(t) for name, t in self.engine.model.state_dict().items()}
+
+    def discard_weights(self, version: int) -> None:
+        """Drop a staged version that will not be loaded; the served one is untouched."""
+        if self._stager.version == version:
+            self._stager.reset()
 
     # ------------------------------------------------------------------ memory (no-ops on CPU)
 

@@ -1,0 +1,300 @@
+"""Benchmark: the five-part weight sync against a naive blocking sync and a raw memory copy.
+
+For synthetic Qwen2 models of about 10M, 100M and 500M parameters (float32), on this
+machine, in one run:
+
+- pipeline: this project's sync (param_update/): the trainer gathers into buckets and its
+  send thread puts them into Ray's object store; the param_update stage has the CPU
+  rollout server fetch and register each bucket in its dual buffer while it keeps
+  generating; the load swaps the halves between two decoding steps.
+- naive: stop-the-world, as verl's standalone sync does it (abort and pause generation,
+  gather everything, one put, load in full, resume): generation is blocked throughout.
+- raw copy: one `copy_` of the same bytes in one process, the physical limit here.
+
+Per size: total sync latency, the time generation was blocked, and how much a training
+step (forward + backward) that runs while the pipeline's sync is in flight slows down
+against the same step alone. The CPU rollout server decodes requests throughout.
+
+    python bench/param_update.py [--sizes 10M,100M,500M] [--json PATH]
+
+The trainer here is one process (its gather is a walk over its state dict); in the
+pipeline the same code walks verl's FSDP2 per-tensor generator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+
+# this file's name shadows the `param_update` package when run as a script: drop its folder
+sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+
+import ray  # noqa: E402
+import torch  # noqa: E402
+
+SIZES = {"2M": (64, 2), "10M": (256, 6), "100M": (768, 12), "500M": (1280, 24)}  # hidden, layers
+VOCAB = 8192
+TIMEOUT_S = 900
+
+
+def model_config(size: str):
+    from transformers import Qwen2Config
+
+    hidden, layers = SIZES[size]
+    return Qwen2Config(
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 128),
+        max_position_embeddings=128, tie_word_embeddings=False, dtype="float32",
+    )
+
+
+def build_model(size: str, seed: int):
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(model_config(size)).to(torch.float32)
+
+
+@ray.remote
+class Trainer:
+    """The training side: a model, the bucket sender, a training step."""
+
+    def __init__(self, size: str, seed: int):
+        from param_update.sender import BucketSender
+
+        self.model = build_model(size, seed)
+        self.sender = BucketSender()
+        self.batch = torch.randint(0, VOCAB, (4, 64))
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    def send(self, version: int, bucket_bytes: int, sink) -> float:
+        """gather + hand buckets to the send thread; returns when the gather is done."""
+        from param_update.sender import live_storage_addresses
+
+        state = self.model.state_dict()
+        live = live_storage_addresses(state.values())
+        return self.sender.gather_and_send(state.items(), version, bucket_bytes, sink, True, live)["gather_s"]
+
+    def gather_all(self):
+        """naive gather + put: every tensor in one object (one copy, as the pipeline's put)."""
+        return ray.put(list(self.model.state_dict().items()))
+
+    def train_step(self) -> float:
+        """Seconds of one forward + backward (no optimizer)."""
+        start = time.perf_counter()
+        self.model.zero_grad(set_to_none=True)
+        self.model(input_ids=self.batch, labels=self.batch).loss.backward()
+        seconds = time.perf_counter() - start
+        self.model.zero_grad(set_to_none=True)  # free the gradients' memory between steps
+        return seconds
+
+
+@ray.remote
+class VersionLog:
+    def __init__(self):
+        self.versions = []
+
+    def set_served_version(self, version: int) -> None:
+        self.versions.append(version)
+
+
+@ray.remote
+class LoadGenerator:
+    """Keeps `concurrency` requests decoding on the server until stopped; counts tokens."""
+
+    def __init__(self, server, concurrency: int = 4):
+        self.server = server
+        self.concurrency = concurrency
+        self.running = False
+        self.tokens = 0
+
+    async def client(self, k: int) -> None:
+        i = 0
+        while self.running:
+            out = await self.server.generate.remote(
+                prompt_ids=[1, 2, 3, 4], sampling_params={"temperature": 1.0, "max_tokens": 32},
+                request_id=f"bench-{k}-{i}",
+            )
+            self.tokens += len(out.token_ids)
+            i += 1
+
+    async def run(self) -> None:
+        self.running = True
+        await asyncio.gather(*(self.client(k) for k in range(self.concurrency)))
+
+    def count(self) -> int:
+        return self.tokens
+
+    def stop(self) -> int:
+        self.running = False
+        return self.tokens
+
+
+def raw_copy_s(nbytes: int, repeats: int = 3) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8).random_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # touch the pages once
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def object_store_put_s(nbytes: int, repeats: int = 2) -> float:
+    """One ray.put of the same bytes (a single uint8 array): the copy every object-store transfer pays."""
+    import numpy as np
+
+    array = np.ones(nbytes, dtype=np.uint8)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        ref = ray.put(array)
+        times.append(time.perf_counter() - start)
+        del ref
+    return min(times)
+
+
+def pipeline_sync(trainer, stage, version: int, bucket_bytes: int, train_during=False) -> tuple[dict, float | None]:
+    """One sync through the param_update stage; with `train_during`, a training step starts as
+    soon as the gather returns (as actor_train's next step does) and its seconds are returned."""
+    from state_machines.param_update import NewWeights
+
+    ray.get(stage.put.remote(NewWeights(version=version, started_at=time.time())), timeout=TIMEOUT_S)
+    ray.get(trainer.send.remote(version, bucket_bytes, stage), timeout=TIMEOUT_S)
+    step = trainer.train_step.remote() if train_during else None
+    step_s = ray.get(step, timeout=TIMEOUT_S) if step is not None else None
+    deadline = time.time() + TIMEOUT_S
+    while time.time() < deadline:
+        timings = ray.get(stage.pop_timings.remote(), timeout=TIMEOUT_S)
+        if version in timings:
+            return timings[version], step_s
+        time.sleep(0.02)
+    raise TimeoutError(f"sync of version {version} did not finish in {TIMEOUT_S} s")
+
+
+def naive_sync(trainer, server, version: int) -> dict:
+    """Stop the world: abort and pause generation, gather all, put, load in full, resume."""
+    start = time.perf_counter()
+    ray.get(server.abort_all_requests.remote(), timeout=TIMEOUT_S)
+    named_ref = ray.get(trainer.gather_all.remote(), timeout=TIMEOUT_S)
+    ray.get(server.update_weights.remote(named_tensors=named_ref, version=version), timeout=TIMEOUT_S)
+    ray.get(server.resume_generation.remote(), timeout=TIMEOUT_S)
+    total = time.perf_counter() - start
+    return {"total_s": total, "blocked_s": total}
+
+
+def bench_size(size: str, bucket_mb: float, consume_mb: float) -> dict:
+    from verl.workers.config import HFModelConfig, RolloutConfig
+
+    from async_rl.rollout.cpu_server import CPURolloutServer
+    from param_update.capacity import model_weight_bytes
+    from param_update.overlapped import ActorReceiver
+    from state_machines.param_update import ParamUpdateStage
+
+    with tempfile.TemporaryDirectory() as model_dir:
+        build_model(size, seed=0).save_pretrained(model_dir)
+        model_bytes = model_weight_bytes(model_dir)
+        config = RolloutConfig(name="cpu", tensor_model_parallel_size=1, prompt_length=8, response_length=32)
+        server = ray.remote(CPURolloutServer).options(max_concurrency=64).remote(
+            config=config, model_config=HFModelConfig(path=model_dir, load_tokenizer=False)
+        )
+        ray.get(server.launch_server.remote(), timeout=TIMEOUT_S)
+    ray.get(server.configure_weight_sync.remote(True, int(consume_mb * (1 << 20))), timeout=TIMEOUT_S)
+    trainer = Trainer.remote(size, seed=1)
+    params = ray.get(trainer.num_params.remote(), timeout=TIMEOUT_S)
+    stage = ray.remote(ParamUpdateStage).options(max_concurrency=64).remote(
+        [ActorReceiver("rollout_server", server, True)], VersionLog.remote()
+    )
+    ray.get(stage.connect.remote([], 1), timeout=TIMEOUT_S)
+    stage.run.remote()
+    load = LoadGenerator.remote(server)
+    load_run = load.run.remote()
+    deadline = time.time() + TIMEOUT_S
+    while ray.get(load.count.remote(), timeout=TIMEOUT_S) == 0 and time.time() < deadline:  # decoding has begun
+        time.sleep(0.05)
+    bucket_bytes = int(bucket_mb * (1 << 20))
+
+    pipeline_sync(trainer, stage, 1, bucket_bytes)  # warm-up: first buckets, page faults
+    ray.get(trainer.train_step.remote(), timeout=TIMEOUT_S)  # warm-up step
+    alone = statistics.median(ray.get(trainer.train_step.remote(), timeout=TIMEOUT_S) for _ in range(3))
+    runs = [pipeline_sync(trainer, stage, v, bucket_bytes, train_during=True) for v in (2, 3, 4)]
+    overlapped_step = statistics.median(step for _, step in runs)
+    naive_sync(trainer, server, 5)  # warm-up of the naive path
+    naive = min((naive_sync(trainer, server, v) for v in (6, 7)), key=lambda r: r["total_s"])
+    tokens = ray.get(load.stop.remote(), timeout=TIMEOUT_S)
+    ray.get(load_run, timeout=TIMEOUT_S)  # raises if the generation load failed
+    for actor in (stage, server, trainer, load):
+        ray.kill(actor, no_restart=True)
+    best = min((timings for timings, _ in runs), key=lambda t: t["timing_s/param_update/total"])
+    return {
+        "size": size,
+        "params": params,
+        "model_mb": model_bytes / (1 << 20),
+        "pipeline_total_s": best["timing_s/param_update/total"],
+        "pipeline_blocked_s": best["async/param_update/blocked_s"],
+        "naive_total_s": naive["total_s"],
+        "naive_blocked_s": naive["blocked_s"],
+        "raw_copy_s": raw_copy_s(model_bytes),
+        "object_store_put_s": object_store_put_s(model_bytes),
+        "train_step_slowdown": overlapped_step / alone,
+        "train_step_alone_s": alone,
+        "parts_s": {k.rsplit("/", 1)[-1]: v for k, v in best.items() if k.startswith("timing_s/")},
+        "tokens_generated": tokens,
+    }
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="10M,100M,500M", help=f"comma-separated, of {list(SIZES)}")
+    parser.add_argument("--bucket-mb", type=float, default=512.0, help="preduce bucket size, MB (the pipeline default)")
+    parser.add_argument("--consume-mb", type=float, default=128.0, help="consume bucket size, MB (the pipeline default)")
+    parser.add_argument("--json", help="write the rows as a JSON list here")
+    args = parser.parse_args(argv)
+    command = " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv])
+    ray.init(num_cpus=16, include_dashboard=False, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    rows = []
+    try:
+        for size in args.sizes.split(","):
+            rows.append(bench_size(size.strip(), args.bucket_mb, args.consume_mb))
+            print(f"done {size}: {json.dumps(rows[-1])}", flush=True)
+    finally:
+        ray.shutdown()
+    header = (f"{'size':>5} {'params':>11} {'MB':>7} | {'pipe total':>10} {'pipe blocked':>12} | "
+              f"{'naive total':>11} {'naive blocked':>13} | {'raw copy':>8} {'ray.put':>8} | {'blocked ratio':>13} "
+              f"{'total/raw':>9} | {'train slowdown':>14}")
+    print(f"\ncommand: {command}\ncpus: {os.cpu_count()}, torch {torch.__version__}, buckets {args.bucket_mb:g} MB "
+          f"(preduce) / {args.consume_mb:g} MB (consume), dual buffer on")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(f"{r['size']:>5} {r['params']:>11,} {r['model_mb']:>7.0f} | {r['pipeline_total_s']:>9.3f}s "
+              f"{r['pipeline_blocked_s']:>11.4f}s | {r['naive_total_s']:>10.3f}s {r['naive_blocked_s']:>12.3f}s | "
+              f"{r['raw_copy_s']:>7.3f}s {r['object_store_put_s']:>7.3f}s | "
+              f"{r['pipeline_blocked_s'] / r['naive_blocked_s']:>13.4f} "
+              f"{r['pipeline_total_s'] / r['raw_copy_s']:>9.2f} | {r['train_step_slowdown']:>13.2f}x")
+    print("goal: blocked ratio <= 0.1 (pipeline vs naive), total/raw <= 2.0; 'ray.put' is one object-store put "
+          "of the same bytes, a copy every transfer through Ray's object store pays")
+    for r in rows:
+        parts = ", ".join(f"{k} {v:.3f}s" for k, v in r["parts_s"].items())
+        print(f"{r['size']}: pipeline parts: {parts}")
+    if args.json:
+        keys = ("params", "pipeline_total_s", "pipeline_blocked_s", "naive_total_s", "naive_blocked_s",
+                "raw_copy_s", "train_step_slowdown")
+        with open(args.json, "w") as f:
+            json.dump([{"size": r["size"], **{k: r[k] for k in keys}} for r in rows], f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""The receiving side of the sync for verl's GPU rollout servers (sglang, vllm), as a verl
+checkpoint-engine backend.
+
+verl's standalone GPU replicas load weights through a `CheckpointEngineWorker` next to
+each server: `update_weights()` iterates `checkpoint_engine.receive_weights()` and hands
+the tensors to the server adapter, which loads them into the engine in buckets of
+`checkpoint_engine.update_weights_bucket_megabytes` (CUDA IPC). This backend,
+registered as `async_rl`, fills `receive_weights()` from a staging buffer that the
+pipeline's param_update stage fills bucket by bucket through the worker's
+`execute_checkpoint_engine(...)`: recv and register-buffer happen while the server
+generates; only the load pauses it (`GPUReplicaReceiver.commit`).
+
+The pipeline selects it by setting, for its rollout replicas only:
+`checkpoint_engine.backend=async_rl`, `custom_backend_module=param_update.checkpoint_engine`,
+`update_weights_bucket_megabytes=<consume bucket size>`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from typing import Any, Optional
+
+import ray
+import torch
+from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
+
+from param_update.buckets import Bucket
+from param_update.staging import VersionStager
+
+BACKEND = "async_rl"
+RECV_TIMEOUT_S = 300.0
+
+
+@CheckpointEngineRegistry.register(BACKEND)
+class StagedCheckpointEngine(CheckpointEngine):
+    """Receive-only checkpoint engine: buckets arrive through Ray's object store, not a collective.
+
+    Args:
+        bucket_size: verl's bucket size in bytes (the load's; unused by staging).
+        dual_buffer: stage into a second copy of the weights (else hold the buckets).
+    """
+
+    def __init__(self, bucket_size: int = 0, dual_buffer: bool = True, **kwargs: Any):
+        self.bucket_size = bucket_size
+        self.dual_buffer = dual_buffer
+        self.stager: Optional[VersionStager] = None
+        self._ready: Optional[tuple[int, int]] = None  # (version, num_buckets) checked complete
+
+    # ---- verl's CheckpointEngine interface --------------------------------------------------
+    def prepare(self) -> dict:
+        return {}  # no process group: buckets travel through Ray's object store
+
+    @classmethod
+    def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict]):
+        return {}, {}
+
+    def init_process_group(self, **kwargs: Any) -> None:
+        pass
+
+    def finalize(self) -> None:
+        pass
+
+    async def send_weights(self, weights, global_steps: int | None = None):
+        raise NotImplementedError("the pipeline's trainer sends with param_update.sender, not a checkpoint engine")
+
+    def receive_weights(self, global_steps: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """The complete staged version, tensor by tensor; the staging buffer is freed for the next one."""
+        if self._ready is None:
+            raise RuntimeError("receive_weights() before a staged version was checked complete")
+        try:
+            yield from self.stager.named_tensors()
+        finally:
+            self._ready = None
+            self.stager.reset()
+
+    # ---- called by the param_update stage (execute_checkpoint_engine) ------------------------------
+    def configure(self, expected: dict, dual_buffer: Optional[bool] = None) -> None:
+        """Set up staging for the trainer's layout (name -> (dtype, shape)).
+
+        A GPU engine always loads by copying (its own weight loader); the staged version's
+        buckets stay in the node's object store until then."""
+        if dual_buffer is not None:
+            self.dual_buffer = dual_buffer
+        self.stager = VersionStager(expected)
+
+    def stage_bucket(self, version: int, index: int, refs: list, slices: list) -> dict[str, float]:
+        start = time.perf_counter()
+        data = ray.get(refs[0], timeout=RECV_TIMEOUT_S)
+        fetched = time.perf_counter()
+        self.stager.stage(version, Bucket(version, index, data, slices))
+        return {"recv_s": fetched - start, "register_s": time.perf_counter() - fetched}
+
+    def check(self, version: int, num_buckets: int) -> None:
+        self.stager.check_complete(version, num_buckets)
+        self._ready = (version, num_buckets)
+
+    def discard(self, version: int) -> None:
+        if self.stager is not None and self.stager.version == version:
+            self._ready = None
+            self.stager.reset()
+
+
+class GPUReplicaReceiver:
+    """A verl GPU rollout replica (sglang / vllm) as a weight receiver of `OverlappedWeightSync`.
+
+    Staging goes to every `CheckpointEngineWorker` of the replica; the load pauses the
+    replica (`abort_all_requests`: in-flight requests return their partial output and are
+    resubmitted by the generate stage), runs verl's `update_weights` on every worker and
+    resumes generation.
+    """
+
+    def __init__(self, name: str, replica: Any):
+        self.name = name
+        self.replica = replica
+        self.serves_generation = True
+
+    def _on_workers(self, method: str, *args) -> list:
+        return [w.execute_checkpoint_engine.remote(method, *args) for w in self.replica.workers]
+
+    async def configure(self, expected: dict, dual_buffer: bool) -> None:
+        await asyncio.gather(*self._on_workers("configure", expected, dual_buffer))
+
+    async def stage(self, bucket) -> dict:
+        results = await asyncio.gather(
+            *self._on_workers("stage_bucket", bucket.version, bucket.index, bucket.refs, bucket.slices)
+        )
+        return {key: max(r[key] for r in results) for key in results[0]}
+
+    async def check(self, version: int, num_buckets: int) -> None:
+        await asyncio.gather(*self._on_workers("check", version, num_buckets))
+
+    async def commit(self, version: int, num_buckets: int) -> dict:
+        start = time.perf_counter()
+        await self.replica.abort_all_requests()
+        try:
+            await asyncio.gather(*(w.update_weights.remote(global_steps=version) for w in self.replica.workers))
+        finally:
+            await self.replica.resume_generation()
+        load_s = time.perf_counter() - start
+        return {"load_s": load_s, "blocked_s": load_s}
+
+    async def discard(self, version: int) -> None:
+        await asyncio.gather(*self._on_workers("discard", version))
+
+
+def use_staged_checkpoint_engine(config, consume_bucket_mb: float, dual_buffer: bool) -> None:
+    """Point verl's checkpoint-engine config at this backend (GPU rollout backends only), in place.
+
+    The replicas' `CheckpointEngineWorker`s then build a `StagedCheckpointEngine` and their
+    server adapters load in buckets of the consume size.
+    """
+    from omegaconf import open_dict
+
+    section = config.actor_rollout_ref.rollout.checkpoint_engine
+    with open_dict(section):
+        section.backend = BACKEND
+        section.custom_backend_module = __name__
+        section.update_weights_bucket_megabytes = max(1, int(round(consume_bucket_mb)))
+        section.engine_kwargs = {**section.get("engine_kwargs", {}), BACKEND: {"dual_buffer": dual_buffer}}

@@ -1,0 +1,183 @@
+"""recv + register-buffer + load: the receiving half of the five-part weight sync.
+
+Buckets of version v arrive from the trainer's send thread (`BucketStream`); each one is
+handed to every receiver as soon as it arrives, and each receiver fetches it from Ray's
+object store (recv) and registers it in its staging buffer (register-buffer) while
+generation and logp go on with v - 1. When the last bucket is staged everywhere, every
+receiver checks that v is complete (phase 1); only then does each one load it (phase 2,
+between decoding steps), and generate is told that v is served. A failure before phase 2
+drops the staged copy everywhere and leaves v - 1 serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from param_update.interface import WeightSync, WeightSyncError
+
+
+@dataclass
+class BucketRef:
+    """One announced bucket: where it is (`refs[0]`, a Ray ObjectRef) and what it carries."""
+
+    version: int
+    index: int
+    refs: list
+    slices: list
+
+
+@dataclass
+class VersionEnd:
+    version: int
+    num_buckets: int
+    trainer_timings: dict  # seconds: gather, send
+
+
+class BucketStream:
+    """The buckets of every version, as the send thread announces them (in order).
+
+    `max_in_flight` bounds buckets announced but not yet staged by every receiver: the
+    sender's `put_bucket` waits for room, so Ray's object store holds at most that many.
+    """
+
+    def __init__(self, max_in_flight: int = 4):
+        self._queues: dict[int, asyncio.Queue] = {}
+        self._room = asyncio.Semaphore(max_in_flight)
+
+    def _queue(self, version: int) -> asyncio.Queue:
+        return self._queues.setdefault(version, asyncio.Queue())
+
+    async def put_bucket(self, bucket: BucketRef) -> None:
+        await self._room.acquire()
+        self._queue(bucket.version).put_nowait(bucket)
+
+    def end_version(self, end: VersionEnd) -> None:
+        self._queue(end.version).put_nowait(end)
+
+    def fail(self, version: int, message: str) -> None:
+        self._queue(version).put_nowait(WeightSyncError(f"the trainer's send of version {version} failed: {message}"))
+
+    async def next(self, version: int, timeout_s: float):
+        """The next BucketRef or VersionEnd of `version`; raises WeightSyncError on a send failure or timeout."""
+        try:
+            item = await asyncio.wait_for(self._queue(version).get(), timeout=timeout_s)
+        except asyncio.TimeoutError as exc:
+            raise WeightSyncError(f"no bucket of version {version} arrived for {timeout_s:g} s") from exc
+        if isinstance(item, Exception):
+            raise item
+        if isinstance(item, VersionEnd):
+            del self._queues[version]
+        return item
+
+    def release(self) -> None:
+        """A bucket is staged everywhere: room for the next one."""
+        self._room.release()
+
+
+class ActorReceiver:
+    """A receiver behind a Ray actor handle with the four weight-sync methods.
+
+    `stage_weight_bucket(version, index, refs, slices) -> {recv_s, register_s}`,
+    `check_weights(version, num_buckets)`, `commit_weights(version, num_buckets) ->
+    {load_s, blocked_s}`, `discard_weights(version)`.
+    """
+
+    def __init__(self, name: str, handle: Any, serves_generation: bool):
+        self.name = name
+        self.handle = handle
+        self.serves_generation = serves_generation
+
+    async def stage(self, bucket: BucketRef) -> dict:
+        return await self.handle.stage_weight_bucket.remote(bucket.version, bucket.index, bucket.refs, bucket.slices)
+
+    async def check(self, version: int, num_buckets: int) -> None:
+        await self.handle.check_weights.remote(version, num_buckets)
+
+    async def commit(self, version: int, num_buckets: int) -> dict:
+        return await self.handle.commit_weights.remote(version, num_buckets)
+
+    async def discard(self, version: int) -> None:
+        await self.handle.discard_weights.remote(version)
+
+
+class OverlappedWeightSync(WeightSync):
+    """Stages each bucket on every receiver as it arrives, then a two-phase load.
+
+    Args:
+        receivers: objects with async `stage`, `check`, `commit`, `discard` (e.g. ActorReceiver).
+        generate_stage: handle with `set_served_version(version)`.
+        stream: where the trainer's buckets arrive.
+        timeout_s: any one wait (a bucket, a receiver call) may take this long.
+    """
+
+    def __init__(self, receivers: list, generate_stage: Any, stream: BucketStream, timeout_s: float = 300.0):
+        if not receivers:
+            raise ValueError("weight sync needs at least one receiver")
+        self.receivers = list(receivers)
+        self.generate_stage = generate_stage
+        self.stream = stream
+        self.timeout_s = timeout_s
+
+    async def _on_all(self, what: str, version: int, calls: dict) -> dict:
+        """Await one call per receiver; a failure or timeout names the receiver."""
+        names = list(calls)
+        results = await asyncio.gather(
+            *(asyncio.wait_for(c, timeout=self.timeout_s) for c in calls.values()), return_exceptions=True
+        )
+        for name, result in zip(names, results):
+            if isinstance(result, asyncio.TimeoutError):
+                raise WeightSyncError(f"{what} of version {version} on receiver {name!r} took over {self.timeout_s:g} s")
+            if isinstance(result, BaseException):
+                raise WeightSyncError(
+                    f"{what} of version {version} failed on receiver {name!r}: {type(result).__name__}: {result}"
+                ) from result
+        return dict(zip(names, results))
+
+    async def _stage_bucket(self, bucket: BucketRef, totals: dict) -> None:
+        try:
+            results = await self._on_all("register-buffer", bucket.version,
+                                         {r.name: r.stage(bucket) for r in self.receivers})
+        finally:
+            self.stream.release()
+        for name, t in results.items():
+            totals.setdefault(name, {"recv_s": 0.0, "register_s": 0.0})
+            totals[name]["recv_s"] += t["recv_s"]
+            totals[name]["register_s"] += t["register_s"]
+
+    async def sync(self, version: int, started_at: float) -> dict[str, float]:
+        """Deliver `version`; `started_at` is the wall time (time.time()) its gather began."""
+        totals: dict[str, dict] = {}
+        staging: list[asyncio.Task] = []
+        try:
+            while True:
+                item = await self.stream.next(version, self.timeout_s)
+                if isinstance(item, VersionEnd):
+                    break
+                staging.append(asyncio.ensure_future(self._stage_bucket(item, totals)))
+                done = [t for t in staging if t.done()]
+                for task in done:  # surface a failed bucket without waiting for the rest
+                    task.result()
+            await asyncio.gather(*staging)
+            await self._on_all("check", version, {r.name: r.check(version, item.num_buckets) for r in self.receivers})
+        except BaseException:
+            for task in staging:
+                task.cancel()
+            await asyncio.gather(*staging, return_exceptions=True)
+            await asyncio.gather(*(r.discard(version) for r in self.receivers), return_exceptions=True)
+            raise
+        loads = await self._on_all("load", version, {r.name: r.commit(version, item.num_buckets) for r in self.receivers})
+        await self.generate_stage.set_served_version.remote(version)
+        blocked = [loads[r.name]["blocked_s"] for r in self.receivers if r.serves_generation]
+        return {
+            "timing_s/param_update/gather": item.trainer_timings["gather"],
+            "timing_s/param_update/send": item.trainer_timings["send"],
+            "timing_s/param_update/recv": max((t["recv_s"] for t in totals.values()), default=0.0),
+            "timing_s/param_update/register_buffer": max((t["register_s"] for t in totals.values()), default=0.0),
+            "timing_s/param_update/load": max(t["load_s"] for t in loads.values()),
+            "timing_s/param_update/total": time.time() - started_at,
+            "async/param_update/blocked_s": max(blocked, default=0.0),
+            "async/param_update/num_buckets": float(item.num_buckets),
+        }

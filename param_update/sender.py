@@ -1,0 +1,120 @@
+"""gather + send, on the training side.
+
+gather: every train rank walks verl's per-tensor generator (`get_per_tensor_param`:
+FSDP2 shards -> full tensors, a collective), rank 0 groups the tensors into buckets of
+`param_update_preduce_bucket_size_mb` (views, no copy). That is all training waits for,
+with one exception: a tensor that is the live weight itself (one rank, no gather copy)
+is put into the object store before training may change it.
+
+send: a background thread of rank 0 puts each bucket into Ray's object store (one copy,
+off the accelerator, no collective) and announces it to the sink (the param_update
+stage), so the next training step runs while the buckets travel. The sink's
+`put_bucket` returns only when it has room, which bounds the buckets in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any, Optional
+
+import ray
+import torch
+
+from param_update.buckets import pack_buckets
+
+logger = logging.getLogger(__name__)
+
+SINK_TIMEOUT_S = 600.0  # one announce may wait this long for room at the sink
+_END = object()
+
+
+class BucketSender:
+    """Owns the send thread of one trainer process; buckets leave in order, version by version.
+
+    Args:
+        max_queued: packed buckets waiting for the thread before gather waits (memory bound).
+    """
+
+    def __init__(self, max_queued: int = 2):
+        self._queue: queue.Queue = queue.Queue(maxsize=max_queued)
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name="weight-bucket-sender", daemon=True)
+        self._thread.start()
+
+    def gather_and_send(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, bucket_bytes: int, sink: Any,
+        is_sender: bool, live_storages: frozenset[int] = frozenset(),
+    ) -> dict[str, float]:
+        """Walk the tensors (every rank: the gather is collective); rank 0 queues them as buckets.
+
+        `live_storages`: storage addresses of the live weights; a bucket holding one of them
+        is put into the object store here, before returning. Returns `{"gather_s": seconds}`;
+        sending goes on in the thread.
+        """
+        self.raise_if_failed()
+        start = time.perf_counter()
+        if not is_sender:
+            for _ in named_tensors:
+                pass
+            return {"gather_s": time.perf_counter() - start}
+        live_names = set()
+
+        def note_live(pairs):
+            for name, tensor in pairs:
+                if tensor.untyped_storage().data_ptr() in live_storages:
+                    live_names.add(name)
+                yield name, tensor
+
+        count = 0
+        for bucket in pack_buckets(note_live(named_tensors), bucket_bytes, version):
+            aliases_live = any(s.name in live_names for s in bucket.slices)
+            ref = ray.put(bucket.data) if aliases_live else None
+            self._queue.put((bucket, (sink, ref)))
+            count += 1
+        gather_s = time.perf_counter() - start
+        self._queue.put((_END, (version, count, gather_s, sink)))
+        return {"gather_s": gather_s}
+
+    def raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"the weight send thread failed: {type(self._error).__name__}: {self._error}")
+
+    def _run(self) -> None:
+        send_s = 0.0
+        while True:
+            item, payload = self._queue.get()
+            try:
+                if item is _END:
+                    version, count, gather_s, sink = payload
+                    ray.get(sink.end_version.remote(version, count, {"gather": gather_s, "send": send_s}),
+                            timeout=SINK_TIMEOUT_S)
+                    send_s = 0.0
+                    continue
+                sink, ref = payload
+                start = time.perf_counter()
+                ref = ray.put(item.data) if ref is None else ref
+                # the ref travels inside a list so that Ray passes it on instead of resolving it
+                ray.get(sink.put_bucket.remote(item.version, item.index, [ref], item.slices), timeout=SINK_TIMEOUT_S)
+                send_s += time.perf_counter() - start
+            except BaseException as exc:  # noqa: BLE001 - reported to the sink and to the next gather
+                self._error = exc
+                logger.exception("weight send failed")
+                sink = payload[3] if item is _END else payload[0]
+                version = payload[0] if item is _END else item.version
+                try:
+                    sink.sender_failed.remote(version, f"{type(exc).__name__}: {exc}")
+                except Exception:  # noqa: BLE001 - the sink may be gone too
+                    pass
+
+
+def live_storage_addresses(tensors: Iterable[torch.Tensor]) -> frozenset[int]:
+    """Storage addresses of live weights (DTensors: their local shards), for `gather_and_send`."""
+    out = set()
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        out.add(local.untyped_storage().data_ptr())
+    return frozenset(out)

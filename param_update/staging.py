@@ -1,0 +1,223 @@
+"""register-buffer: where a receiver keeps a version while its buckets arrive.
+
+A receiver (rollout engine, logp worker, GPU checkpoint-engine worker) stages version v
+bucket by bucket while it keeps serving v - 1; v becomes loadable only once every bucket
+(0 .. num_buckets - 1) and every byte of every expected tensor has arrived. A staged
+bucket is not copied: the receiver keeps the zero-copy views Ray's object store hands
+out, so the node's shared memory holds each version once for all its receivers.
+
+The load then either
+- swaps (`swap_into`, the dual buffer, `enable_dual_buffer=True`): the staged tensors
+  become the weights, zero copy, and their buckets stay pinned while they serve. The
+  object store holds two versions (serving and arriving); generation is blocked only
+  for the swap. Used by the CPU rollout engine.
+- or copies (`copy_into`, `enable_dual_buffer=False`, and every load into FSDP shards
+  or a GPU engine): the bytes go into the live weights, and the buckets are released.
+  The object store holds one version; generation is blocked for the whole copy.
+
+Either way nothing touches the serving weights before the version is complete, so a
+failed sync leaves the previous version serving.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Optional
+
+import torch
+
+from param_update.buckets import Bucket, as_tensor, slice_tensor, tensor_bytes, write_slices
+
+
+class StagingError(RuntimeError):
+    """A version could not be staged (wrong order, unknown tensor, missing bucket or bytes)."""
+
+
+def canonical_names(state: dict[str, torch.Tensor]) -> dict[str, str]:
+    """name -> the first name sharing its storage (tied weights, e.g. lm_head and embed_tokens)."""
+    first: dict[int, str] = {}
+    out = {}
+    for name, tensor in state.items():
+        key = (tensor.data_ptr(), tensor.nbytes) if tensor.numel() else id(tensor)
+        out[name] = first.setdefault(key, name)
+    return out
+
+
+def weight_layout(state: dict[str, torch.Tensor]):
+    """(expected, aliases, tensors) of a state dict: canonical name -> (dtype, shape), alias -> canonical,
+    and canonical name -> the live tensor (what a load writes or swaps into)."""
+    canon = canonical_names(state)
+    tensors = {name: t for name, t in state.items() if canon[name] == name}
+    expected = {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}
+    aliases = {name: c for name, c in canon.items() if name != c}
+    return expected, aliases, tensors
+
+
+def layout_mismatches(sent: dict, expected: dict, aliases: dict) -> list[str]:
+    """How a sender's layout (name -> (dtype, shape)) differs from what a receiver expects; [] if it fits."""
+    problems, covered = [], set()
+    for name, (dtype, shape) in sent.items():
+        canonical = aliases.get(name, name)
+        if canonical not in expected:
+            problems.append(f"{name!r} is sent but the receiver has no such tensor")
+        elif (dtype, tuple(shape)) != (expected[canonical][0], tuple(expected[canonical][1])):
+            want = expected[canonical]
+            problems.append(f"{name!r} is sent as {dtype} {tuple(shape)}, the receiver holds {want[0]} {tuple(want[1])}")
+        else:
+            covered.add(canonical)
+    problems += [f"{name!r} is never sent" for name in sorted(set(expected) - covered)]
+    return problems
+
+
+class VersionStager:
+    """Collects one version's buckets; tells when it is complete; loads it.
+
+    Args:
+        expected: canonical name -> (dtype, shape) of every tensor a version must carry.
+        aliases: incoming name -> canonical name (tied weights); names not listed are canonical.
+    """
+
+    def __init__(self, expected: dict[str, tuple[torch.dtype, tuple[int, ...]]], aliases: Optional[dict] = None):
+        self.expected = dict(expected)
+        self.aliases = dict(aliases or {})
+        self.version: Optional[int] = None
+        self._held: dict[int, Bucket] = {}  # bucket index -> bucket, of the version being staged
+        self._serving: list[Bucket] = []  # buckets the swapped-in weights live in (kept pinned)
+        self._registering: set[int] = set()  # buckets being registered right now (other threads)
+        self._received: dict[str, int] = {}  # incoming name -> bytes
+        self._assembled: dict[str, torch.Tensor] = {}  # tensors split across buckets, put together
+        self._changed = threading.Condition()
+
+    def _check_slices(self, version: int, bucket: Bucket) -> None:
+        for s in bucket.slices:
+            name = self.aliases.get(s.name, s.name)
+            if name not in self.expected:
+                raise StagingError(f"version {version}: unknown tensor {s.name!r}")
+            dtype, shape = self.expected[name]
+            if s.dtype != dtype or tuple(s.shape) != tuple(shape):
+                raise StagingError(
+                    f"version {version}: tensor {s.name!r} is {s.dtype} {tuple(s.shape)}, "
+                    f"expected {dtype} {tuple(shape)}"
+                )
+
+    def stage(self, version: int, bucket: Bucket) -> int:
+        """Register one bucket of `version` (kept, not copied); returns its bytes.
+
+        A tensor split across buckets is put together (copied once) when its last piece
+        arrives, so that the load itself copies nothing. Starts the version if none is
+        being staged. Thread-safe.
+        """
+        with self._changed:
+            if self.version is None:
+                self.version = version
+            if version != self.version:
+                raise StagingError(f"bucket of version {version} arrived while staging version {self.version}")
+            if bucket.index in self._held or bucket.index in self._registering:
+                raise StagingError(f"version {version}: bucket {bucket.index} arrived twice")
+            self._check_slices(version, bucket)
+            self._held[bucket.index] = bucket
+            completed = []
+            for s in bucket.slices:
+                self._received[s.name] = self._received.get(s.name, 0) + s.nbytes
+                if not s.whole and self._received[s.name] == s.tensor_nbytes:
+                    completed.append(s.name)
+            pieces = {name: self._pieces(name) for name in completed}
+        for name, parts in pieces.items():  # the copy runs outside the lock
+            assembled = _assemble(parts)
+            with self._changed:
+                if self.version == version:
+                    self._assembled[name] = assembled
+        return bucket.nbytes
+
+    def _pieces(self, name: str) -> list:
+        return [(s, array) for b in self._held.values() for s, array in zip(b.slices, b.data) if s.name == name]
+
+    def check_complete(self, version: int, num_buckets: int) -> None:
+        """Raise StagingError unless every bucket and every expected tensor of `version` arrived."""
+        with self._changed:
+            if self.version != version:
+                raise StagingError(f"version {version} was never staged (staging {self.version})")
+            missing_buckets = sorted(set(range(num_buckets)) - set(self._held))
+            if missing_buckets:
+                raise StagingError(f"version {version}: buckets {missing_buckets[:10]} of {num_buckets} never arrived")
+            complete = {
+                self.aliases.get(name, name)
+                for name, got in self._received.items()
+                if got == _nbytes(*self.expected[self.aliases.get(name, name)])
+            }
+            missing = sorted(set(self.expected) - complete)
+            if missing:
+                raise StagingError(f"version {version}: tensors {missing[:10]} incomplete after {num_buckets} buckets")
+
+    def reset(self) -> None:
+        """Forget the staged version (after a load, or to drop a failed one); its buckets are released."""
+        with self._changed:
+            self.version = None
+            self._held = {}
+            self._received = {}
+            self._assembled = {}
+
+    def _ordered(self) -> list[Bucket]:
+        return [self._held[i] for i in sorted(self._held)]
+
+    def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The complete staged version as (canonical name, full tensor), each canonical name once.
+
+        Tensors inside one bucket are views of it (no copy); tensors split across buckets are assembled.
+        """
+        seen = set()
+        for bucket in self._ordered():
+            for s, array in zip(bucket.slices, bucket.data):
+                canonical = self.aliases.get(s.name, s.name)
+                if canonical in seen:
+                    continue
+                seen.add(canonical)
+                yield canonical, slice_tensor(s, array) if s.whole else self._assembled[s.name]
+
+    def swap_into(self, params: dict[str, torch.Tensor]) -> None:
+        """load (dual buffer): the staged tensors become `params` (`param.data = staged`), zero copy.
+
+        Their buckets stay pinned while they serve; the previous version's are released.
+        Tied parameters are one object, set once.
+        """
+        staged = dict(self.named_tensors())
+        for name, param in params.items():
+            param.data = staged[name]
+        self._serving = self._ordered()
+        self.reset()
+
+    def release_serving(self) -> None:
+        """The swapped-in weights were replaced by other means: unpin their buckets."""
+        self._serving = []
+
+    def copy_into(self, params: dict[str, torch.Tensor], consume_bytes: int) -> int:
+        """load (single buffer): copy the staged bytes into the live `params`, `consume_bytes` at a
+        time; the buckets are released. Returns bytes copied."""
+        views = {name: tensor_bytes(p.data) for name, p in params.items()}
+        copied = 0
+        for bucket in self._ordered():
+            destinations = {s.name: views[self.aliases.get(s.name, s.name)] for s in bucket.slices}
+            group, size = [], 0
+            for i, s in enumerate(bucket.slices):
+                if group and size + s.nbytes > consume_bytes:
+                    copied += write_slices(bucket, destinations, group)
+                    group, size = [], 0
+                group.append(i)
+                size += s.nbytes
+            copied += write_slices(bucket, destinations, group)
+        self.reset()
+        return copied
+
+
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    return int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+
+
+def _assemble(pieces) -> torch.Tensor:
+    """One tensor from its (TensorSlice, uint8 array) pieces."""
+    first = pieces[0][0]
+    flat = torch.empty(first.tensor_nbytes, dtype=torch.uint8)
+    for s, array in pieces:
+        flat[s.start : s.start + s.nbytes].copy_(as_tensor(array))
+    return flat.view(first.dtype).reshape(first.shape)

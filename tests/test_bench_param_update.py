@@ -1,0 +1,25 @@
+"""bench/param_update.py runs and writes the rows the weight-sync issue asks for (smallest size only)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+KEYS = {"size", "params", "pipeline_total_s", "pipeline_blocked_s", "naive_total_s", "naive_blocked_s", "raw_copy_s",
+        "train_step_slowdown"}
+
+
+def test_bench_prints_table_and_json(tmp_path):
+    out = tmp_path / "rows.json"
+    bench = os.path.join(os.path.dirname(__file__), "..", "bench", "param_update.py")
+    proc = subprocess.run([sys.executable, bench, "--sizes", "2M", "--json", str(out)], capture_output=True, text=True,
+                          timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "command: " in proc.stdout and "blocked ratio" in proc.stdout
+    (row,) = json.loads(out.read_text())
+    assert KEYS <= set(row) and row["size"] == "2M" and row["params"] > 1_000_000
+    assert 0 < row["pipeline_blocked_s"] <= row["pipeline_total_s"]
+    assert row["naive_blocked_s"] == row["naive_total_s"] > 0  # stop-the-world: blocked throughout
+    assert row["raw_copy_s"] > 0 and row["train_step_slowdown"] > 0
