@@ -22,6 +22,8 @@ INSTALL_REQUIRES = [
     "pyzmq",
     "msgspec",
     "tqdm",
+    # verl's default (V1) trainer imports it (verl's `verl-core` extra): the baseline on CPU
+    "TransferQueue>=0.1.10",
 ]
 
 setup(
@@ -35,6 +37,7 @@ setup(
         "test": ["pytest>=8", "pytest-asyncio", "pytest-timeout", "hypothesis"],
         "sglang": ["sglang>=0.5"],
         "vllm": ["vllm>=0.10"],
+        "bench": ["matplotlib"],  # the PNGs of bench/
     },
     entry_points={"verl.plugins": ["async_rl = verl_patches.plugin"]},
 )

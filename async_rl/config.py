@@ -13,6 +13,9 @@ Every key is added to a verl command with `+` (verl's schema does not know them)
 | trainer.async_stall_timeout_s | 600 | number > 0: no step for this long fails the run |
 | reward.async_timeout_s | 60 | number > 0: one reward call may take this long |
 | trainer.async_stages | {} | name -> {cls, after, kwargs}: user stages (async_rl/stage_graph.py) |
+| algorithm.decoupled_ppo | True | bool: AReaL's decoupled PPO via verl's rollout correction (async_rl/decoupled_ppo.py) |
+| algorithm.behav_imp_weight_cap | 5.0 | number > 1: tokens with pi_prox / pi_behav above it get weight 0 |
+| actor_rollout_ref.rollout.partial_rollout | True | bool: a weight load interrupts requests (False: it waits for them) |
 
 Validation runs in the driver before any Ray actor starts and raises
 `AsyncConfigError` with one message naming the key, the value and what is allowed.
@@ -50,6 +53,10 @@ class AsyncPipelineConfig:
     reward_timeout_s: float = 60.0
     ratios_by_role: dict = field(default_factory=dict)
     user_stages: tuple = ()  # async_rl.stage_graph.UserStageSpec, in insertion order
+    decoupled_ppo: bool = True
+    behav_imp_weight_cap: float = 5.0
+    partial_rollout: bool = True
+    dynamic_sampling: bool = False  # verl's algorithm.filter_groups.enable
 
     @property
     def max_staleness(self) -> int:
@@ -67,6 +74,9 @@ _KEYS = (
     ("trainer.generate_ahead_steps", "generate_ahead_steps", 2),
     ("trainer.async_stall_timeout_s", "stall_timeout_s", 600),
     ("reward.async_timeout_s", "reward_timeout_s", 60),
+    ("algorithm.decoupled_ppo", "decoupled_ppo", True),
+    ("algorithm.behav_imp_weight_cap", "behav_imp_weight_cap", 5.0),
+    ("actor_rollout_ref.rollout.partial_rollout", "partial_rollout", True),
 )
 STAGES_KEY = "trainer.async_stages"
 CONFIG_KEYS = tuple(k for k, _, _ in _KEYS) + (STAGES_KEY,)
@@ -107,12 +117,54 @@ def _as_ahead_steps(key: str, value) -> int:
     return value
 
 
+def _as_cap(key: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 1:
+        raise AsyncConfigError(key, value, "a number > 1 (AReaL's behav_imp_weight_cap)")
+    return float(value)
+
+
+def _check_decoupled(config, enabled: bool) -> None:
+    """Decoupled PPO writes verl's rollout_correction; refuse to overwrite the user's own settings."""
+    from async_rl.decoupled_ppo import conflicting_settings
+
+    rollout_correction = OmegaConf.select(config, "algorithm.rollout_correction") if isinstance(config, DictConfig) else None
+    conflicts = conflicting_settings(rollout_correction) if enabled else {}
+    if conflicts:
+        given = ", ".join(f"algorithm.rollout_correction.{k}={v!r}" for k, v in conflicts.items())
+        raise AsyncConfigError(
+            "algorithm.decoupled_ppo", True,
+            f"False when {given} is set (decoupled PPO sets algorithm.rollout_correction itself)",
+        )
+
+
+FILTER_GROUPS_METRICS = ("reward", "acc", "score", "seq_reward", "seq_final_reward")  # one sequence score here
+
+
+def dynamic_sampling_enabled(config) -> bool:
+    """verl's DAPO dynamic sampling key, `algorithm.filter_groups.enable` (validated)."""
+    if _select(config, "algorithm.filter_groups.enable", False) is not True:
+        return False
+    metric = _select(config, "algorithm.filter_groups.metric", None)
+    if metric is not None and metric not in FILTER_GROUPS_METRICS:
+        raise AsyncConfigError("algorithm.filter_groups.metric", metric, f"null or one of {list(FILTER_GROUPS_METRICS)}")
+    bound = _select(config, "algorithm.filter_groups.max_num_gen_batches", 0)
+    if isinstance(bound, bool) or not isinstance(bound, int) or bound < 0:
+        raise AsyncConfigError("algorithm.filter_groups.max_num_gen_batches", bound, "an integer >= 0 (0: no bound)")
+    return True
+
+
 def read_async_config(config) -> AsyncPipelineConfig:
     """Read and validate the pipeline keys from a verl config; raises AsyncConfigError."""
     from async_rl.stage_graph import parse_user_stages
 
     raw = {fld: _select(config, key, default) for key, fld, default in _KEYS}
     keys = {fld: key for key, fld, _ in _KEYS}
+    _check_decoupled(config, raw["decoupled_ppo"] is True)
+    user_stages = parse_user_stages(_select(config, STAGES_KEY, None))
+    dynamic_sampling = dynamic_sampling_enabled(config)
+    if dynamic_sampling and any(spec.name == "dynamic_sampling" for spec in user_stages):
+        raise AsyncConfigError(f"{STAGES_KEY}.dynamic_sampling", "...",
+                               "another name: algorithm.filter_groups.enable=True adds a stage of this name")
     ratios = _as_ratios(keys["use_nodes_ratios"], raw["use_nodes_ratios"])
     return AsyncPipelineConfig(
         enabled=_as_bool(keys["enabled"], raw["enabled"]),
@@ -124,7 +176,11 @@ def read_async_config(config) -> AsyncPipelineConfig:
         stall_timeout_s=_as_positive_number(keys["stall_timeout_s"], raw["stall_timeout_s"]),
         reward_timeout_s=_as_positive_number(keys["reward_timeout_s"], raw["reward_timeout_s"]),
         ratios_by_role=dict(zip(USE_NODES_ROLES, ratios)),
-        user_stages=parse_user_stages(_select(config, STAGES_KEY, None)),
+        user_stages=user_stages,
+        decoupled_ppo=_as_bool(keys["decoupled_ppo"], raw["decoupled_ppo"]),
+        behav_imp_weight_cap=_as_cap(keys["behav_imp_weight_cap"], raw["behav_imp_weight_cap"]),
+        partial_rollout=_as_bool(keys["partial_rollout"], raw["partial_rollout"]),
+        dynamic_sampling=dynamic_sampling,
     )
 
 

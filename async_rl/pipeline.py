@@ -21,7 +21,7 @@ from typing import Any
 import ray
 from omegaconf import DictConfig, OmegaConf
 
-from async_rl.config import AsyncPipelineConfig, read_async_config, strip_async_keys
+from async_rl.config import AsyncConfigError, AsyncPipelineConfig, read_async_config, strip_async_keys
 from async_rl.resources import check_cluster_fits, devices_needed, split_world_sizes, total_device_slots
 from async_rl.stage_graph import build_edges, upstream_counts
 
@@ -38,11 +38,19 @@ class PipelineError(RuntimeError):
 def validate_pipeline_config(config: DictConfig) -> AsyncPipelineConfig:
     """Everything checkable before Ray starts; raises AsyncConfigError / ValueError naming the key."""
     from async_rl.rollout_backends import check_rollout_name
+    from state_machines.reward import overlong_shaping
 
     async_cfg = read_async_config(config)
     for spec in async_cfg.user_stages:
         spec.load_class()
     check_rollout_name(config.actor_rollout_ref.rollout.name, config.trainer.device)
+    overlong_shaping(config)
+    if not async_cfg.partial_rollout and str(config.actor_rollout_ref.rollout.name) != "cpu":
+        raise AsyncConfigError(
+            "actor_rollout_ref.rollout.partial_rollout", False,
+            "True with rollout.name=sglang or vllm (their servers abort requests around a weight load; "
+            "waiting for them instead is implemented by the cpu backend only)",
+        )
     for key in ("data.train_files", "actor_rollout_ref.model.path"):
         value = OmegaConf.select(config, key)
         paths = list(value) if isinstance(value, (list, tuple)) or OmegaConf.is_list(value) else [value]
@@ -91,6 +99,10 @@ class AsyncPipeline:
         self.async_cfg = validate_pipeline_config(config)
         self.config = config.copy()
         strip_async_keys(self.config)
+        if self.async_cfg.decoupled_ppo:
+            from async_rl.decoupled_ppo import apply_to_config
+
+            apply_to_config(self.config, self.async_cfg.behav_imp_weight_cap)
         if str(self.config.actor_rollout_ref.rollout.name) != "cpu":  # verl's GPU servers load through it
             from param_update.checkpoint_engine import use_staged_checkpoint_engine
 
@@ -103,7 +115,7 @@ class AsyncPipeline:
         self.tracking = None
         self.validator = None
         self.history: list[dict] = []  # every logged step's metrics (tests and benches read it)
-        self.edges = build_edges(self.async_cfg.user_stages)
+        self.edges = build_edges(self.async_cfg.user_stages, self.async_cfg.dynamic_sampling)
         self.stage_names = tuple(self.edges)
 
     # ---- build ----------------------------------------------------------------------
@@ -162,13 +174,18 @@ class AsyncPipeline:
         eta = self.async_cfg.max_staleness
         rollout_cfg = cfg.actor_rollout_ref.rollout
 
-        self._stage("dataloader", DataloaderStage, cfg, tokenizer, steps)
-        generate = self._stage("generate", GenerateStage, servers, rollout_cfg, eta)
+        refill = self.async_cfg.dynamic_sampling  # draws prompts until the training batches are full
+        dataloader = self._stage("dataloader", DataloaderStage, cfg, tokenizer, None if refill else steps)
+        generate = self._stage("generate", GenerateStage, servers, rollout_cfg, eta, dynamic_sampling=refill)
         self._stage(
             "rollout", RolloutStage, int(cfg.data.max_prompt_length), int(rollout_cfg.response_length),
             tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
         )
         self._stage("reward", RewardStage, cfg, tokenizer, self.async_cfg.reward_timeout_s)
+        if refill:
+            from state_machines.dynamic_sampling import DynamicSamplingStage
+
+            self._stage("dynamic_sampling", DynamicSamplingStage, cfg, eta, steps, generate, dataloader)
         bucket_bytes = self._check_weight_sync()
         dual = self.async_cfg.enable_dual_buffer
         logp = self._stage("logp", LogpStage, cfg, sizes["logp"], bucket_bytes["consume"])
@@ -206,7 +223,8 @@ class AsyncPipeline:
 
         layout = ray.get(self.stages["actor_train"].weight_layout.remote(), timeout=CALL_TIMEOUT_S)
         servers = [r for r in self.receivers if isinstance(r, ActorReceiver) and r.serves_generation]
-        calls = {r.name: r.handle.configure_weight_sync.remote(dual, consume_bytes, layout) for r in servers}
+        partial = self.async_cfg.partial_rollout
+        calls = {r.name: r.handle.configure_weight_sync.remote(dual, consume_bytes, layout, partial) for r in servers}
         self._wait(calls, SETUP_TIMEOUT_S, "set up the rollout servers' weight staging")
         gpu = [r for r in self.receivers if isinstance(r, GPUReplicaReceiver)]
         if gpu:

@@ -92,9 +92,21 @@ def parse_user_stages(raw: Any) -> tuple[UserStageSpec, ...]:
     return tuple(specs)
 
 
-def build_edges(user_stages: tuple[UserStageSpec, ...] = ()) -> dict[str, tuple[str, ...]]:
-    """The stage graph (name -> downstream names) with each user stage on the edge after its `after`."""
+DYNAMIC_SAMPLING = "dynamic_sampling"
+
+
+def build_edges(user_stages: tuple[UserStageSpec, ...] = (), dynamic_sampling: bool = False) -> dict[str, tuple[str, ...]]:
+    """The stage graph (name -> downstream names) with each user stage on the edge after its `after`.
+
+    `dynamic_sampling` (verl's `algorithm.filter_groups.enable`): training batches are formed
+    after reward, so reward feeds the dynamic_sampling stage, which feeds logp, ref_logp and
+    actor_train (state_machines/dynamic_sampling.py).
+    """
     edges = dict(BUILTIN_EDGES)
+    if dynamic_sampling:
+        edges["rollout"] = ("reward",)
+        edges["reward"] = (DYNAMIC_SAMPLING,)
+        edges[DYNAMIC_SAMPLING] = ("logp", "ref_logp", "actor_train")
     for spec in user_stages:
         edges[spec.name] = edges[spec.after]
         edges[spec.after] = (spec.name,)

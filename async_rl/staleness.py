@@ -50,8 +50,17 @@ class StalenessController:
 
     async def wait_until_admitted(self, batch_index: int) -> None:
         """Wait until batch `batch_index` may start generating."""
+        await self.wait_until(lambda: self.may_start(batch_index))
+
+    async def wait_until(self, ready) -> None:
+        """Wait until `ready()` holds; checked again at each version change and `notify()`."""
         async with self._condition:
-            await self._condition.wait_for(lambda: self.may_start(batch_index))
+            await self._condition.wait_for(ready)
+
+    async def notify(self) -> None:
+        """Wake the waiters to check their condition again (something else they read changed)."""
+        async with self._condition:
+            self._condition.notify_all()
 
     async def set_served_version(self, version: int) -> None:
         """Record a newly loaded version (versions never go back)."""
@@ -60,3 +69,42 @@ class StalenessController:
                 raise ValueError(f"served version went back from {self.served_version} to {version}")
             self.served_version = version
             self._condition.notify_all()
+
+
+def oldest_versions(token_versions, response_mask, start_versions):
+    """(bs,) long tensor: the oldest version among each row's response tokens (its admission
+    version, `start_versions[i]`, if it has none). Tensors: (bs, resp_len)."""
+    import torch
+
+    big = torch.iinfo(torch.long).max
+    oldest = torch.where(response_mask.bool(), token_versions, torch.full_like(token_versions, big)).min(dim=-1).values
+    start = torch.as_tensor([int(v) for v in start_versions], dtype=torch.long)
+    return torch.where(oldest == big, start, oldest)
+
+
+def version_metrics(
+    token_versions, response_mask, start_versions, trainer_version: int, max_staleness: int
+) -> dict[str, float]:
+    """Staleness and partial-rollout metrics of a training batch (tensors: (bs, resp_len)).
+
+    A sample's staleness is the trainer version minus the oldest version among its tokens
+    (its admission version if it has none). `async/staleness/hist_<s>` is the fraction of
+    samples with staleness s (0..eta); `async/partial/ratio` the fraction whose tokens come
+    from more than one version (interrupted by a load), `async/partial/max_versions_spanned`
+    the most versions in one sample.
+    """
+    import torch
+
+    mask = response_mask.bool()
+    oldest = oldest_versions(token_versions, response_mask, start_versions)
+    staleness = torch.tensor([sample_staleness(trainer_version, int(v)) for v in oldest])
+    spanned = torch.tensor([len(set(token_versions[i][mask[i]].tolist())) for i in range(len(mask))])
+    metrics = {
+        "async/staleness/max": float(staleness.max()),
+        "async/staleness/mean": float(staleness.float().mean()),
+        "async/partial/ratio": float((spanned > 1).float().mean()),
+        "async/partial/max_versions_spanned": float(spanned.max()),
+    }
+    for s in range(max(max_staleness, int(staleness.max())) + 1):
+        metrics[f"async/staleness/hist_{s}"] = float((staleness == s).float().mean())
+    return metrics

@@ -8,11 +8,13 @@ put it in the pipeline of any verl command:
     +trainer.async_stages.group_filter.cls=examples.group_filter_stage.GroupFilterStage
     +trainer.async_stages.group_filter.after=reward
 
-and, optionally, `+trainer.async_stages.group_filter.kwargs.min_std=0.05`.
+and, optionally, `+trainer.async_stages.group_filter.kwargs.min_std=0.05`. verl's own key for
+DAPO's dynamic sampling, `algorithm.filter_groups.enable=True`, goes further with the same
+rule: state_machines/dynamic_sampling.py draws more prompts until the batch is full.
 
 It logs `async/group_filter/kept_groups` and `async/group_filter/kept_ratio` with each
 training step. (DAPO proper also draws more prompts to refill the batch; this stage
-only drops.)
+only drops: see state_machines/dynamic_sampling.py for that.)
 """
 
 from __future__ import annotations
@@ -27,12 +29,13 @@ from state_machines.reward import ScoredBatch
 
 
 def groups_with_distinct_rewards(uids: np.ndarray, scores: torch.Tensor, min_std: float = 0.0) -> torch.Tensor:
-    """(bs,) bool: True for rows whose prompt group's rewards have std > `min_std`."""
+    """(bs,) bool: True for rows whose prompt group's rewards have std > `min_std`, or that are
+    alone in their group (verl's `filter_groups` rule: a one-sample group is kept)."""
     keep = torch.zeros(len(uids), dtype=torch.bool)
     for uid in dict.fromkeys(uids.tolist()):
         rows = torch.from_numpy(uids == uid)
         group = scores[rows]
-        keep[rows] = len(group) > 1 and float(group.std()) > min_std
+        keep[rows] = len(group) == 1 or float(group.std()) > min_std
     return keep
 
 

@@ -12,5 +12,5 @@ CONSTRAINTS="$(mktemp)"
 echo "torch==${TORCH_VERSION}" > "$CONSTRAINTS"
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==${TORCH_VERSION}"
-.venv/bin/python -m pip install -q -c "$CONSTRAINTS" -e ".[test]"
+.venv/bin/python -m pip install -q -c "$CONSTRAINTS" -e ".[test,bench]"
 rm -f "$CONSTRAINTS"

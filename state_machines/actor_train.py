@@ -1,8 +1,10 @@
 """actor_train stage: joins reward, logp and ref_logp per step, trains, sends the new weights.
 
 For step j it waits for the three results of batch j (in order), builds verl's
-training batch (token-level scores on the last response token, advantages through
-verl's `compute_advantage`: GRPO and every other estimator verl has), runs verl's
+training batch (token-level scores on the last response token; verl's rollout correction,
+which under decoupled PPO weights each token by pi_prox / pi_behav (async_rl/decoupled_ppo.py);
+advantages through verl's `compute_advantage`: GRPO and every other estimator verl has),
+balances it over the data-parallel ranks (`trainer.balance_batch`), runs verl's
 `update_actor` on the train worker group, then gathers version j + 1 into buckets
 that the workers' send thread streams to param_update (param_update/sender.py); the
 next step starts as soon as the gather is done. Step metrics use verl's names
@@ -20,8 +22,10 @@ import numpy as np
 import torch
 
 from async_rl import engine_calls
+from async_rl.balance import balance_rows
+from async_rl.decoupled_ppo import add_correction, uses_behaviour_as_old
 from async_rl.resources import make_worker_group
-from async_rl.staleness import sample_staleness
+from async_rl.staleness import version_metrics
 from state_machines.base import END_OF_STREAM, StateMachine
 from state_machines.logp import LogpResult
 from state_machines.param_update import NewWeights
@@ -30,6 +34,15 @@ from state_machines.reward import ScoredBatch
 from state_machines.rollout import resolve
 
 _PARTS = {ScoredBatch: "reward", LogpResult: "logp", RefLogpResult: "ref_logp"}
+
+
+def step_part(item) -> tuple[str, Any]:
+    """(part name, part) of an upstream output; a formed training batch carries the reward part."""
+    from state_machines.dynamic_sampling import TrainingBatch
+
+    if isinstance(item, TrainingBatch):
+        return "reward", item.scored
+    return _PARTS[type(item)], item
 
 
 class StalenessViolation(RuntimeError):
@@ -92,10 +105,12 @@ class ActorTrainStage(StateMachine):
                 if self._parts:
                     raise RuntimeError(f"upstreams ended with incomplete steps {sorted(self._parts)}")
                 return END_OF_STREAM
-            self._parts.setdefault(item.index, {})[_PARTS[type(item)]] = item
+            name, part = step_part(item)
+            self._parts.setdefault(item.index, {})[name] = part
         return self._parts.pop(want)
 
-    def _training_batch(self, batch, parts) -> "Any":
+    def _training_batch(self, batch, parts) -> tuple[Any, dict]:
+        """verl's training batch and the rollout-correction metrics."""
         from verl.trainer.ppo.ray_trainer import compute_advantage
 
         algo = self.config.algorithm
@@ -103,9 +118,11 @@ class ActorTrainStage(StateMachine):
         token_scores = place_scores_on_last_token(parts["reward"].scores, response_mask)
         batch.batch["token_level_scores"] = token_scores
         batch.batch["token_level_rewards"] = token_scores
-        batch.batch["old_log_probs"] = parts["logp"].old_log_probs
+        if parts["logp"].old_log_probs is not None:
+            batch.batch["old_log_probs"] = parts["logp"].old_log_probs
         if parts["ref_logp"].ref_log_prob is not None:
             batch.batch["ref_log_prob"] = parts["ref_logp"].ref_log_prob
+        batch, correction_metrics = add_correction(batch, self.config)
         return compute_advantage(
             batch,
             adv_estimator=algo.adv_estimator,
@@ -114,7 +131,7 @@ class ActorTrainStage(StateMachine):
             num_repeat=int(self.config.actor_rollout_ref.rollout.n),
             norm_adv_by_std_in_grpo=algo.get("norm_adv_by_std_in_grpo", True),
             config=algo,
-        )
+        ), correction_metrics
 
     def _rows_to_train(self, scored: ScoredBatch, num_rows: int) -> np.ndarray:
         """Row indices to train on: the rows a filter stage kept, trimmed to what verl's update takes."""
@@ -124,33 +141,39 @@ class ActorTrainStage(StateMachine):
         mini = int(actor_rollout_ref.actor.ppo_mini_batch_size) * n
         return keep[: trainable_rows(len(keep), mini, self.world_size, n)]
 
-    def _staleness_metrics(self, batch) -> dict[str, float]:
-        versions = batch.batch["token_versions"]
-        mask = batch.batch["response_mask"].bool()
-        big = torch.iinfo(torch.long).max
-        oldest = torch.where(mask, versions, torch.full_like(versions, big)).min(dim=-1).values
-        start = torch.tensor([int(v) for v in batch.non_tensor_batch["start_version"]])
-        oldest = torch.where(oldest == big, start, oldest)
-        staleness = torch.tensor([sample_staleness(self.version, int(v)) for v in oldest])
-        if int(staleness.max()) > self.max_staleness:
+    def _version_metrics(self, batch) -> dict[str, float]:
+        metrics = version_metrics(
+            batch.batch["token_versions"], batch.batch["response_mask"], batch.non_tensor_batch["start_version"],
+            self.version, self.max_staleness,
+        )
+        if metrics["async/staleness/max"] > self.max_staleness:
             raise StalenessViolation(
-                f"step {self.version}: a sample has staleness {int(staleness.max())} > eta={self.max_staleness}"
+                f"step {self.version}: a sample has staleness {metrics['async/staleness/max']:g} "
+                f"> eta={self.max_staleness}"
             )
-        return {
-            "async/staleness/max": float(staleness.max()),
-            "async/staleness/mean": float(staleness.float().mean()),
-        }
+        return metrics
+
+    def _check_proximal_version(self, logp) -> None:
+        """pi_prox must be the trainer's pre-update policy (a scheduling bug otherwise)."""
+        if not uses_behaviour_as_old(self.config) and logp.logp_version != self.version:
+            raise RuntimeError(
+                f"step {self.version}: the logp stage computed old_log_probs with version {logp.logp_version}, "
+                f"the trainer is at {self.version}"
+            )
 
     async def process_data(self, parts: dict) -> None:
         from verl.trainer.ppo.metric_utils import compute_data_metrics
 
         step_start = time.perf_counter()
+        self._check_proximal_version(parts["logp"])
         batch = await resolve(parts["logp"].batch_ref)
-        batch = self._training_batch(batch, parts)
+        batch, correction_metrics = self._training_batch(batch, parts)
         rows = self._rows_to_train(parts["reward"], len(batch))
         train_batch = batch if len(rows) == len(batch) else batch.select_idxs(rows)
-        metrics = dict(parts["reward"].metrics)
-        metrics.update(self._staleness_metrics(train_batch if len(rows) else batch))
+        metrics = {**parts["reward"].metrics, **correction_metrics}
+        metrics.update(self._version_metrics(train_batch if len(rows) else batch))
+        if len(rows) and self.config.trainer.get("balance_batch", True):
+            metrics.update(balance_rows(train_batch, self.world_size))
         metrics["async/logp_version"] = float(parts["logp"].logp_version)
         metrics["async/trained_rows"] = float(len(rows))
         t0 = time.perf_counter()

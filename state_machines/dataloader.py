@@ -41,9 +41,10 @@ def tokenize_row(row: dict, tokenizer, max_prompt_length: int) -> tuple[list[int
 
 
 class DataloaderStage(StateMachine):
-    """Emits `total_steps` PromptBatches of `batch_size` prompts, cycling over epochs."""
+    """Emits `total_steps` PromptBatches of `batch_size` prompts, cycling over epochs
+    (`total_steps=None`: until `stop_producing()`; dynamic sampling draws as many as it needs)."""
 
-    def __init__(self, config, tokenizer, total_steps: int, inbox_size: int = 1):
+    def __init__(self, config, tokenizer, total_steps: int | None, inbox_size: int = 1):
         super().__init__("dataloader", inbox_size=inbox_size)
         from verl.trainer.ppo.utils import create_rl_sampler
 
@@ -69,11 +70,15 @@ class DataloaderStage(StateMachine):
             return next(self._order)
 
     async def get_input_data(self):
-        if self._step >= self.total_steps:
+        if self.total_steps is not None and self._step >= self.total_steps:
             return END_OF_STREAM
         step = self._step
         self._step += 1
         return step
+
+    def stop_producing(self) -> None:
+        """Emit no more batches after those already read (the end of the stream follows)."""
+        self.total_steps = self._step
 
     async def process_data(self, step: int) -> PromptBatch:
         rows = [self.dataset[self._next_index()] for _ in range(self.batch_size)]

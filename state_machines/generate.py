@@ -94,7 +94,11 @@ async def generate_resumable(
 class GenerateStage(StateMachine):
     """Samples `n` responses per prompt on the rollout servers, within the staleness bound."""
 
-    def __init__(self, servers, rollout_cfg, max_staleness: int, request_timeout_s: float = 600.0):
+    def __init__(
+        self, servers, rollout_cfg, max_staleness: int, request_timeout_s: float = 600.0, dynamic_sampling: bool = False
+    ):
+        """`dynamic_sampling`: batch indices are not training steps; a batch is admitted while the next
+        training batch to form (`set_steps_formed`) is within the staleness bound."""
         super().__init__("generate", inbox_size=max_staleness + 1, max_inflight=max_staleness + 1)
         if not servers:
             raise ValueError("generate stage needs at least one rollout server")
@@ -104,6 +108,13 @@ class GenerateStage(StateMachine):
         self.staleness = StalenessController(max_staleness)
         self.request_timeout_s = request_timeout_s
         self._next_server = 0
+        self.dynamic_sampling = dynamic_sampling
+        self.steps_formed = 0
+
+    async def set_steps_formed(self, steps: int) -> None:
+        """Called by the dynamic_sampling stage each time it forms a training batch."""
+        self.steps_formed = steps
+        await self.staleness.notify()
 
     async def set_served_version(self, version: int) -> None:
         """Called by param_update once every server serves `version`."""
@@ -116,7 +127,10 @@ class GenerateStage(StateMachine):
         item = await self.next_from_inbox()
         if isinstance(item, PromptBatch):
             # Admission happens here, in input order, so batch j never overtakes j-1.
-            await self.staleness.wait_until_admitted(item.index)
+            if self.dynamic_sampling:
+                await self.staleness.wait_until(lambda: self.staleness.may_start(self.steps_formed))
+            else:
+                await self.staleness.wait_until_admitted(item.index)
         return item
 
     def _pick_server(self):

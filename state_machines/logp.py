@@ -1,4 +1,9 @@
-"""logp stage: log-probs of the responses under the newest synced policy (verl's actor engine).
+"""logp stage: the proximal log-probs, those of the policy just before the update (verl's actor engine).
+
+Batch j is trained by the update from version j, so its log-probs are computed with
+version j: the stage waits until param_update has loaded it (decoupled PPO's pi_prox, and
+verl's recomputed `old_log_probs`). In verl's bypass mode PPO's pi_old is the behaviour
+policy and nothing is computed.
 
 It is also a weight receiver (param_update/overlapped.py): buckets of the next version
 are staged on its workers while they compute with the current one; the load waits for
@@ -10,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -24,8 +29,8 @@ from state_machines.rollout import RolloutBatch
 class LogpResult:
     index: int
     batch_ref: Any  # the step's DataProto, by reference (from RolloutBatch)
-    old_log_probs: torch.Tensor  # (bs, response_len)
-    logp_version: int  # policy version of the weights that computed them
+    old_log_probs: Optional[torch.Tensor]  # (bs, response_len); None when not computed (bypass mode)
+    logp_version: int  # policy version of the weights that computed them (-1: none)
 
 
 def _slowest(per_rank: list[dict]) -> dict:
@@ -33,7 +38,7 @@ def _slowest(per_rank: list[dict]) -> dict:
 
 
 class LogpStage(StateMachine):
-    """Recomputes response log-probs with the newest synced weights (verl `compute_log_prob`).
+    """Recomputes response log-probs with the pre-update weights of their step (verl `compute_log_prob`).
 
     Args:
         config: the verl config.
@@ -50,6 +55,10 @@ class LogpStage(StateMachine):
         self.worker_group = None
         self.version = 0
         self._weights_in_use = asyncio.Lock()  # a forward or a load, never both
+        self._version_loaded = asyncio.Condition()
+        from async_rl.decoupled_ppo import uses_behaviour_as_old
+
+        self.compute = not uses_behaviour_as_old(config)
 
     def setup(self) -> int:
         """Start the worker group and its staging buffers (blocking; the driver calls it with a timeout)."""
@@ -80,6 +89,8 @@ class LogpStage(StateMachine):
             await asyncio.to_thread(self.worker_group.commit_weights, version, num_buckets, self.consume_bucket_bytes)
             self.version = version
             load_s = loop.time() - start
+        async with self._version_loaded:
+            self._version_loaded.notify_all()
         return {"load_s": load_s, "blocked_s": load_s}
 
     # ---- the state machine -----------------------------------------------------------------
@@ -87,7 +98,11 @@ class LogpStage(StateMachine):
         return await self.next_from_inbox()
 
     async def process_data(self, data: RolloutBatch) -> LogpResult:
+        if not self.compute:
+            return LogpResult(index=data.index, batch_ref=data.batch_ref, old_log_probs=None, logp_version=-1)
         batch = await data.get()
+        async with self._version_loaded:  # the trainer's version before it trains this batch
+            await self._version_loaded.wait_for(lambda: self.version >= data.index)
         async with self._weights_in_use:
             version = self.version
             log_probs = await asyncio.to_thread(

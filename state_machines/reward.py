@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -33,10 +33,44 @@ class ScoredBatch:
     uids: np.ndarray  # (bs,) prompt-group id of each row (samples of one prompt share it)
     keep: Optional[torch.Tensor] = None  # (bs,) bool: rows to train on; None = all
     metrics: dict = field(default_factory=dict)  # merged into the step's logged metrics
+    batch_ref: Any = None  # the scored DataProto, by reference (for stages that regroup rows)
 
 
 class RewardFunctionError(RuntimeError):
     """The reward function raised or timed out."""
+
+
+@dataclass(frozen=True)
+class OverlongShaping:
+    """DAPO's soft overlong punishment, read from verl's keys for its `dapo` reward manager:
+    `reward.reward_manager.name=dapo`, `+reward.reward_kwargs.max_resp_len`,
+    `+reward.reward_kwargs.overlong_buffer_cfg.{enable,len,penalty_factor}`."""
+
+    max_resp_len: int
+    buffer_len: int
+    penalty_factor: float
+
+    def penalty(self, length: int) -> float:
+        """0 up to max_resp_len - buffer_len tokens, then linear down to -penalty_factor at max_resp_len."""
+        exceed = length - (self.max_resp_len - self.buffer_len)
+        return min(-exceed / self.buffer_len * self.penalty_factor, 0.0)
+
+
+def overlong_shaping(config) -> Optional[OverlongShaping]:
+    """The shaping verl's dapo reward manager would apply, or None; ValueError naming a bad key."""
+    reward = config.get("reward") or {}
+    manager = (reward.get("reward_manager") or {}).get("name")
+    kwargs = reward.get("reward_kwargs") or {}
+    buffer = kwargs.get("overlong_buffer_cfg")
+    if manager != "dapo" or not buffer or not buffer.get("enable", False):
+        return None
+    key = "reward.reward_kwargs"
+    max_len, buffer_len = kwargs.get("max_resp_len"), buffer.get("len")
+    if not isinstance(buffer_len, int) or buffer_len <= 0:
+        raise ValueError(f"{key}.overlong_buffer_cfg.len={buffer_len!r}: must be an integer > 0")
+    if not isinstance(max_len, int) or max_len < buffer_len:
+        raise ValueError(f"{key}.max_resp_len={max_len!r}: must be an integer >= overlong_buffer_cfg.len={buffer_len}")
+    return OverlongShaping(max_len, buffer_len, float(buffer.get("penalty_factor", 1.0)))
 
 
 def load_score_fn(config):
@@ -57,8 +91,9 @@ def call_score_fn(score_fn, data_source, solution_str, ground_truth, extra_info)
     return float(result["score"] if isinstance(result, dict) else result)
 
 
-def score_batch(batch, tokenizer, score_fn) -> torch.Tensor:
-    """Decode each response (skipping special tokens, as verl's reward manager does) and score it."""
+def score_batch(batch, tokenizer, score_fn, overlong: Optional[OverlongShaping] = None) -> torch.Tensor:
+    """Decode each response (skipping special tokens, as verl's reward manager does) and score it,
+    plus DAPO's overlong penalty when `overlong` is given."""
     responses = batch.batch["responses"]
     lengths = batch.batch["response_mask"].sum(-1).tolist()
     scores = []
@@ -72,6 +107,7 @@ def score_batch(batch, tokenizer, score_fn) -> torch.Tensor:
                 ground_truth=batch.non_tensor_batch["reward_model"][i]["ground_truth"],
                 extra_info=batch.non_tensor_batch.get("extra_info", [None] * len(batch))[i],
             )
+            + (overlong.penalty(int(lengths[i])) if overlong is not None else 0.0)
         )
     return torch.tensor(scores, dtype=torch.float32)
 
@@ -83,6 +119,7 @@ class RewardStage(StateMachine):
         super().__init__("reward")
         self.tokenizer = tokenizer
         self.score_fn, self.score_fn_name = load_score_fn(config)
+        self.overlong = overlong_shaping(config)
         self.timeout_s = timeout_s
 
     async def get_input_data(self):
@@ -92,7 +129,7 @@ class RewardStage(StateMachine):
         batch = await data.get()
         try:
             scores = await asyncio.wait_for(
-                asyncio.to_thread(score_batch, batch, self.tokenizer, self.score_fn), timeout=self.timeout_s
+                asyncio.to_thread(score_batch, batch, self.tokenizer, self.score_fn, self.overlong), timeout=self.timeout_s
             )
         except asyncio.TimeoutError as exc:
             raise RewardFunctionError(
@@ -103,7 +140,9 @@ class RewardStage(StateMachine):
             raise RewardFunctionError(
                 f"reward function {self.score_fn_name} raised {type(exc).__name__}: {exc} (batch {data.index})"
             ) from exc
-        return ScoredBatch(index=data.index, scores=scores, uids=np.asarray(batch.non_tensor_batch["uid"]))
+        return ScoredBatch(
+            index=data.index, scores=scores, uids=np.asarray(batch.non_tensor_batch["uid"]), batch_ref=data.batch_ref
+        )
 
     async def send_output_data(self, data: ScoredBatch) -> bool:
         return await self.send_downstream(data)

@@ -20,8 +20,11 @@ PREDUCE = "actor_rollout_ref.rollout.param_update_preduce_bucket_size_mb"
 CONSUME = "actor_rollout_ref.rollout.param_update_consume_bucket_size_mb"
 STALL = "trainer.async_stall_timeout_s"
 REWARD = "reward.async_timeout_s"
+DECOUPLED = "algorithm.decoupled_ppo"
+CAP = "algorithm.behav_imp_weight_cap"
+PARTIAL = "actor_rollout_ref.rollout.partial_rollout"
 
-BOOL_KEYS = (ENABLED, DUAL)
+BOOL_KEYS = (ENABLED, DUAL, DECOUPLED, PARTIAL)
 POSITIVE_KEYS = (PREDUCE, CONSUME, STALL, REWARD)
 
 
@@ -66,12 +69,13 @@ def test_defaults_when_no_key_present(make):
     assert c.stall_timeout_s == 600.0
     assert c.reward_timeout_s == 60.0
     assert c.ratios_by_role == {"train": 0.5, "logp": 0.5, "ref_logp": 0.5, "generate": 0.5}
+    assert c.decoupled_ppo is True and c.behav_imp_weight_cap == 5.0 and c.partial_rollout is True
     assert c == AsyncPipelineConfig(ratios_by_role=dict(zip(USE_NODES_ROLES, (0.5,) * 4)))
 
 
 def test_config_keys_listed():
-    assert set(CONFIG_KEYS) == set(BOOL_KEYS + POSITIVE_KEYS + (RATIOS, AHEAD, "trainer.async_stages"))
-    assert len(CONFIG_KEYS) == 9
+    assert set(CONFIG_KEYS) == set(BOOL_KEYS + POSITIVE_KEYS + (RATIOS, AHEAD, CAP, "trainer.async_stages"))
+    assert len(CONFIG_KEYS) == 12
 
 
 def test_every_key_is_read():
@@ -86,9 +90,14 @@ def test_every_key_is_read():
                 AHEAD: 4,
                 STALL: 30,
                 REWARD: 2.5,
+                DECOUPLED: False,
+                CAP: 2,
+                PARTIAL: False,
             }
         )
     )
+    assert c.decoupled_ppo is False and c.partial_rollout is False
+    assert c.behav_imp_weight_cap == 2.0 and isinstance(c.behav_imp_weight_cap, float)
     assert c.enabled is True and c.enable_dual_buffer is False
     assert c.use_nodes_ratios == (1.0, 0.25, 0.75, 1.0)
     assert all(isinstance(r, float) for r in c.use_nodes_ratios)
@@ -163,6 +172,22 @@ def test_booleans_given_as_other_types_rejected(key, value):
     assert "true or false" in msg
 
 
+@pytest.mark.parametrize("value", [1, 0.5, 0, -2, "5", True, None])
+def test_bad_behaviour_weight_cap_rejected(value):
+    msg = str(rejected(CAP, value))
+    assert f"{CAP}={value!r}" in msg and "> 1" in msg
+
+
+@pytest.mark.parametrize("setting", ["rollout_is: sequence", "rollout_rs: token_k1", "bypass_mode: true"])
+def test_decoupled_ppo_refuses_to_overwrite_the_users_rollout_correction(setting):
+    key, value = setting.split(": ")
+    user = {f"algorithm.rollout_correction.{key}": OmegaConf.create({"v": value}).v}
+    with pytest.raises(AsyncConfigError) as info:
+        read_async_config(cfg(user))
+    assert info.value.key == DECOUPLED and f"algorithm.rollout_correction.{key}" in str(info.value)
+    assert read_async_config(cfg({**user, DECOUPLED: False})).decoupled_ppo is False  # the way out
+
+
 def test_error_message_format():
     err = rejected(AHEAD, 0)
     assert str(err).startswith(f"invalid config: {AHEAD}=0; allowed: ")
@@ -173,7 +198,8 @@ def test_error_message_format():
 @pytest.mark.parametrize("value", [True, False])
 def test_booleans_accepted(key, value):
     c = read_async_config(cfg({key: value}))
-    assert (c.enabled if key == ENABLED else c.enable_dual_buffer) is value
+    field = {ENABLED: "enabled", DUAL: "enable_dual_buffer", DECOUPLED: "decoupled_ppo", PARTIAL: "partial_rollout"}
+    assert getattr(c, field[key]) is value
 
 
 def test_boundary_values_accepted():

@@ -236,3 +236,29 @@ def test_engine_loads_between_steps_and_no_token_sees_two_versions(dual):
     assert {n: digest(t) for n, t in engine.model.state_dict().items()} == {
         n: digest(t) for n, t in models[1].state_dict().items()
     }
+
+
+def test_load_without_partial_rollout_waits_for_running_requests():
+    """partial_rollout=False: running requests finish under the old version, queued ones start under the new."""
+    engine = ContinuousBatchingEngine(tiny_model(0), eos_token_ids=[], seed=0, max_num_seqs=4)
+    expected, aliases, _ = engine.weight_layout()
+    stager = VersionStager(expected, aliases)
+    buckets = list(pack_buckets(tiny_model(1).state_dict().items(), 1 << 20, version=1))
+
+    async def main():
+        running = [asyncio.ensure_future(engine.generate([1, 2, 3], {"temperature": 1.0, "max_new_tokens": 30},
+                                                         f"r{i}")) for i in range(2)]
+        while engine.num_generated_tokens < 2:
+            await asyncio.sleep(0.001)
+        queued = asyncio.ensure_future(engine.generate([4, 5], {"temperature": 1.0, "max_new_tokens": 5}, "q"))
+        for bucket in buckets:
+            stager.stage(1, bucket)
+        blocked = await engine.load_staged(stager, version=1, consume_bytes=4096, swap=True, interrupt=False)
+        assert all(job.done() for job in running)  # the load waited for them
+        return await asyncio.gather(*running), await queued, blocked
+
+    running, queued, blocked = asyncio.run(asyncio.wait_for(main(), 60))
+    for result in running:
+        assert len(result.token_ids) == 30 and set(result.token_versions) == {0}
+    assert set(queued.token_versions) == {1}  # admitted only after the load
+    assert blocked > 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import time
 
 import pytest
 from conftest import run_verl, step_rows, val_rows
@@ -26,9 +27,12 @@ def _short_run(k: int, steps: int) -> dict:
     }
 
 
-@pytest.mark.parametrize("k,steps", [(1, 4), (3, 6)])
-def test_pipeline_trains_with_bounded_staleness(demo_dir, tmp_path, k, steps):
-    code, out, rows = run_verl(demo_dir, _short_run(k, steps), tmp_path)
+NAIVE_PPO = {"+algorithm.decoupled_ppo": False, "algorithm.rollout_correction.bypass_mode": True}
+
+
+@pytest.mark.parametrize("k,steps,extra", [(1, 4, {}), (3, 6, {}), (3, 4, NAIVE_PPO)], ids=["k1", "k3", "k3-naive"])
+def test_pipeline_trains_with_bounded_staleness(demo_dir, tmp_path, k, steps, extra):
+    code, out, rows = run_verl(demo_dir, {**_short_run(k, steps), **extra}, tmp_path)
     assert code == 0, out[-4000:]
     by_step = step_rows(rows)
     assert sorted(by_step) == list(range(1, steps + 1))
@@ -38,6 +42,14 @@ def test_pipeline_trains_with_bounded_staleness(demo_dir, tmp_path, k, steps):
         assert metrics["async/param_version"] == step
         assert 0.0 <= metrics["critic/score/mean"] <= 1.0
         assert metrics["async/staleness/max"] <= k - 1
+        hist = [metrics.get(f"async/staleness/hist_{s}", 0.0) for s in range(k)]
+        assert abs(sum(hist) - 1.0) < 1e-6, hist  # every sample in a bucket 0..eta
+        assert 1 <= metrics["async/partial/max_versions_spanned"] <= k  # a sample spans at most eta + 1 versions
+        if extra:  # naive PPO: pi_old is the behaviour policy; nothing recomputed, no weights
+            assert metrics["async/logp_version"] == -1 and "rollout_corr/rollout_is_mean" not in metrics
+        else:  # decoupled PPO: pi_prox is the trainer's pre-update version, token weights from verl
+            assert metrics["async/logp_version"] == step - 1
+            assert "rollout_corr/rollout_is_mean" in metrics
     if k == 1:
         assert all(m["async/staleness/max"] == 0 for m in by_step.values())
     else:  # generation really ran ahead: some step trained on data older than the trainer
@@ -72,6 +84,24 @@ def test_user_stage_inserted_with_two_config_lines(demo_dir, tmp_path):
         assert metrics["async/trained_rows"] == expected
 
 
+def test_dynamic_sampling_from_verls_filter_groups_key(demo_dir, tmp_path):
+    """`algorithm.filter_groups.enable=True`: every training batch is full of groups whose rewards differ,
+    drawn from as many generated batches as it takes, pi_prox still from the pre-update version."""
+    from async_rl.demo.task import GROUP_SIZE, TRAIN_BATCH_SIZE
+
+    extra = {**_short_run(2, 3), "trainer.test_freq": -1, "trainer.val_before_train": False,
+             "algorithm.filter_groups.enable": True, "algorithm.filter_groups.max_num_gen_batches": 10}
+    code, out, rows = run_verl(demo_dir, extra, tmp_path)
+    assert code == 0, out[-4000:]
+    by_step = step_rows(rows)
+    assert sorted(by_step) == [1, 2, 3]
+    for step, metrics in by_step.items():
+        assert metrics["async/dynamic_sampling/gen_batches"] >= 1
+        assert metrics["async/trained_rows"] == TRAIN_BATCH_SIZE * GROUP_SIZE  # full, not filtered down
+        assert metrics["async/staleness/max"] <= 1 and metrics["async/logp_version"] == step - 1
+        assert "async/dynamic_sampling/busy_ratio" in metrics
+
+
 def test_bad_config_value_fails_before_ray(demo_dir, tmp_path):
     code, out, _ = run_verl(demo_dir, ["+trainer.use_nodes_ratios=[0.5,0.5,1.5]"], tmp_path, timeout_s=120)
     assert code != 0
@@ -86,8 +116,18 @@ def test_more_workers_than_ray_can_place_fails_at_once(demo_dir, tmp_path):
     assert code != 0
     assert "the pipeline needs 96 worker processes" in out and "Ray has 16" in out
     assert "Started a local Ray instance" in out  # it did get past the config checks
-    leftover = subprocess.run(["pgrep", "-f", "ray::"], capture_output=True, text=True).stdout.split()
+    leftover = ray_processes_after(20.0)
     assert not leftover, f"Ray processes left behind: {leftover}"
+
+
+def ray_processes_after(grace_s: float) -> list[str]:
+    """`ray::` processes still alive `grace_s` seconds from now at the latest (exiting ones get that long)."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        out = subprocess.run(["pgrep", "-af", "ray::"], capture_output=True, text=True).stdout.splitlines()
+        if not out or time.monotonic() > deadline:
+            return out
+        time.sleep(0.5)
 
 
 def test_failing_reward_stops_the_run_with_the_stage_named(demo_dir, tmp_path):
@@ -102,7 +142,7 @@ def test_failing_reward_stops_the_run_with_the_stage_named(demo_dir, tmp_path):
     assert "stage 'reward' failed" in out
     assert "reward exploded" in out
     assert not step_rows(rows)  # no step trained on missing rewards
-    leftover = subprocess.run(["pgrep", "-f", "ray::"], capture_output=True, text=True).stdout.split()
+    leftover = ray_processes_after(20.0)
     assert not leftover, f"Ray processes left behind: {leftover}"
 
 

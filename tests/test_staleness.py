@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from async_rl.staleness import StalenessController, may_start_batch, sample_staleness
+from async_rl.staleness import StalenessController, may_start_batch, sample_staleness, version_metrics
 
 
 def run(coro, timeout=30):
@@ -210,6 +210,26 @@ def test_no_trained_sample_is_staler_than_eta(loop):
         if eta == 0:
             assert staleness == [0] * len(lengths[j])
             assert all(set(tv) == {j} for tv in token_versions[j])
+        metrics = batch_version_metrics(token_versions[j], admitted_at[j], j, eta)
+        assert metrics["async/staleness/max"] == max(staleness) <= eta
+        hist = [metrics[f"async/staleness/hist_{s}"] for s in range(eta + 1)]
+        assert hist == pytest.approx([staleness.count(s) / len(staleness) for s in range(eta + 1)])
+        spanned = [len(set(tv)) for tv in token_versions[j]]
+        assert metrics["async/partial/max_versions_spanned"] == max(spanned) <= eta + 1
+        assert metrics["async/partial/ratio"] == pytest.approx(sum(n > 1 for n in spanned) / len(spanned))
+
+
+def batch_version_metrics(versions: list[list[int]], start_version: int, trainer_version: int, eta: int) -> dict:
+    """version_metrics of one simulated batch, padded as async_rl/batch.py pads it (-1, mask 0)."""
+    import torch
+
+    width = max(len(v) for v in versions) + 2
+    padded = torch.full((len(versions), width), -1, dtype=torch.long)
+    mask = torch.zeros_like(padded)
+    for i, v in enumerate(versions):
+        padded[i, : len(v)] = torch.tensor(v)
+        mask[i, : len(v)] = 1
+    return version_metrics(padded, mask, [start_version] * len(versions), trainer_version, eta)
 
 
 def test_simulation_reaches_the_bound():

@@ -116,9 +116,9 @@ def test_groups_with_distinct_rewards_keeps_only_mixed_groups():
     uids = np.array(["a", "a", "b", "b", "c", "c", "d"], dtype=object)
     scores = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.5])
     keep = groups_with_distinct_rewards(uids, scores)
-    assert keep.tolist() == [False, False, True, True, False, False, False]  # a, c uniform; d has one sample
+    assert keep.tolist() == [False, False, True, True, False, False, True]  # a, c uniform; d alone: kept, as verl
     assert groups_with_distinct_rewards(uids, torch.tensor([0, 0.1, 0, 1, 0, 0, 0.5]), min_std=0.2).tolist() == [
-        False, False, True, True, False, False, False,
+        False, False, True, True, False, False, True,
     ]
 
 
@@ -182,3 +182,23 @@ def test_filter_stage_runs_in_a_pipeline_and_marks_rows():
     assert sink.got[0].metrics == {"async/group_filter/kept_groups": 1.0, "async/group_filter/kept_ratio": 0.5}
     assert sink.got[1].keep.tolist() == [False] * 4
     assert sink.got[1].metrics["async/group_filter/kept_ratio"] == 0.0
+
+
+def test_verls_filter_groups_key_turns_on_dynamic_sampling_after_reward():
+    from omegaconf import OmegaConf
+
+    from async_rl.config import AsyncConfigError, read_async_config
+
+    on = OmegaConf.create({"algorithm": {"filter_groups": {"enable": True, "metric": "acc", "max_num_gen_batches": 4}}})
+    assert read_async_config(on).dynamic_sampling is True
+    edges = build_edges((), dynamic_sampling=True)
+    assert edges["rollout"] == ("reward",) and edges["reward"] == ("dynamic_sampling",)
+    assert edges["dynamic_sampling"] == ("logp", "ref_logp", "actor_train")
+    assert upstream_counts(edges)["actor_train"] == 3 and upstream_counts(edges)["logp"] == 1
+    spec = UserStageSpec("group_filter", "examples.group_filter_stage.GroupFilterStage", "reward")
+    assert build_edges((spec,), dynamic_sampling=True)["reward"] == ("group_filter",)  # user stages go before it
+    assert read_async_config(OmegaConf.create({"algorithm": {"filter_groups": {"enable": False}}})).dynamic_sampling is False
+    for key, bad in (("metric", "kl"), ("max_num_gen_batches", -1)):
+        config = OmegaConf.create({"algorithm": {"filter_groups": {"enable": True, key: bad}}})
+        with pytest.raises(AsyncConfigError, match=f"algorithm.filter_groups.{key}"):
+            read_async_config(config)

@@ -6,14 +6,17 @@ It does three cheap things. It registers (never selects) a CPU platform in verl'
 `verl.trainer.main_ppo.main` calls before it dispatches. With
 `+actor_rollout_ref.async_pipeline=True` the wrapper validates the pipeline's keys
 (failing before Ray starts) and points the caller's `run_ppo` at `async_rl.pipeline.run_async_pipeline`. Without the flag it calls
-verl's function unchanged, so verl behaves as if this package were absent. (The CPU
-rollout backend `cpu` is registered in verl's `RolloutReplicaRegistry` by the pipeline
-when it starts, `async_rl.rollout_backends`.)
+verl's function unchanged, so verl behaves as if this package were absent, with one
+exception that verl alone cannot run: `trainer.device=cpu` with `rollout.name=cpu`, this
+package's backend, which runs verl's own trainer on CPU (`verl_patches/verl_trainer_on_cpu.py`).
+In a process started with `VERL_PLATFORM=cpu` (the Ray workers of a CPU run) it applies
+the CPU patches and registers the backend.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import sys
 
 _WRAPPED_MARK = "_async_rl_wrapped"
@@ -44,8 +47,12 @@ def wrap_validate_config() -> None:
     def validate_config(config, *args, **kwargs):
         from async_rl.config import async_pipeline_enabled
 
+        from verl_patches import verl_trainer_on_cpu
+
         if async_pipeline_enabled(config):
             enter_async_pipeline(config, sys._getframe(1).f_globals)
+        elif verl_trainer_on_cpu.wants_cpu_rollout(config):
+            verl_trainer_on_cpu.prepare(config)
         return original(config, *args, **kwargs)
 
     setattr(validate_config, _WRAPPED_MARK, True)
@@ -68,8 +75,10 @@ def wrap_auto_set_device() -> None:
     @functools.wraps(original)
     def auto_set_device(config) -> None:
         from async_rl.config import async_pipeline_enabled
+        from verl_patches.verl_trainer_on_cpu import wants_cpu_rollout
 
-        if async_pipeline_enabled(config) and str(config.trainer.get("device", "")) == "cpu":
+        on_cpu = str(config.trainer.get("device", "")) == "cpu"
+        if on_cpu and (async_pipeline_enabled(config) or wants_cpu_rollout(config)):
             return None
         return original(config)
 
@@ -90,3 +99,7 @@ def register_cpu_platform() -> None:
 wrap_validate_config()
 wrap_auto_set_device()
 register_cpu_platform()
+if os.environ.get("VERL_PLATFORM") == "cpu":
+    from verl_patches.verl_trainer_on_cpu import set_up_worker_process
+
+    set_up_worker_process()

@@ -320,6 +320,8 @@ class ContinuousBatchingEngine:
         self._batch = _KVBatch.empty()
         self._cache_stale = False  # re-prefill every live row at the next step
         self._paused = False
+        self._admitting = True  # False while a load waits for the running requests (partial_rollout=False)
+        self._drained: Optional[asyncio.Event] = None  # set when no admitted request is left
         self._closed = False
         self._wakeup: Optional[asyncio.Event] = None
         self._step_lock: Optional[asyncio.Lock] = None  # held for a whole step and for weight updates
@@ -463,26 +465,51 @@ class ContinuousBatchingEngine:
 
         return weight_layout(self.model.state_dict(keep_vars=True))
 
-    async def load_staged(self, stager, version: int, consume_bytes: int, swap: bool) -> float:
+    async def load_staged(
+        self, stager, version: int, consume_bytes: int, swap: bool, interrupt: bool = True
+    ) -> float:
         """load: make a complete staged version (param_update.staging) the served weights, between two steps.
 
         `swap` (dual buffer): the staged tensors become the weights, zero copy; else they are
         copied in, `consume_bytes` at a time. Either way no step runs meanwhile, so no token
-        ever sees two versions. Returns the seconds generation was blocked (the step lock held).
+        ever sees two versions. `interrupt` (partial rollout): running requests continue under
+        the new weights (re-prefilled); False: no request is admitted until every running one
+        has finished under the old weights, then the load. Returns the seconds during which
+        requests could not start or continue decoding (s).
         """
         self._ensure_started()
         _, _, tensors = self.weight_layout()
-        async with self._step_lock:
-            start = time.perf_counter()
-            if swap:
-                stager.swap_into(tensors)
-            else:
-                await asyncio.to_thread(stager.copy_into, tensors, consume_bytes)
-            self._version = version
-            self._cache_stale = True
-            blocked_s = time.perf_counter() - start
+        start = time.perf_counter()
+        try:
+            if not interrupt:
+                await self._wait_for_running()
+            async with self._step_lock:
+                locked = time.perf_counter()
+                if swap:
+                    stager.swap_into(tensors)
+                else:
+                    await asyncio.to_thread(stager.copy_into, tensors, consume_bytes)
+                self._version = version
+                self._cache_stale = True
+                done = time.perf_counter()
+        finally:
+            self._admitting = True
+            self._wakeup.set()
+        return done - (start if not interrupt else locked)
+
+    def _live_rows(self) -> int:
+        return sum(not s.done for s in self._batch.seqs)
+
+    async def _wait_for_running(self) -> None:
+        """Stop admitting requests; return once every admitted one has finished."""
+        self._admitting = False
         self._wakeup.set()
-        return blocked_s
+        while True:
+            self._drained.clear()  # before the check: a step that ends the last rows sets it after
+            async with self._step_lock:  # not mid-step: rows being prefilled count once it ends
+                if not self._live_rows():
+                    return
+            await self._drained.wait()
 
     async def close(self) -> None:
         """Abort everything and stop the background loop."""
@@ -504,6 +531,7 @@ class ContinuousBatchingEngine:
             raise RuntimeError("engine is closed")
         if self._loop_task is None or self._loop_task.done():
             self._wakeup = asyncio.Event()
+            self._drained = asyncio.Event()
             self._step_lock = asyncio.Lock()
             self._loop_task = asyncio.get_running_loop().create_task(self._run(), name="cpu-engine-loop")
 
@@ -518,7 +546,10 @@ class ContinuousBatchingEngine:
 
     async def _run(self) -> None:
         while not self._closed:
-            if self._paused or not self._requests:
+            if not self._live_rows():
+                self._drained.set()
+            idle = not self._requests or (not self._admitting and not self._live_rows())
+            if self._paused or idle:
                 if not self._requests:
                     self._batch = _KVBatch.empty()  # only aborted rows left: free their cache now
                 self._wakeup.clear()
@@ -550,7 +581,7 @@ class ContinuousBatchingEngine:
             self._cache_stale = False
         else:
             prefill = []
-        while self._waiting and len(batch) + len(prefill) < self.max_num_seqs:
+        while self._admitting and self._waiting and len(batch) + len(prefill) < self.max_num_seqs:
             seq = self._waiting.popleft()
             if not seq.done:
                 prefill.append(seq)

@@ -1,9 +1,10 @@
 """CPU rollout replica and its registration in verl's rollout replica registry.
 
 After :func:`register_cpu_rollout`, ``actor_rollout_ref.rollout.name=cpu`` makes verl's
-``get_rollout_replica_class`` (and thus ``LLMServerManager``) build :class:`CPURolloutReplica`.
-Only standalone mode is supported: each replica is one :class:`CPURolloutServer` Ray actor
-that asks Ray for logical CPUs only, never GPUs.
+``get_rollout_replica_class`` (and thus ``LLMServerManager``) build :class:`CPURolloutReplica`,
+and verl's trainer ranks build the worker-side :class:`CPUServerAdapter`. Each replica is one
+:class:`CPURolloutServer` Ray actor that asks Ray for logical CPUs only, never GPUs: standalone
+for this pipeline, hybrid for verl's own (synchronous) trainer, whose ranks send it weights.
 """
 
 from __future__ import annotations
@@ -41,10 +42,11 @@ class CPURolloutReplica(RolloutReplica):
         await self.launch_servers()
 
     async def init_hybrid(self, worker_group):
-        raise NotImplementedError(
-            "rollout.name=cpu supports standalone replicas only (hybrid engines need a worker-side "
-            "ServerAdapter, which verl's get_rollout_class does not have for 'cpu')"
-        )
+        """verl's trainer: this replica's slice of the trainer ranks feeds its server weights
+        (through CPUServerAdapter); the server runs beside them, in its own process."""
+        self.rollout_mode = RolloutMode.HYBRID
+        self.workers = worker_group.workers[self.world_size * self.replica_rank : self.world_size * (self.replica_rank + 1)]
+        await self.launch_servers()
 
     async def init_hybrid_colocated(self, worker_group, resource_pool):
         await self.init_hybrid(worker_group)
@@ -82,5 +84,10 @@ def _load_cpu_replica() -> type[RolloutReplica]:
 
 
 def register_cpu_rollout() -> None:
-    """Register :class:`CPURolloutReplica` under ``"cpu"`` (idempotent)."""
+    """Register ``"cpu"`` in verl's two rollout registries (idempotent): the replica
+    (:class:`CPURolloutReplica`) and the trainer ranks' adapter (:class:`CPUServerAdapter`;
+    verl keeps that table as a module dict, `_ROLLOUT_REGISTRY`, with no register function)."""
+    from verl.workers.rollout import base as rollout_base
+
     RolloutReplicaRegistry.register(CPU_ROLLOUT_NAME, _load_cpu_replica)
+    rollout_base._ROLLOUT_REGISTRY[(CPU_ROLLOUT_NAME, "async")] = "async_rl.rollout.cpu_adapter.CPUServerAdapter"

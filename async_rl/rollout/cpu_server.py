@@ -202,8 +202,11 @@ class CPURolloutServer:
 
     # ------------------------------------------------------------------ weights, in buckets (param_update/)
 
-    def configure_weight_sync(self, dual_buffer: bool, consume_bucket_bytes: int, sender_layout=None) -> None:
+    def configure_weight_sync(
+        self, dual_buffer: bool, consume_bucket_bytes: int, sender_layout=None, partial_rollout: bool = True
+    ) -> None:
         """Set up staging: `dual_buffer` loads by swapping in the staged version, else by copying it.
+        `partial_rollout`: a load interrupts running requests (else it waits for them to finish).
 
         `sender_layout` (name -> (dtype, shape), the trainer's) is checked against this model
         now, so a mismatch fails at start rather than at the first sync.
@@ -219,6 +222,7 @@ class CPURolloutServer:
         self._stager = VersionStager(expected, aliases)
         self._dual_buffer = dual_buffer
         self._consume_bytes = int(consume_bucket_bytes)
+        self._interrupt = partial_rollout
 
     async def stage_weight_bucket(self, version: int, index: int, refs: list, slices: list) -> dict[str, float]:
         """recv (fetch bucket `index` of `version` from Ray's object store) + register-buffer (stage it)."""
@@ -238,7 +242,9 @@ class CPURolloutServer:
         """load: serve the staged `version` from the next decoding step on."""
         self._stager.check_complete(version, num_buckets)
         start = time.perf_counter()
-        blocked_s = await self.engine.load_staged(self._stager, version, self._consume_bytes, swap=self._dual_buffer)
+        blocked_s = await self.engine.load_staged(
+            self._stager, version, self._consume_bytes, swap=self._dual_buffer, interrupt=self._interrupt
+        )
         return {"load_s": time.perf_counter() - start, "blocked_s": blocked_s}
 
     def weight_digests(self) -> dict[str, str]:

@@ -1,0 +1,90 @@
+"""Decoupled PPO (AReaL, eq. 5) through verl's rollout-correction machinery.
+
+    J(theta) = E[ w * min(u * A, clip(u, 1 - eps_low, 1 + eps_high) * A) ]
+    u = pi_theta / pi_prox,   w = pi_prox / pi_behav  (token level, 0 where w > cap)
+
+pi_behav produced the tokens (the rollout's log-probs, possibly several versions per
+response); pi_prox is the policy just before the update (the logp stage recomputes its
+log-probs with the trainer's pre-update weights). verl computes exactly this when
+`algorithm.rollout_correction` asks for token-level importance weights with an upper
+rejection bound (verl's "IcePop" form: weights outside [lower, upper] are zeroed, the
+token-mean denominator is unchanged, as AReaL's `behav_imp_weight_cap` does) and its
+vanilla PPO loss multiplies them in. The lower bound 1e-30 is never reached: verl clamps
+the log-weight at -20.
+
+Under `async_pipeline=True` this is the default. Keys:
+
+- `+algorithm.decoupled_ppo` (default True): fill `algorithm.rollout_correction` as above.
+  False leaves verl's `algorithm.rollout_correction` as the user set it: verl's default
+  (no weights) is PPO against the recomputed pi_prox; `bypass_mode=True` is PPO against
+  pi_behav (AReaL's "naive PPO").
+- `+algorithm.behav_imp_weight_cap` (default 5.0, > 1): AReaL's cap.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from omegaconf import DictConfig, open_dict
+
+LOWER_BOUND = "1e-30"  # below exp(-20), verl's clamp: never rejects a token
+
+
+def rollout_correction_settings(cap: float) -> dict:
+    """The `algorithm.rollout_correction` values that make verl's loss AReaL's decoupled PPO."""
+    return {
+        "rollout_is": "token",
+        # a string verl parses as "lower_upper"; written with a decimal point so Hydra keeps it a string
+        "rollout_is_threshold": f"{LOWER_BOUND}_{float(cap)!r}",
+        "rollout_is_batch_normalize": False,
+        "rollout_rs": None,
+        "bypass_mode": False,
+    }
+
+
+def conflicting_settings(rollout_correction: Optional[DictConfig]) -> dict:
+    """User settings of `algorithm.rollout_correction` that decoupled PPO would overwrite."""
+    if rollout_correction is None:
+        return {}
+    return {
+        key: rollout_correction.get(key)
+        for key in ("rollout_is", "rollout_rs", "bypass_mode")
+        if rollout_correction.get(key) not in (None, False)
+    }
+
+
+def apply_to_config(config: DictConfig, cap: float) -> None:
+    """Write decoupled PPO's settings into `config.algorithm.rollout_correction` (in place)."""
+    with open_dict(config.algorithm):
+        if config.algorithm.get("rollout_correction") is None:
+            config.algorithm.rollout_correction = {}
+        with open_dict(config.algorithm.rollout_correction):
+            for key, value in rollout_correction_settings(cap).items():
+                config.algorithm.rollout_correction[key] = value
+
+
+def uses_behaviour_as_old(config: DictConfig) -> bool:
+    """verl's bypass mode: PPO's pi_old is the behaviour policy (no recomputed log-probs)."""
+    rollout_correction = config.algorithm.get("rollout_correction")
+    return bool(rollout_correction is not None and rollout_correction.get("bypass_mode", False))
+
+
+def add_correction(batch, config: DictConfig):
+    """As verl's trainer does before advantages; returns `(batch, metrics)`.
+
+    Bypass mode: old_log_probs become the behaviour log-probs. Otherwise verl's importance
+    weights (`rollout_is_weights`) and `rollout_corr/*` metrics from the proximal
+    (`old_log_probs`) and behaviour (`rollout_log_probs`) log-probs.
+    """
+    rollout_correction = config.algorithm.get("rollout_correction")
+    if rollout_correction is None or "rollout_log_probs" not in batch.batch.keys():
+        return batch, {}
+    if uses_behaviour_as_old(config):
+        batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]  # the data half of verl's apply_bypass_mode
+        return batch, {}
+    if not bool(batch.batch["response_mask"].any()):  # verl refuses a batch with no valid token
+        return batch, {}
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
+
+    batch, metrics = compute_rollout_correction_and_add_to_batch(batch, rollout_correction)
+    return batch, {k: float(v) for k, v in metrics.items()}

@@ -1,0 +1,142 @@
+"""Ablation, after AReaL's Table 2: staleness bound eta with and without decoupled PPO.
+
+Each run is the demo (copy-digits, tiny Qwen2, the README quickstart's settings) trained
+to the same number of steps by the plain verl command with
+`+actor_rollout_ref.async_pipeline=True`, one after another on this machine:
+
+- eta in {0, 2, 4} (`+trainer.generate_ahead_steps` = eta + 1);
+- decoupled: AReaL's decoupled PPO (the default: pi_prox recomputed by the logp stage,
+  token weights pi_prox / pi_behav capped at `behav_imp_weight_cap`); not decoupled:
+  AReaL's "naive PPO", PPO's pi_old is the behaviour policy
+  (`+algorithm.decoupled_ppo=False algorithm.rollout_correction.bypass_mode=True`).
+
+Prints a table and the command, writes a PNG of validation reward against wall time
+(`--png`), and with `--json PATH` the rows: eta, decoupled, steps, final_val_reward, wall_s.
+
+    python bench/ablation.py [--steps 200] [--etas 0,2,4] [--json PATH] [--png PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# bench/param_update.py would shadow the `param_update` package: drop this folder from the path
+sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+
+VAL_KEY = "val-core/async_rl/copy_digits/reward/mean@1"
+NAIVE = {"+algorithm.decoupled_ppo": False, "algorithm.rollout_correction.bypass_mode": True}
+
+
+def run_once(demo_dir: Path, workdir: Path, eta: int, decoupled: bool, steps: int, test_freq: int, timeout_s: float):
+    """One training run; returns the row and its validation curve [(wall_s, reward)]."""
+    from async_rl.demo import demo_overrides
+
+    extra = {
+        "+trainer.generate_ahead_steps": eta + 1,
+        "trainer.total_training_steps": steps,
+        "trainer.test_freq": test_freq,
+        **({} if decoupled else NAIVE),
+    }
+    metrics_path = workdir / f"eta{eta}_{'decoupled' if decoupled else 'naive'}.jsonl"
+    env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(metrics_path), "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *demo_overrides(demo_dir, extra=extra)]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout_s)
+    wall_s = time.monotonic() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"run eta={eta} decoupled={decoupled} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines()]
+    step_s = {r["step"]: r["data"]["timing_s/step"] for r in rows if "timing_s/step" in r["data"]}
+    vals = {r["step"]: r["data"][VAL_KEY] for r in rows if VAL_KEY in r["data"]}
+    # wall time at a validation: the run's time outside training steps (start-up, validations), counted
+    # up front, plus the training steps so far
+    setup_s = wall_s - sum(step_s.values())
+    curve = [(setup_s + sum(s for k, s in step_s.items() if k <= step), vals[step]) for step in sorted(vals)]
+    staleness = max((r["data"].get("async/staleness/max", 0.0) for r in rows), default=0.0)
+    row = {
+        "eta": eta,
+        "decoupled": decoupled,
+        "steps": steps,
+        "final_val_reward": vals[max(vals)],
+        "wall_s": wall_s,
+        "max_staleness_seen": staleness,
+        "mean_step_s": sum(step_s.values()) / max(len(step_s), 1),
+    }
+    return row, curve
+
+
+def plot(curves: dict[str, list], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, curve in curves.items():
+        ax.plot([t for t, _ in curve], [r for _, r in curve], marker=".", label=label)
+    ax.set_xlabel("wall time (s)")
+    ax.set_ylabel("validation reward (mean@1)")
+    ax.set_title("copy-digits demo: staleness eta x objective")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--etas", default="0,2,4")
+    parser.add_argument("--test-freq", type=int, default=20, help="validate every N steps")
+    parser.add_argument("--demo-dir", help="a prepared demo (default: prepare one in a temporary folder)")
+    parser.add_argument("--json", help="write the rows as a JSON list here")
+    parser.add_argument("--png", default="bench/results/ablation.png", help="reward against wall time")
+    parser.add_argument("--timeout-s", type=float, default=3600)
+    args = parser.parse_args(argv)
+    command = " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv])
+    rows, curves = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        demo_dir = Path(args.demo_dir) if args.demo_dir else Path(tmp) / "demo"
+        if not args.demo_dir:
+            from async_rl.demo import prepare
+
+            prepare(demo_dir, seed=0)
+        for eta in (int(e) for e in args.etas.split(",")):
+            for decoupled in (True, False):
+                row, curve = run_once(demo_dir, Path(tmp), eta, decoupled, args.steps, args.test_freq, args.timeout_s)
+                rows.append(row)
+                curves[f"eta={eta} {'decoupled' if decoupled else 'naive PPO'}"] = curve
+                print(f"done: {json.dumps(row)}", flush=True)
+    print(f"\ncommand: {command}\ncpus: {os.cpu_count()}, demo quickstart settings, {args.steps} steps per run")
+    header = f"{'eta':>3} {'objective':>12} {'steps':>5} | {'final val reward':>16} {'wall s':>8} {'s/step':>7} | {'max staleness':>13}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(f"{r['eta']:>3} {'decoupled' if r['decoupled'] else 'naive PPO':>12} {r['steps']:>5} | "
+              f"{r['final_val_reward']:>16.3f} {r['wall_s']:>8.1f} {r['mean_step_s']:>7.2f} | "
+              f"{r['max_staleness_seen']:>13.0f}")
+    base = next((r for r in rows if r["eta"] == 0 and r["decoupled"]), None)
+    for r in rows:
+        if base and r["decoupled"] and r["eta"] > 0:
+            print(f"decoupled eta={r['eta']} vs eta=0: reward {r['final_val_reward'] - base['final_val_reward']:+.3f}, "
+                  f"wall time x{r['wall_s'] / base['wall_s']:.2f} (expected: within 0.05, less time)")
+    if args.png:
+        plot(curves, args.png)
+        print(f"plot: {args.png}")
+    if args.json:
+        keys = ("eta", "decoupled", "steps", "final_val_reward", "wall_s")
+        with open(args.json, "w") as f:
+            json.dump([{k: r[k] for k in keys} for r in rows], f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""verl's own trainers on CPU with this package's rollout backend (`rollout.name=cpu`).
+
+Without `async_pipeline=True`, a verl command that asks for `trainer.device=cpu` and
+`actor_rollout_ref.rollout.name=cpu` (a backend only this package provides) runs verl's own
+trainer on the CPU backend: the synchronous one by default. The plugin then does, before
+Ray starts, what the pipeline does for itself: the CPU platform and patches in the driver;
+logical CPUs and GPUs for Ray (verl's resource check counts GPUs; on CPU a "GPU" is one worker
+process); `VERL_PLATFORM=cpu` in every Ray worker, where the plugin applies the same patches
+and registers the backend at `import verl`. Every other verl command is left alone.
+"""
+
+from __future__ import annotations
+
+import os
+
+from omegaconf import open_dict
+
+WORKER_ENV = {"VERL_PLATFORM": "cpu", "VERL_ENGINE_DEVICE": "cuda", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def wants_cpu_rollout(config) -> bool:
+    """A plain verl command (no pipeline flag) on trainer.device=cpu with rollout.name=cpu."""
+    from async_rl.config import async_pipeline_enabled
+
+    rollout = config.get("actor_rollout_ref", {}).get("rollout", {})
+    return (
+        not async_pipeline_enabled(config)
+        and str(rollout.get("name", "")) == "cpu"
+        and str(config.get("trainer", {}).get("device", "")) == "cpu"
+    )
+
+
+def prepare(config) -> None:
+    """Set up the driver and the Ray init arguments (in `config.ray_kwargs.ray_init`) in place."""
+    from async_rl.config import strip_async_keys
+    from async_rl.rollout.cpu_replica import register_cpu_rollout
+    from verl_patches.cpu_patches import apply_cpu_worker_patches
+
+    strip_async_keys(config)  # the pipeline's keys may remain in a demo command with the flag off
+    os.environ.update(WORKER_ENV)
+    apply_cpu_worker_patches()
+    register_cpu_rollout()
+    devices = int(config.trainer.nnodes) * int(config.trainer.n_gpus_per_node)
+    with open_dict(config):
+        ray_init = config.ray_kwargs.ray_init
+        if ray_init.get("num_cpus") is None:
+            ray_init.num_cpus = max(16, os.cpu_count() or 1)  # logical: verl's actors ask for whole CPUs
+        if ray_init.get("num_gpus") is None:
+            ray_init.num_gpus = devices
+        if ray_init.get("include_dashboard") is None:
+            ray_init.include_dashboard = False
+        if ray_init.get("runtime_env") is None:
+            ray_init.runtime_env = {}
+        if ray_init.runtime_env.get("env_vars") is None:
+            ray_init.runtime_env.env_vars = {}
+        for key, value in WORKER_ENV.items():
+            if key not in ray_init.runtime_env.env_vars:
+                ray_init.runtime_env.env_vars[key] = value
+
+
+def set_up_worker_process() -> None:
+    """In a Ray worker of such a run (`VERL_PLATFORM=cpu`): the CPU patches and the backend."""
+    from async_rl.rollout.cpu_replica import register_cpu_rollout
+    from verl_patches.cpu_patches import apply_cpu_worker_patches
+
+    apply_cpu_worker_patches()
+    register_cpu_rollout()
