@@ -10,6 +10,16 @@ prompts x 8 samples), learning rate, steps, cores and validation schedule:
   off, with this package's CPU rollout backend as a hybrid replica (weights synced each step).
 - `verl-fully-async`: verl's `fully_async_policy` is reported as not run, with the reason.
 - `async-pipeline k=K`: `+actor_rollout_ref.async_pipeline=True +trainer.generate_ahead_steps=K`.
+- `async-pipeline k=K naive PPO` (`--naive-ks`): the same with AReaL's naive PPO, which has
+  no logp recompute on the path from one training step to the next.
+
+Settings (the demo's overrides, `DIR/overrides.txt`, for every system): the same 2 cores
+and `trainer.n_gpus_per_node=2` (CPU devices), fp32 FSDP2, GRPO, the demo's lr, dynamic
+micro-batches (`use_dynamic_bsz`) and `trainer.balance_batch=True` (verl's default). verl's
+trainer runs its documented single-machine setup: the hybrid engine, 2 FSDP2 ranks that
+take turns generating (V1 `sync` rollout mode, its default) and training. The pipeline
+splits the same 2 devices with `use_nodes_ratios=[0.5,0.5,0.5,0.5]` (1 rank each for train,
+logp, ref_logp, generate), its demo setting.
 
 Per run: wall time per trained sample (s; training steps only, start-up and validation
 excluded, the same for every system), time to the validation target (training seconds until
@@ -36,7 +46,11 @@ from pathlib import Path
 # bench/param_update.py would shadow the `param_update` package: drop this folder from the path
 sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 
-VAL_KEY = "val-core/async_rl/copy_digits/reward/mean@1"
+# the validation reward: the pipeline logs it as val-core; verl's trainer logs the same score as val-aux
+# (its val-core entry is `acc`, which verl's reward manager sets to the same float)
+VAL_KEYS = ("val-core/async_rl/copy_digits/reward/mean@1", "val-aux/async_rl/copy_digits/reward/mean@1")
+# AReaL's naive PPO: pi_old = the behaviour policy, logp recomputes nothing (README "Algorithms")
+NAIVE_PPO = {"+algorithm.decoupled_ppo": False, "algorithm.rollout_correction.bypass_mode": True}
 STAGES = ("dataloader", "generate", "rollout", "reward", "logp", "ref_logp", "actor_train", "param_update")
 # verl's synchronous step runs these one after another on the same processes (timing_s/<name>)
 VERL_SYNC_PARTS = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "update_weights")
@@ -48,23 +62,32 @@ FULLY_ASYNC_NOT_RUN = (
 )
 
 
-def run_system(name: str, demo_dir: Path, workdir: Path, extra: dict, timeout_s: float) -> list[dict]:
+def metrics_file(metrics_dir: Path, name: str) -> Path:
+    return metrics_dir / f"{name.replace(' ', '_').replace('=', '')}.jsonl"
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def run_system(name: str, demo_dir: Path, workdir: Path, metrics_dir: Path, extra: dict, timeout_s: float) -> list[dict]:
     """One training run by the plain verl command; returns its JSONL metric rows."""
     from async_rl.demo import demo_overrides
 
-    metrics_path = workdir / f"{name.replace(' ', '_').replace('=', '')}.jsonl"
+    metrics_path = metrics_file(metrics_dir, name)
     env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(metrics_path), "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *demo_overrides(demo_dir, extra=extra)]
     start = time.monotonic()
     proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout_s)
     if proc.returncode != 0:
         raise RuntimeError(f"{name} failed after {time.monotonic() - start:.0f} s:\n{(proc.stdout + proc.stderr)[-3000:]}")
-    return [json.loads(line) for line in metrics_path.read_text().splitlines()]
+    return read_metrics(metrics_path)
 
 
 def summarize(name: str, k, rows: list[dict], samples_per_step: int, target: float) -> tuple[dict, list]:
     steps = {r["step"]: r["data"] for r in rows if "timing_s/step" in r["data"]}
-    vals = {r["step"]: r["data"][VAL_KEY] for r in rows if VAL_KEY in r["data"]}
+    vals = {r["step"]: next(r["data"][k] for k in VAL_KEYS if k in r["data"])
+            for r in rows if any(k in r["data"] for k in VAL_KEYS)}
     train_s = sum(m["timing_s/step"] for m in steps.values())
     curve = [(sum(m["timing_s/step"] for s, m in steps.items() if s <= step), vals[step]) for step in sorted(vals)]
     reached = next((t for t, reward in curve if reward >= target), None)
@@ -85,6 +108,9 @@ def summarize(name: str, k, rows: list[dict], samples_per_step: int, target: flo
         "final_val_reward": vals[max(vals)] if vals else None,
         "bubble_ratio": 1.0 / busy[busiest],
         "busiest_stage": busiest,
+        # decoupled PPO: actor_train trains batch j only after logp computed it with version j, which
+        # exists only once step j - 1 is trained, so the two run in turn: their sum is the critical chain
+        "train_chain_busy": busy.get("actor_train", 0.0) + busy.get("logp", 0.0) if k is not None else None,
         "busy_ratio": busy,
         "mean_step_s": step_s,
         "mean_response_length": sum(lengths) / len(lengths),
@@ -120,12 +146,21 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--response-length", type=int, default=40, help="max response tokens")
     parser.add_argument("--ks", default="1,2,5", help="generate_ahead_steps of the pipeline runs")
     parser.add_argument("--test-freq", type=int, default=10)
+    parser.add_argument("--naive-ks", default="",
+                        help="also run the pipeline with naive PPO (no logp recompute) at these generate_ahead_steps")
     parser.add_argument("--skip-verl", action="store_true", help="pipeline runs only")
     parser.add_argument("--demo-dir")
     parser.add_argument("--json")
     parser.add_argument("--png", default="bench/results/e2e.png")
     parser.add_argument("--timeout-s", type=float, default=3600)
+    parser.add_argument("--metrics-dir", help="keep each run's metric JSONL here (default: a temporary folder)")
+    parser.add_argument("--summarize-only", action="store_true",
+                        help="no runs: summarize the JSONL files already in --metrics-dir")
+    parser.add_argument("--reuse", action="store_true",
+                        help="run only the systems without a JSONL file in --metrics-dir; summarize all")
     args = parser.parse_args(argv)
+    if (args.summarize_only or args.reuse) and not args.metrics_dir:
+        parser.error("--summarize-only and --reuse read the JSONL files in --metrics-dir: give it")
     command = " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv])
     from async_rl.demo.task import GROUP_SIZE, TRAIN_BATCH_SIZE
 
@@ -137,15 +172,22 @@ def main(argv=None) -> list[dict]:
     }
     systems = [] if args.skip_verl else [("verl-sync", None, {"+actor_rollout_ref.async_pipeline": False})]
     systems += [(f"async-pipeline k={k}", k, {"+trainer.generate_ahead_steps": k}) for k in map(int, args.ks.split(","))]
+    systems += [(f"async-pipeline k={k} naive PPO", k, {"+trainer.generate_ahead_steps": k, **NAIVE_PPO})
+                for k in map(int, filter(None, args.naive_ks.split(",")))]
     rows, curves = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         demo_dir = Path(args.demo_dir) if args.demo_dir else Path(tmp) / "demo"
-        if not args.demo_dir:
+        if not args.demo_dir and not args.summarize_only:
             from async_rl.demo import prepare
 
             prepare(demo_dir, seed=0)
+        metrics_dir = Path(args.metrics_dir or tmp)
+        metrics_dir.mkdir(parents=True, exist_ok=True)
         for name, k, extra in systems:
-            metrics = run_system(name, demo_dir, Path(tmp), {**common, **extra}, args.timeout_s)
+            if args.summarize_only or (args.reuse and metrics_file(metrics_dir, name).exists()):
+                metrics = read_metrics(metrics_file(metrics_dir, name))
+            else:
+                metrics = run_system(name, demo_dir, Path(tmp), metrics_dir, {**common, **extra}, args.timeout_s)
             row, curve = summarize(name, k, metrics, TRAIN_BATCH_SIZE * GROUP_SIZE, args.target)
             rows.append(row)
             curves[name] = curve
@@ -177,14 +219,20 @@ def main(argv=None) -> list[dict]:
             print(f"{r['system']}: {speed:.2f}x verl-sync per sample, "
                   f"{'-' if to_target is None else f'{to_target:.2f}x'} to target; bubble {r['bubble_ratio']:.2f}, "
                   f"busiest stage {r['busiest_stage']} (busy ratios: "
-                  + ", ".join(f"{s} {b:.2f}" for s, b in sorted(r["busy_ratio"].items(), key=lambda x: -x[1])) + ")")
+                  + ", ".join(f"{s} {b:.2f}" for s, b in sorted(r["busy_ratio"].items(), key=lambda x: -x[1]))
+                  + f"); actor_train + logp, which run in turn: busy {r['train_chain_busy']:.2f}")
     print("goal: the pipeline >= 2x faster than verl-sync to the same reward, bubble ratio <= 1.15")
+    if any((r.get("train_chain_busy") or 0) > 0.8 and r["bubble_ratio"] > 1.15 for r in rows):
+        print("bottleneck: actor_train, waiting on logp: the proximal log-probs of batch j need the weights of "
+              "step j - 1, so logp and actor_train alternate; computing them on the train ranks right before the "
+              "update (as AReaL's trainer does) would take the weight hop off the chain, and giving logp's share of "
+              "the cores to training would shorten both")
     if args.png:
         plot(curves, args.png, args.target)
         print(f"plot: {args.png}")
     if args.json:
         keys = ("system", "generate_ahead_steps", "wall_s_per_sample", "time_to_target_s", "final_val_reward",
-                "bubble_ratio")
+                "bubble_ratio", "busiest_stage", "busy_ratio", "train_chain_busy", "mean_step_s")
         with open(args.json, "w") as f:
             json.dump([{k: r.get(k) for k in keys} | ({"not_run": r["not_run"]} if "not_run" in r else {})
                        for r in rows], f, indent=1)

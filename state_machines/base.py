@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import time
 import traceback
 from abc import ABC, abstractmethod
@@ -99,6 +100,15 @@ class BusyTimer:
         self._active -= 1
         if self._active == 0:
             self._busy_total += time.perf_counter() - self._active_since
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Inside an entered item: the time under this block counts as idle (a wait on others)."""
+        self.leave()
+        try:
+            yield
+        finally:
+            self.enter()
 
     def busy_s(self) -> float:
         extra = time.perf_counter() - self._active_since if self._active else 0.0
@@ -187,6 +197,11 @@ class StateMachine(ABC):
 
     async def on_end(self) -> None:
         """Hook: runs once after the last output, before END_OF_STREAM goes downstream."""
+
+    def waiting(self):
+        """In `process_data`: `with self.waiting(): await ...` keeps a wait on another stage (not
+        work of this one) out of the busy time; the item stays in flight, so drain still finishes it."""
+        return self.timer.paused()
 
     async def _process_timed(self, data: Any) -> Any:
         self.timer.enter()

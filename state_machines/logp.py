@@ -101,8 +101,9 @@ class LogpStage(StateMachine):
         if not self.compute:
             return LogpResult(index=data.index, batch_ref=data.batch_ref, old_log_probs=None, logp_version=-1)
         batch = await data.get()
-        async with self._version_loaded:  # the trainer's version before it trains this batch
-            await self._version_loaded.wait_for(lambda: self.version >= data.index)
+        with self.waiting():  # for the trainer's version before it trains this batch: idle, not work
+            async with self._version_loaded:
+                await self._version_loaded.wait_for(lambda: self.version >= data.index)
         async with self._weights_in_use:
             version = self.version
             log_probs = await asyncio.to_thread(

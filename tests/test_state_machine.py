@@ -652,6 +652,28 @@ def test_busy_time_counts_overlap_once():
     assert timer._active == 0
 
 
+def test_waiting_inside_process_data_is_idle_time(monkeypatch):
+    """`waiting()` takes a wait on another stage out of busy time, only while no other item works."""
+    now = [0.0]
+    monkeypatch.setattr("state_machines.base.time.perf_counter", lambda: now[0])
+    timer = BusyTimer()
+    timer.start()
+    timer.enter()  # item A: 1 s of work, 5 s waiting, 2 s of work
+    now[0] += 1.0
+    with timer.paused():
+        now[0] += 5.0
+    now[0] += 2.0
+    timer.leave()
+    assert timer.busy_s() == 3.0 and timer.wall_s() == 8.0
+    timer.enter()  # item A waits while item B works: B's time stays busy
+    timer.enter()
+    with timer.paused():
+        now[0] += 4.0
+    timer.leave()
+    timer.leave()
+    assert timer.busy_s() == 7.0 and timer._active == 0
+
+
 def test_busy_timer_before_start():
     timer = BusyTimer()
     assert timer.wall_s() == 0.0 and timer.busy_s() == 0.0

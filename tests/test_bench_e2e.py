@@ -1,0 +1,41 @@
+"""bench/e2e.py's summary: the numbers the side-by-side table reports, from metric rows."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SPEC = importlib.util.spec_from_file_location("bench_e2e", Path(__file__).parents[1] / "bench" / "e2e.py")
+e2e = importlib.util.module_from_spec(SPEC)
+SPEC.loader.exec_module(e2e)
+
+
+def rows_for(step_s, val_key, vals, **busy):
+    """Metric rows as verl's file logger writes them: one per step, validation on some steps."""
+    rows = [{"step": 0, "data": {val_key: vals[0]}}]
+    for step in range(1, 5):
+        data = {"timing_s/step": step_s, "response_length/mean": 10.0, "response_length/max": 20.0, **busy}
+        if step in vals:
+            data[val_key] = vals[step]
+        rows.append({"step": step, "data": data})
+    return rows
+
+
+def test_pipeline_summary_bubble_and_chain():
+    busy = {"async/actor_train/busy_ratio": 0.5, "async/logp/busy_ratio": 0.4, "async/generate/busy_ratio": 0.2}
+    rows = rows_for(2.0, e2e.VAL_KEYS[0], {0: 0.0, 2: 0.3, 4: 0.5}, **busy)
+    row, curve = e2e.summarize("async-pipeline k=2", 2, rows, samples_per_step=8, target=0.4)
+    assert row["wall_s_per_sample"] == pytest.approx(8.0 / 32)  # 4 steps x 2 s over 4 x 8 samples
+    assert curve == [(0, 0.0), (4.0, 0.3), (8.0, 0.5)]
+    assert row["time_to_target_s"] == 8.0 and row["final_val_reward"] == 0.5
+    assert row["busiest_stage"] == "actor_train" and row["bubble_ratio"] == pytest.approx(2.0)
+    assert row["train_chain_busy"] == pytest.approx(0.9)
+
+
+def test_verl_summary_reads_val_aux_and_step_parts():
+    parts = {"timing_s/gen": 1.5, "timing_s/update_actor": 0.3}
+    rows = rows_for(2.0, e2e.VAL_KEYS[1], {0: 0.0, 4: 0.2}, **parts)
+    row, _ = e2e.summarize("verl-sync", None, rows, samples_per_step=8, target=0.4)
+    assert row["final_val_reward"] == 0.2 and row["time_to_target_s"] is None
+    assert row["busiest_stage"] == "gen" and row["bubble_ratio"] == pytest.approx(2.0 / 1.5)
+    assert row["train_chain_busy"] is None
