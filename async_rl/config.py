@@ -16,6 +16,7 @@ Every key is added to a verl command with `+` (verl's schema does not know them)
 | algorithm.decoupled_ppo | True | bool: AReaL's decoupled PPO via verl's rollout correction (async_rl/decoupled_ppo.py) |
 | algorithm.behav_imp_weight_cap | 5.0 | number > 1: tokens with pi_prox / pi_behav above it get weight 0 |
 | actor_rollout_ref.rollout.partial_rollout | True | bool: a weight load interrupts requests (False: it waits for them) |
+| algorithm.proximal_logp_workers | train | train or logp: which workers recompute pi_prox (old_log_probs) |
 
 Validation runs in the driver before any Ray actor starts and raises
 `AsyncConfigError` with one message naming the key, the value and what is allowed.
@@ -57,6 +58,7 @@ class AsyncPipelineConfig:
     behav_imp_weight_cap: float = 5.0
     partial_rollout: bool = True
     dynamic_sampling: bool = False  # verl's algorithm.filter_groups.enable
+    proximal_logp_workers: str = "train"  # PROXIMAL_LOGP_WORKERS
 
     @property
     def max_staleness(self) -> int:
@@ -77,7 +79,12 @@ _KEYS = (
     ("algorithm.decoupled_ppo", "decoupled_ppo", True),
     ("algorithm.behav_imp_weight_cap", "behav_imp_weight_cap", 5.0),
     ("actor_rollout_ref.rollout.partial_rollout", "partial_rollout", True),
+    ("algorithm.proximal_logp_workers", "proximal_logp_workers", "train"),
 )
+# Where pi_prox (verl's recomputed old_log_probs) is computed: "train" on the train ranks right
+# before their update (no weight hop, logp and train cannot take turns), "logp" on the logp
+# stage's own worker group, which then receives every version through the weight sync.
+PROXIMAL_LOGP_WORKERS = ("train", "logp")
 STAGES_KEY = "trainer.async_stages"
 CONFIG_KEYS = tuple(k for k, _, _ in _KEYS) + (STAGES_KEY,)
 
@@ -121,6 +128,12 @@ def _as_cap(key: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 1:
         raise AsyncConfigError(key, value, "a number > 1 (AReaL's behav_imp_weight_cap)")
     return float(value)
+
+
+def _as_choice(key: str, value, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise AsyncConfigError(key, value, " or ".join(choices))
+    return value
 
 
 def _check_decoupled(config, enabled: bool) -> None:
@@ -181,6 +194,9 @@ def read_async_config(config) -> AsyncPipelineConfig:
         behav_imp_weight_cap=_as_cap(keys["behav_imp_weight_cap"], raw["behav_imp_weight_cap"]),
         partial_rollout=_as_bool(keys["partial_rollout"], raw["partial_rollout"]),
         dynamic_sampling=dynamic_sampling,
+        proximal_logp_workers=_as_choice(
+            keys["proximal_logp_workers"], raw["proximal_logp_workers"], PROXIMAL_LOGP_WORKERS
+        ),
     )
 
 

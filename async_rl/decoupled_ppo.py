@@ -4,8 +4,9 @@
     u = pi_theta / pi_prox,   w = pi_prox / pi_behav  (token level, 0 where w > cap)
 
 pi_behav produced the tokens (the rollout's log-probs, possibly several versions per
-response); pi_prox is the policy just before the update (the logp stage recomputes its
-log-probs with the trainer's pre-update weights). verl computes exactly this when
+response); pi_prox is the policy just before the update (its log-probs are recomputed with
+the trainer's pre-update weights, on the train ranks or on the logp stage's:
+`algorithm.proximal_logp_workers`). verl computes exactly this when
 `algorithm.rollout_correction` asks for token-level importance weights with an upper
 rejection bound (verl's "IcePop" form: weights outside [lower, upper] are zeroed, the
 token-mean denominator is unchanged, as AReaL's `behav_imp_weight_cap` does) and its
@@ -19,6 +20,7 @@ Under `async_pipeline=True` this is the default. Keys:
   (no weights) is PPO against the recomputed pi_prox; `bypass_mode=True` is PPO against
   pi_behav (AReaL's "naive PPO").
 - `+algorithm.behav_imp_weight_cap` (default 5.0, > 1): AReaL's cap.
+- `+algorithm.proximal_logp_workers` (default train): where pi_prox is computed.
 """
 
 from __future__ import annotations

@@ -164,7 +164,8 @@ class AsyncPipeline:
         tokenizer = hf_tokenizer(cfg.actor_rollout_ref.model.path, trust_remote_code=False)
         replicas = make_rollout_replicas(cfg, generate_slots=sizes["generate"])
         on_cpu = str(cfg.trainer.device) == "cpu"
-        needed = devices_needed(sizes, len(replicas), 1 if on_cpu else replicas[0].world_size, need_reference_policy(cfg))
+        needed = devices_needed(sizes, len(replicas), 1 if on_cpu else replicas[0].world_size,
+                                need_reference_policy(cfg), self.proximal_logp_workers() == "logp")
         check_cluster_fits(needed, on_cpu, ray.cluster_resources())
         self.replicas = launch_rollout_replicas(replicas, cfg.actor_rollout_ref.rollout.name, timeout_s=SETUP_TIMEOUT_S)
         servers = [r.server_handle for r in self.replicas]
@@ -188,11 +189,13 @@ class AsyncPipeline:
             self._stage("dynamic_sampling", DynamicSamplingStage, cfg, eta, steps, generate, dataloader)
         bucket_bytes = self._check_weight_sync()
         dual = self.async_cfg.enable_dual_buffer
-        logp = self._stage("logp", LogpStage, cfg, sizes["logp"], bucket_bytes["consume"])
+        proximal = self.proximal_logp_workers()
+        logp = self._stage("logp", LogpStage, cfg, sizes["logp"], bucket_bytes["consume"], compute=proximal == "logp")
         self._stage("ref_logp", RefLogpStage, cfg, sizes["ref_logp"], need_reference_policy(cfg))
-        receivers = self._weight_receivers(logp)
+        receivers = self._weight_receivers(logp if proximal == "logp" else None)
         param_update = self._stage("param_update", ParamUpdateStage, receivers, generate)
-        self._stage("actor_train", ActorTrainStage, cfg, sizes["train"], eta, param_update, bucket_bytes["preduce"])
+        self._stage("actor_train", ActorTrainStage, cfg, sizes["train"], eta, param_update, bucket_bytes["preduce"],
+                    compute_proximal=proximal == "train")
         for spec in self.async_cfg.user_stages:
             self._stage(spec.name, spec.load_class(), config=cfg, name=spec.name, **spec.kwargs)
 
@@ -202,8 +205,14 @@ class AsyncPipeline:
         self._configure_receivers(dual, bucket_bytes["consume"])
         self._wire()
 
+    def proximal_logp_workers(self) -> str | None:
+        """Which workers recompute pi_prox: "train", "logp", or None (verl's bypass mode: none do)."""
+        from async_rl.decoupled_ppo import uses_behaviour_as_old
+
+        return None if uses_behaviour_as_old(self.config) else self.async_cfg.proximal_logp_workers
+
     def _weight_receivers(self, logp) -> list:
-        """The weight sync's receivers: every rollout replica, then the logp stage."""
+        """The weight sync's receivers: every rollout replica, then the logp stage if it computes."""
         from param_update.checkpoint_engine import GPUReplicaReceiver
         from param_update.overlapped import ActorReceiver
 
@@ -213,7 +222,7 @@ class AsyncPipeline:
             else GPUReplicaReceiver(f"rollout_replica_{i}", r)
             for i, r in enumerate(self.replicas)
         ]
-        self.receivers = rollout + [ActorReceiver("logp", logp, False)]
+        self.receivers = rollout + ([ActorReceiver("logp", logp, False)] if logp is not None else [])
         return self.receivers
 
     def _configure_receivers(self, dual: bool, consume_bytes: int) -> None:
@@ -313,10 +322,11 @@ class AsyncPipeline:
         return self.history
 
     def weight_digests(self) -> dict[str, dict[str, str]]:
-        """Per-tensor digests of the weights held by the trainer, the logp workers and every
-        rollout server (name -> digest): equal digests mean bit-identical weights."""
-        calls = {"actor_train": self.stages["actor_train"].weight_digests.remote(),
-                 "logp": self.stages["logp"].weight_digests.remote()}
+        """Per-tensor digests of the weights held by the trainer, the logp workers (when they
+        compute) and every rollout server (name -> digest): equal digests mean bit-identical weights."""
+        calls = {"actor_train": self.stages["actor_train"].weight_digests.remote()}
+        if self.proximal_logp_workers() == "logp":
+            calls["logp"] = self.stages["logp"].weight_digests.remote()
         if str(self.config.actor_rollout_ref.rollout.name) == "cpu":
             calls.update({f"rollout_server_{i}": r.server_handle.weight_digests.remote()
                           for i, r in enumerate(self.replicas)})

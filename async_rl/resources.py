@@ -49,12 +49,14 @@ def make_worker_group(config: DictConfig, role: str, world_size: int, name: str)
     return group
 
 
-def devices_needed(world_sizes: dict[str, int], num_replicas: int, replica_devices: int, ref_enabled: bool) -> int:
-    """Devices the pipeline's pools take: one worker group per role plus the rollout replicas.
+def devices_needed(world_sizes: dict[str, int], num_replicas: int, replica_devices: int, ref_enabled: bool,
+                   logp_enabled: bool = True) -> int:
+    """Devices the pipeline's pools take: one worker group per role in use plus the rollout replicas.
 
     Each role gets its own pool (no sharing between pools), so this is a plain sum.
     """
-    groups = world_sizes["train"] + world_sizes["logp"] + (world_sizes["ref_logp"] if ref_enabled else 0)
+    groups = (world_sizes["train"] + (world_sizes["logp"] if logp_enabled else 0)
+              + (world_sizes["ref_logp"] if ref_enabled else 0))
     return groups + num_replicas * replica_devices
 
 

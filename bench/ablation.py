@@ -5,15 +5,19 @@ to the same number of steps by the plain verl command with
 `+actor_rollout_ref.async_pipeline=True`, one after another on this machine:
 
 - eta in {0, 2, 4} (`+trainer.generate_ahead_steps` = eta + 1);
-- decoupled: AReaL's decoupled PPO (the default: pi_prox recomputed by the logp stage,
-  token weights pi_prox / pi_behav capped at `behav_imp_weight_cap`); not decoupled:
+- decoupled: AReaL's decoupled PPO (the default: pi_prox recomputed with the pre-update
+  weights, token weights pi_prox / pi_behav, 0 above `behav_imp_weight_cap`, `--cap`);
+  not decoupled:
   AReaL's "naive PPO", PPO's pi_old is the behaviour policy
   (`+algorithm.decoupled_ppo=False algorithm.rollout_correction.bypass_mode=True`).
 
 Prints a table and the command, writes a PNG of validation reward against wall time
-(`--png`), and with `--json PATH` the rows: eta, decoupled, steps, final_val_reward, wall_s.
+(`--png`), and with `--json PATH` the rows: eta, decoupled, steps, final_val_reward, wall_s,
+and for decoupled runs the cap and `capped_token_fraction` (verl's
+`rollout_corr/rollout_is_ratio_fraction_high`: the share of tokens whose weight the cap
+zeroed), averaged over all steps and over the last third.
 
-    python bench/ablation.py [--steps 200] [--etas 0,2,4] [--json PATH] [--png PATH]
+    python bench/ablation.py [--steps 200] [--etas 0,2,4] [--cap 5] [--no-naive] [--json PATH] [--png PATH]
 """
 
 from __future__ import annotations
@@ -35,7 +39,11 @@ VAL_KEY = "val-core/async_rl/copy_digits/reward/mean@1"
 NAIVE = {"+algorithm.decoupled_ppo": False, "algorithm.rollout_correction.bypass_mode": True}
 
 
-def run_once(demo_dir: Path, workdir: Path, eta: int, decoupled: bool, steps: int, test_freq: int, timeout_s: float):
+CAPPED = "rollout_corr/rollout_is_ratio_fraction_high"  # verl: share of tokens above the upper threshold
+
+
+def run_once(demo_dir: Path, workdir: Path, eta: int, decoupled: bool, steps: int, test_freq: int, timeout_s: float,
+             cap: float | None = None):
     """One training run; returns the row and its validation curve [(wall_s, reward)]."""
     from async_rl.demo import demo_overrides
 
@@ -44,6 +52,7 @@ def run_once(demo_dir: Path, workdir: Path, eta: int, decoupled: bool, steps: in
         "trainer.total_training_steps": steps,
         "trainer.test_freq": test_freq,
         **({} if decoupled else NAIVE),
+        **({"+algorithm.behav_imp_weight_cap": cap} if decoupled and cap is not None else {}),
     }
     metrics_path = workdir / f"eta{eta}_{'decoupled' if decoupled else 'naive'}.jsonl"
     env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(metrics_path), "PYTHONUNBUFFERED": "1"}
@@ -61,6 +70,8 @@ def run_once(demo_dir: Path, workdir: Path, eta: int, decoupled: bool, steps: in
     setup_s = wall_s - sum(step_s.values())
     curve = [(setup_s + sum(s for k, s in step_s.items() if k <= step), vals[step]) for step in sorted(vals)]
     staleness = max((r["data"].get("async/staleness/max", 0.0) for r in rows), default=0.0)
+    capped = [r["data"][CAPPED] for r in sorted(rows, key=lambda r: r["step"]) if CAPPED in r["data"]]
+    late = capped[len(capped) * 2 // 3:]
     row = {
         "eta": eta,
         "decoupled": decoupled,
@@ -69,8 +80,17 @@ def run_once(demo_dir: Path, workdir: Path, eta: int, decoupled: bool, steps: in
         "wall_s": wall_s,
         "max_staleness_seen": staleness,
         "mean_step_s": sum(step_s.values()) / max(len(step_s), 1),
+        "cap": (cap if cap is not None else 5.0) if decoupled else None,
+        "capped_token_fraction": sum(capped) / len(capped) if capped else None,
+        "capped_token_fraction_last_third": sum(late) / len(late) if late else None,
     }
     return row, curve
+
+
+def capped_text(row: dict) -> str:
+    if row["capped_token_fraction"] is None:
+        return "-"
+    return f"{row['capped_token_fraction']:.4f} ({row['capped_token_fraction_last_third']:.4f})"
 
 
 def plot(curves: dict[str, list], path: str) -> None:
@@ -100,6 +120,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--json", help="write the rows as a JSON list here")
     parser.add_argument("--png", default="bench/results/ablation.png", help="reward against wall time")
     parser.add_argument("--timeout-s", type=float, default=3600)
+    parser.add_argument("--cap", type=float, help="behav_imp_weight_cap of the decoupled runs (default: the pipeline's, 5)")
+    parser.add_argument("--no-naive", action="store_true", help="decoupled runs only")
     args = parser.parse_args(argv)
     command = " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv])
     rows, curves = [], {}
@@ -110,19 +132,22 @@ def main(argv=None) -> list[dict]:
 
             prepare(demo_dir, seed=0)
         for eta in (int(e) for e in args.etas.split(",")):
-            for decoupled in (True, False):
-                row, curve = run_once(demo_dir, Path(tmp), eta, decoupled, args.steps, args.test_freq, args.timeout_s)
+            for decoupled in (True,) if args.no_naive else (True, False):
+                row, curve = run_once(demo_dir, Path(tmp), eta, decoupled, args.steps, args.test_freq, args.timeout_s,
+                                      args.cap)
                 rows.append(row)
-                curves[f"eta={eta} {'decoupled' if decoupled else 'naive PPO'}"] = curve
+                label = (f"decoupled cap={args.cap:g}" if args.cap is not None else "decoupled") if decoupled else "naive PPO"
+                curves[f"eta={eta} {label}"] = curve
                 print(f"done: {json.dumps(row)}", flush=True)
     print(f"\ncommand: {command}\ncpus: {os.cpu_count()}, demo quickstart settings, {args.steps} steps per run")
-    header = f"{'eta':>3} {'objective':>12} {'steps':>5} | {'final val reward':>16} {'wall s':>8} {'s/step':>7} | {'max staleness':>13}"
+    header = (f"{'eta':>3} {'objective':>12} {'steps':>5} | {'final val reward':>16} {'wall s':>8} {'s/step':>7} | "
+              f"{'max staleness':>13} {'capped tokens (last third)':>26}")
     print(header)
     print("-" * len(header))
     for r in rows:
         print(f"{r['eta']:>3} {'decoupled' if r['decoupled'] else 'naive PPO':>12} {r['steps']:>5} | "
               f"{r['final_val_reward']:>16.3f} {r['wall_s']:>8.1f} {r['mean_step_s']:>7.2f} | "
-              f"{r['max_staleness_seen']:>13.0f}")
+              f"{r['max_staleness_seen']:>13.0f} {capped_text(r):>26}")
     base = next((r for r in rows if r["eta"] == 0 and r["decoupled"]), None)
     for r in rows:
         if base and r["decoupled"] and r["eta"] > 0:
@@ -132,7 +157,8 @@ def main(argv=None) -> list[dict]:
         plot(curves, args.png)
         print(f"plot: {args.png}")
     if args.json:
-        keys = ("eta", "decoupled", "steps", "final_val_reward", "wall_s")
+        keys = ("eta", "decoupled", "steps", "final_val_reward", "wall_s", "cap", "capped_token_fraction",
+                "capped_token_fraction_last_third")
         with open(args.json, "w") as f:
             json.dump([{k: r[k] for k in keys} for r in rows], f, indent=1)
     return rows

@@ -10,16 +10,20 @@ prompts x 8 samples), learning rate, steps, cores and validation schedule:
   off, with this package's CPU rollout backend as a hybrid replica (weights synced each step).
 - `verl-fully-async`: verl's `fully_async_policy` is reported as not run, with the reason.
 - `async-pipeline k=K`: `+actor_rollout_ref.async_pipeline=True +trainer.generate_ahead_steps=K`.
-- `async-pipeline k=K naive PPO` (`--naive-ks`): the same with AReaL's naive PPO, which has
-  no logp recompute on the path from one training step to the next.
+- `async-pipeline k=K logp stage` (`--logp-stage-ks`): the same with
+  `+algorithm.proximal_logp_workers=logp`: pi_prox on the logp stage's own rank, which
+  receives every version (the default computes it on the train rank before each update).
+- `async-pipeline k=K naive PPO` (`--naive-ks`): the same with AReaL's naive PPO, which
+  recomputes no pi_prox at all.
 
 Settings (the demo's overrides, `DIR/overrides.txt`, for every system): the same 2 cores
 and `trainer.n_gpus_per_node=2` (CPU devices), fp32 FSDP2, GRPO, the demo's lr, dynamic
 micro-batches (`use_dynamic_bsz`) and `trainer.balance_batch=True` (verl's default). verl's
 trainer runs its documented single-machine setup: the hybrid engine, 2 FSDP2 ranks that
 take turns generating (V1 `sync` rollout mode, its default) and training. The pipeline
-splits the same 2 devices with `use_nodes_ratios=[0.5,0.5,0.5,0.5]` (1 rank each for train,
-logp, ref_logp, generate), its demo setting.
+splits the same 2 devices with `use_nodes_ratios=[0.5,0.5,0.5,0.5]`, its demo setting: 1
+train rank and 1 rollout server (no ref_logp group: no KL term; no logp group unless
+`proximal_logp_workers=logp`, then 1 logp rank).
 
 Per run: wall time per trained sample (s; training steps only, start-up and validation
 excluded, the same for every system), time to the validation target (training seconds until
@@ -51,6 +55,7 @@ sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(
 VAL_KEYS = ("val-core/async_rl/copy_digits/reward/mean@1", "val-aux/async_rl/copy_digits/reward/mean@1")
 # AReaL's naive PPO: pi_old = the behaviour policy, logp recomputes nothing (README "Algorithms")
 NAIVE_PPO = {"+algorithm.decoupled_ppo": False, "algorithm.rollout_correction.bypass_mode": True}
+LOGP_STAGE = {"+algorithm.proximal_logp_workers": "logp"}  # pi_prox on the logp stage's own rank
 STAGES = ("dataloader", "generate", "rollout", "reward", "logp", "ref_logp", "actor_train", "param_update")
 # verl's synchronous step runs these one after another on the same processes (timing_s/<name>)
 VERL_SYNC_PARTS = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "update_weights")
@@ -108,8 +113,8 @@ def summarize(name: str, k, rows: list[dict], samples_per_step: int, target: flo
         "final_val_reward": vals[max(vals)] if vals else None,
         "bubble_ratio": 1.0 / busy[busiest],
         "busiest_stage": busiest,
-        # decoupled PPO: actor_train trains batch j only after logp computed it with version j, which
-        # exists only once step j - 1 is trained, so the two run in turn: their sum is the critical chain
+        # with pi_prox on the logp stage, actor_train trains batch j only after logp computed it with
+        # version j, which exists only once step j - 1 is trained: the two run in turn, their sum is the chain
         "train_chain_busy": busy.get("actor_train", 0.0) + busy.get("logp", 0.0) if k is not None else None,
         "busy_ratio": busy,
         "mean_step_s": step_s,
@@ -118,6 +123,22 @@ def summarize(name: str, k, rows: list[dict], samples_per_step: int, target: flo
         "steps": len(steps),
     }
     return row, curve
+
+
+def bottleneck(row: dict) -> str | None:
+    """Why a pipeline run's bubble ratio is above the goal (1.15), from its busy ratios; None when it is not."""
+    if "not_run" in row or not row.get("generate_ahead_steps") or row["bubble_ratio"] <= 1.15:
+        return None
+    busy = row["busy_ratio"]
+    if busy.get("logp", 0.0) > 0.05 and row["train_chain_busy"] > 0.8:
+        return ("bottleneck: actor_train and logp take turns (busy together "
+                f"{row['train_chain_busy']:.2f}): pi_prox of batch j needs the weights of step j - 1; "
+                "+algorithm.proximal_logp_workers=train computes it on the train ranks instead")
+    if row["generate_ahead_steps"] == 1:
+        return ("bottleneck: generate_ahead_steps=1 is synchronous: generation of batch j + 1 waits for "
+                f"update j, so {row['busiest_stage']} idles while generation runs; k >= 2 overlaps them")
+    return (f"bottleneck: {row['busiest_stage']} (busy {busy[row['busiest_stage']]:.2f}) waits on its "
+            "upstream stages: " + ", ".join(f"{s} {b:.2f}" for s, b in sorted(busy.items(), key=lambda x: -x[1])[1:4]))
 
 
 def plot(curves: dict, path: str, target: float) -> None:
@@ -148,6 +169,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--test-freq", type=int, default=10)
     parser.add_argument("--naive-ks", default="",
                         help="also run the pipeline with naive PPO (no logp recompute) at these generate_ahead_steps")
+    parser.add_argument("--logp-stage-ks", default="",
+                        help="also run the pipeline with pi_prox on the logp stage's rank at these generate_ahead_steps")
     parser.add_argument("--skip-verl", action="store_true", help="pipeline runs only")
     parser.add_argument("--demo-dir")
     parser.add_argument("--json")
@@ -172,6 +195,8 @@ def main(argv=None) -> list[dict]:
     }
     systems = [] if args.skip_verl else [("verl-sync", None, {"+actor_rollout_ref.async_pipeline": False})]
     systems += [(f"async-pipeline k={k}", k, {"+trainer.generate_ahead_steps": k}) for k in map(int, args.ks.split(","))]
+    systems += [(f"async-pipeline k={k} logp stage", k, {"+trainer.generate_ahead_steps": k, **LOGP_STAGE})
+                for k in map(int, filter(None, args.logp_stage_ks.split(",")))]
     systems += [(f"async-pipeline k={k} naive PPO", k, {"+trainer.generate_ahead_steps": k, **NAIVE_PPO})
                 for k in map(int, filter(None, args.naive_ks.split(",")))]
     rows, curves = [], {}
@@ -220,13 +245,12 @@ def main(argv=None) -> list[dict]:
                   f"{'-' if to_target is None else f'{to_target:.2f}x'} to target; bubble {r['bubble_ratio']:.2f}, "
                   f"busiest stage {r['busiest_stage']} (busy ratios: "
                   + ", ".join(f"{s} {b:.2f}" for s, b in sorted(r["busy_ratio"].items(), key=lambda x: -x[1]))
-                  + f"); actor_train + logp, which run in turn: busy {r['train_chain_busy']:.2f}")
+                  + f"); actor_train + logp: busy {r['train_chain_busy']:.2f}")
     print("goal: the pipeline >= 2x faster than verl-sync to the same reward, bubble ratio <= 1.15")
-    if any((r.get("train_chain_busy") or 0) > 0.8 and r["bubble_ratio"] > 1.15 for r in rows):
-        print("bottleneck: actor_train, waiting on logp: the proximal log-probs of batch j need the weights of "
-              "step j - 1, so logp and actor_train alternate; computing them on the train ranks right before the "
-              "update (as AReaL's trainer does) would take the weight hop off the chain, and giving logp's share of "
-              "the cores to training would shorten both")
+    for r in rows:
+        line = bottleneck(r)
+        if line:
+            print(f"{r['system']}: {line}")
     if args.png:
         plot(curves, args.png, args.target)
         print(f"plot: {args.png}")

@@ -1,6 +1,9 @@
 """actor_train stage: joins reward, logp and ref_logp per step, trains, sends the new weights.
 
-For step j it waits for the three results of batch j (in order), builds verl's
+For step j it waits for the three results of batch j (in order), computes the proximal
+log-probs on its own ranks when the logp stage did not (`algorithm.proximal_logp_workers=train`:
+the weights are version j, just before the update, as verl's synchronous trainer and
+AReaL's trainer do), builds verl's
 training batch (token-level scores on the last response token; verl's rollout correction,
 which under decoupled PPO weights each token by pi_prox / pi_behav (async_rl/decoupled_ppo.py);
 advantages through verl's `compute_advantage`: GRPO and every other estimator verl has),
@@ -71,14 +74,18 @@ def trainable_rows(kept: int, mini_batch_rows: int, dp_size: int, group_size: in
 class ActorTrainStage(StateMachine):
     """verl's actor update, one step per batch, in batch order."""
 
-    def __init__(self, config, world_size: int, max_staleness: int, weight_sink=None, bucket_bytes: int = 512 << 20):
-        """`weight_sink`: the param_update stage handle; `bucket_bytes`: the gather's bucket size."""
+    def __init__(self, config, world_size: int, max_staleness: int, weight_sink=None, bucket_bytes: int = 512 << 20,
+                 compute_proximal: bool = False):
+        """`weight_sink`: the param_update stage handle; `bucket_bytes`: the gather's bucket size;
+        `compute_proximal`: recompute old_log_probs here, before each update (the logp stage does not)."""
         super().__init__("actor_train", inbox_size=6)
         self.config = config
         self.world_size = world_size
         self.max_staleness = max_staleness
         self.weight_sink = weight_sink
         self.bucket_bytes = bucket_bytes
+        self.compute_proximal = compute_proximal
+        self.temperature = float(config.actor_rollout_ref.rollout.temperature)
         self.worker_group = None
         self.version = 0  # trainer's policy version: number of updates done
         self._parts: dict[int, dict[str, Any]] = {}
@@ -161,12 +168,23 @@ class ActorTrainStage(StateMachine):
                 f"the trainer is at {self.version}"
             )
 
+    async def _proximal_log_probs(self, logp: LogpResult, batch) -> tuple[LogpResult, float]:
+        """pi_prox of `batch` on the train ranks, with the pre-update weights (version `self.version`); seconds."""
+        start = time.perf_counter()
+        log_probs = await asyncio.to_thread(engine_calls.compute_log_prob, self.worker_group, batch, self.temperature)
+        result = LogpResult(index=logp.index, batch_ref=logp.batch_ref, old_log_probs=log_probs,
+                            logp_version=self.version)
+        return result, time.perf_counter() - start
+
     async def process_data(self, parts: dict) -> None:
         from verl.trainer.ppo.metric_utils import compute_data_metrics
 
         step_start = time.perf_counter()
-        self._check_proximal_version(parts["logp"])
         batch = await resolve(parts["logp"].batch_ref)
+        old_log_prob_s = None
+        if self.compute_proximal:
+            parts["logp"], old_log_prob_s = await self._proximal_log_probs(parts["logp"], batch)
+        self._check_proximal_version(parts["logp"])
         batch, correction_metrics = self._training_batch(batch, parts)
         rows = self._rows_to_train(parts["reward"], len(batch))
         train_batch = batch if len(rows) == len(batch) else batch.select_idxs(rows)
@@ -176,6 +194,8 @@ class ActorTrainStage(StateMachine):
             metrics.update(balance_rows(train_batch, self.world_size))
         metrics["async/logp_version"] = float(parts["logp"].logp_version)
         metrics["async/trained_rows"] = float(len(rows))
+        if old_log_prob_s is not None:
+            metrics["timing_s/old_log_prob"] = old_log_prob_s  # verl's name for this forward
         t0 = time.perf_counter()
         if len(rows):  # a step whose rows were all filtered out makes no update; its version carries the same weights
             metrics.update(

@@ -2,8 +2,14 @@
 
 Batch j is trained by the update from version j, so its log-probs are computed with
 version j: the stage waits until param_update has loaded it (decoupled PPO's pi_prox, and
-verl's recomputed `old_log_probs`). In verl's bypass mode PPO's pi_old is the behaviour
-policy and nothing is computed.
+verl's recomputed `old_log_probs`). It computes them only with
+`algorithm.proximal_logp_workers=logp`; with `train` (the default) the train ranks compute
+them right before their update (state_machines/actor_train.py) and this stage passes the
+batch on, as it does in verl's bypass mode, where PPO's pi_old is the behaviour policy.
+
+Why `train` is the default: version j exists only once update j - 1 is done, and update j
+needs these log-probs, so the logp forward and the update always take turns; on the logp
+workers that turn also waits for the weight hop, and the logp devices idle while training.
 
 It is also a weight receiver (param_update/overlapped.py): buckets of the next version
 are staged on its workers while they compute with the current one; the load waits for
@@ -44,9 +50,10 @@ class LogpStage(StateMachine):
         config: the verl config.
         world_size: logp worker processes (FSDP2 ranks).
         consume_bucket_bytes: bytes loaded into the shards at a time.
+        compute: False: pass batches on without log-probs (no worker group, no weights).
     """
 
-    def __init__(self, config, world_size: int, consume_bucket_bytes: int = 128 << 20):
+    def __init__(self, config, world_size: int, consume_bucket_bytes: int = 128 << 20, compute: bool = True):
         super().__init__("logp")
         self.config = config
         self.world_size = world_size
@@ -56,18 +63,20 @@ class LogpStage(StateMachine):
         self.version = 0
         self._weights_in_use = asyncio.Lock()  # a forward or a load, never both
         self._version_loaded = asyncio.Condition()
-        from async_rl.decoupled_ppo import uses_behaviour_as_old
-
-        self.compute = not uses_behaviour_as_old(config)
+        self.compute = compute
 
     def setup(self) -> int:
         """Start the worker group and its staging buffers (blocking; the driver calls it with a timeout)."""
+        if not self.compute:
+            return 0
         self.worker_group = make_worker_group(self.config, "actor", self.world_size, "logp")
         self.worker_group.configure_weight_sync()
         return self.world_size
 
     def weight_digests(self) -> dict[str, str]:
         """name -> digest of the full weights this stage's workers hold (bit-identity checks)."""
+        if self.worker_group is None:
+            raise RuntimeError("the logp stage holds no weights (algorithm.proximal_logp_workers is not logp)")
         return self.worker_group.weight_digests()[0]
 
     # ---- weight receiver ---------------------------------------------------------------

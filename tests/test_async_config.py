@@ -23,6 +23,7 @@ REWARD = "reward.async_timeout_s"
 DECOUPLED = "algorithm.decoupled_ppo"
 CAP = "algorithm.behav_imp_weight_cap"
 PARTIAL = "actor_rollout_ref.rollout.partial_rollout"
+PROXIMAL = "algorithm.proximal_logp_workers"
 
 BOOL_KEYS = (ENABLED, DUAL, DECOUPLED, PARTIAL)
 POSITIVE_KEYS = (PREDUCE, CONSUME, STALL, REWARD)
@@ -70,12 +71,13 @@ def test_defaults_when_no_key_present(make):
     assert c.reward_timeout_s == 60.0
     assert c.ratios_by_role == {"train": 0.5, "logp": 0.5, "ref_logp": 0.5, "generate": 0.5}
     assert c.decoupled_ppo is True and c.behav_imp_weight_cap == 5.0 and c.partial_rollout is True
+    assert c.proximal_logp_workers == "train"
     assert c == AsyncPipelineConfig(ratios_by_role=dict(zip(USE_NODES_ROLES, (0.5,) * 4)))
 
 
 def test_config_keys_listed():
-    assert set(CONFIG_KEYS) == set(BOOL_KEYS + POSITIVE_KEYS + (RATIOS, AHEAD, CAP, "trainer.async_stages"))
-    assert len(CONFIG_KEYS) == 12
+    assert set(CONFIG_KEYS) == set(BOOL_KEYS + POSITIVE_KEYS + (RATIOS, AHEAD, CAP, PROXIMAL, "trainer.async_stages"))
+    assert len(CONFIG_KEYS) == 13
 
 
 def test_every_key_is_read():
@@ -93,10 +95,11 @@ def test_every_key_is_read():
                 DECOUPLED: False,
                 CAP: 2,
                 PARTIAL: False,
+                PROXIMAL: "logp",
             }
         )
     )
-    assert c.decoupled_ppo is False and c.partial_rollout is False
+    assert c.decoupled_ppo is False and c.partial_rollout is False and c.proximal_logp_workers == "logp"
     assert c.behav_imp_weight_cap == 2.0 and isinstance(c.behav_imp_weight_cap, float)
     assert c.enabled is True and c.enable_dual_buffer is False
     assert c.use_nodes_ratios == (1.0, 0.25, 0.75, 1.0)
@@ -176,6 +179,12 @@ def test_booleans_given_as_other_types_rejected(key, value):
 def test_bad_behaviour_weight_cap_rejected(value):
     msg = str(rejected(CAP, value))
     assert f"{CAP}={value!r}" in msg and "> 1" in msg
+
+
+@pytest.mark.parametrize("value", ["Train", "actor", "", None, True, 1])
+def test_bad_proximal_logp_workers_rejected(value):
+    msg = str(rejected(PROXIMAL, value))
+    assert f"{PROXIMAL}={value!r}" in msg and "train or logp" in msg
 
 
 @pytest.mark.parametrize("setting", ["rollout_is: sequence", "rollout_rs: token_k1", "bypass_mode: true"])

@@ -39,3 +39,17 @@ def test_verl_summary_reads_val_aux_and_step_parts():
     assert row["final_val_reward"] == 0.2 and row["time_to_target_s"] is None
     assert row["busiest_stage"] == "gen" and row["bubble_ratio"] == pytest.approx(2.0 / 1.5)
     assert row["train_chain_busy"] is None
+
+
+def summarized(k, **busy):
+    rows = rows_for(2.0, e2e.VAL_KEYS[0], {0: 0.0, 4: 0.5}, **{f"async/{s}/busy_ratio": b for s, b in busy.items()})
+    return e2e.summarize(f"async-pipeline k={k}", k, rows, samples_per_step=8, target=0.4)[0]
+
+
+def test_bottleneck_names_the_cause_only_above_the_goal():
+    assert e2e.bottleneck(summarized(2, actor_train=0.95, generate=0.5)) is None  # bubble 1.05
+    chain = e2e.bottleneck(summarized(2, actor_train=0.6, logp=0.35, generate=0.2))
+    assert "actor_train and logp take turns" in chain and "proximal_logp_workers=train" in chain
+    assert "synchronous" in e2e.bottleneck(summarized(1, actor_train=0.6, generate=0.35))
+    waits = e2e.bottleneck(summarized(2, actor_train=0.7, generate=0.6, reward=0.1))
+    assert waits.startswith("bottleneck: actor_train (busy 0.70)") and "generate 0.60" in waits

@@ -47,11 +47,16 @@ def test_pipeline_trains_with_bounded_staleness(demo_dir, tmp_path, k, steps, ex
         assert 1 <= metrics["async/partial/max_versions_spanned"] <= k  # a sample spans at most eta + 1 versions
         if extra:  # naive PPO: pi_old is the behaviour policy; nothing recomputed, no weights
             assert metrics["async/logp_version"] == -1 and "rollout_corr/rollout_is_mean" not in metrics
+            assert "timing_s/old_log_prob" not in metrics
         else:  # decoupled PPO: pi_prox is the trainer's pre-update version, token weights from verl
             assert metrics["async/logp_version"] == step - 1
             assert "rollout_corr/rollout_is_mean" in metrics
+            assert metrics["timing_s/old_log_prob"] > 0  # computed on the train ranks (the default)
     if k == 1:
         assert all(m["async/staleness/max"] == 0 for m in by_step.values())
+        # on-policy: pi_prox (train ranks, FSDP2) is the policy that sampled (CPU backend); after the
+        # update instead of before it, every step's log-perplexities would differ by ~1e-2
+        assert all(m["rollout_corr/log_ppl_abs_diff"] < 1e-4 for m in by_step.values()), by_step
     else:  # generation really ran ahead: some step trained on data older than the trainer
         assert max(m["async/staleness/max"] for m in by_step.values()) >= 1
     vals = val_rows(rows)
@@ -114,7 +119,8 @@ def test_more_workers_than_ray_can_place_fails_at_once(demo_dir, tmp_path):
     """Checked before any pool is placed (it used to wait out the 300 s placement timeout)."""
     code, out, _ = run_verl(demo_dir, {"trainer.n_gpus_per_node": 64}, tmp_path, timeout_s=240)
     assert code != 0
-    assert "the pipeline needs 96 worker processes" in out and "Ray has 16" in out
+    # train 32 + generate 32 (no logp group: pi_prox on the train ranks; no ref: no KL)
+    assert "the pipeline needs 64 worker processes" in out and "Ray has 16" in out
     assert "Started a local Ray instance" in out  # it did get past the config checks
     leftover = ray_processes_after(20.0)
     assert not leftover, f"Ray processes left behind: {leftover}"

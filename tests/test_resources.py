@@ -22,6 +22,8 @@ def test_devices_needed_counts_every_pool():
     world = {"train": 2, "logp": 1, "ref_logp": 3, "generate": 4}
     assert devices_needed(world, num_replicas=2, replica_devices=2, ref_enabled=True) == 2 + 1 + 3 + 4
     assert devices_needed(world, num_replicas=2, replica_devices=2, ref_enabled=False) == 2 + 1 + 4
+    # pi_prox on the train ranks: no logp worker group
+    assert devices_needed(world, num_replicas=2, replica_devices=2, ref_enabled=True, logp_enabled=False) == 2 + 3 + 4
 
 
 def test_cluster_check_names_the_keys_to_change():
