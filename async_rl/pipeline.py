@@ -164,8 +164,9 @@ class AsyncPipeline:
         tokenizer = hf_tokenizer(cfg.actor_rollout_ref.model.path, trust_remote_code=False)
         replicas = make_rollout_replicas(cfg, generate_slots=sizes["generate"])
         on_cpu = str(cfg.trainer.device) == "cpu"
+        proximal = self.proximal_logp_workers()
         needed = devices_needed(sizes, len(replicas), 1 if on_cpu else replicas[0].world_size,
-                                need_reference_policy(cfg), self.proximal_logp_workers() == "logp")
+                                need_reference_policy(cfg), proximal == "logp")
         check_cluster_fits(needed, on_cpu, ray.cluster_resources())
         self.replicas = launch_rollout_replicas(replicas, cfg.actor_rollout_ref.rollout.name, timeout_s=SETUP_TIMEOUT_S)
         servers = [r.server_handle for r in self.replicas]
@@ -189,7 +190,6 @@ class AsyncPipeline:
             self._stage("dynamic_sampling", DynamicSamplingStage, cfg, eta, steps, generate, dataloader)
         bucket_bytes = self._check_weight_sync()
         dual = self.async_cfg.enable_dual_buffer
-        proximal = self.proximal_logp_workers()
         logp = self._stage("logp", LogpStage, cfg, sizes["logp"], bucket_bytes["consume"], compute=proximal == "logp")
         self._stage("ref_logp", RefLogpStage, cfg, sizes["ref_logp"], need_reference_policy(cfg))
         receivers = self._weight_receivers(logp if proximal == "logp" else None)
