@@ -17,7 +17,11 @@ and for decoupled runs the cap and `capped_token_fraction` (verl's
 `rollout_corr/rollout_is_ratio_fraction_high`: the share of tokens whose weight the cap
 zeroed), averaged over all steps and over the last third.
 
-    python bench/ablation.py [--steps 200] [--etas 0,2,4] [--cap 5] [--no-naive] [--json PATH] [--png PATH]
+With `--seeds 0,1,...` every configuration runs once per seed (`data.seed`, the shuffle, and
+`actor_rollout_ref.rollout.seed`, the sampling), interleaved so that machine noise falls on
+all configurations alike; the summary then gives the mean over seeds and the worst seed.
+
+    python bench/ablation.py [--steps 200] [--etas 0,2,4] [--seeds 0] [--cap 5] [--no-naive] [--json PATH] [--png PATH]
 """
 
 from __future__ import annotations
@@ -43,25 +47,27 @@ CAPPED = "rollout_corr/rollout_is_ratio_fraction_high"  # verl: share of tokens 
 
 
 def run_once(demo_dir: Path, workdir: Path, eta: int, decoupled: bool, steps: int, test_freq: int, timeout_s: float,
-             cap: float | None = None):
+             cap: float | None = None, seed: int = 0):
     """One training run; returns the row and its validation curve [(wall_s, reward)]."""
     from async_rl.demo import demo_overrides
 
     extra = {
+        "data.seed": seed,
+        "actor_rollout_ref.rollout.seed": seed,
         "+trainer.generate_ahead_steps": eta + 1,
         "trainer.total_training_steps": steps,
         "trainer.test_freq": test_freq,
         **({} if decoupled else NAIVE),
         **({"+algorithm.behav_imp_weight_cap": cap} if decoupled and cap is not None else {}),
     }
-    metrics_path = workdir / f"eta{eta}_{'decoupled' if decoupled else 'naive'}.jsonl"
+    metrics_path = workdir / f"eta{eta}_{'decoupled' if decoupled else 'naive'}_seed{seed}.jsonl"
     env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(metrics_path), "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *demo_overrides(demo_dir, extra=extra)]
     start = time.monotonic()
     proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout_s)
     wall_s = time.monotonic() - start
     if proc.returncode != 0:
-        raise RuntimeError(f"run eta={eta} decoupled={decoupled} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+        raise RuntimeError(f"run eta={eta} decoupled={decoupled} seed={seed} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines()]
     step_s = {r["step"]: r["data"]["timing_s/step"] for r in rows if "timing_s/step" in r["data"]}
     vals = {r["step"]: r["data"][VAL_KEY] for r in rows if VAL_KEY in r["data"]}
@@ -75,6 +81,7 @@ def run_once(demo_dir: Path, workdir: Path, eta: int, decoupled: bool, steps: in
     row = {
         "eta": eta,
         "decoupled": decoupled,
+        "seed": seed,
         "steps": steps,
         "final_val_reward": vals[max(vals)],
         "wall_s": wall_s,
@@ -111,10 +118,46 @@ def plot(curves: dict[str, list], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def objective(decoupled: bool) -> str:
+    return "decoupled" if decoupled else "naive PPO"
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per (eta, objective), in first-seen order: the runs, mean and worst (lowest) final reward
+    over seeds, mean wall time."""
+    groups: dict[tuple[int, bool], list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["eta"], r["decoupled"]), []).append(r)
+    return [
+        {
+            "eta": eta, "decoupled": decoupled, "runs": len(runs),
+            "mean_reward": sum(r["final_val_reward"] for r in runs) / len(runs),
+            "worst_reward": min(r["final_val_reward"] for r in runs),
+            "mean_wall_s": sum(r["wall_s"] for r in runs) / len(runs),
+        }
+        for (eta, decoupled), runs in groups.items()
+    ]
+
+
+def comparisons(summary: list[dict]) -> list[str]:
+    """Decoupled eta > 0 against decoupled eta = 0 (means over seeds), as AReaL's Table 2 reads."""
+    base = next((g for g in summary if g["eta"] == 0 and g["decoupled"]), None)
+    lines = []
+    for g in summary:
+        if base and g["decoupled"] and g["eta"] > 0:
+            lines.append(
+                f"decoupled eta={g['eta']} vs eta=0: mean reward {g['mean_reward'] - base['mean_reward']:+.3f} "
+                f"(worst seed {g['worst_reward'] - base['worst_reward']:+.3f}), wall time "
+                f"x{g['mean_wall_s'] / base['mean_wall_s']:.2f} (expected: within 0.05, less time)"
+            )
+    return lines
+
+
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--etas", default="0,2,4")
+    parser.add_argument("--seeds", default="0", help="comma-separated; each configuration runs once per seed")
     parser.add_argument("--test-freq", type=int, default=20, help="validate every N steps")
     parser.add_argument("--demo-dir", help="a prepared demo (default: prepare one in a temporary folder)")
     parser.add_argument("--json", help="write the rows as a JSON list here")
@@ -124,6 +167,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--no-naive", action="store_true", help="decoupled runs only")
     args = parser.parse_args(argv)
     command = " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv])
+    seeds = [int(s) for s in args.seeds.split(",")]
     rows, curves = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         demo_dir = Path(args.demo_dir) if args.demo_dir else Path(tmp) / "demo"
@@ -131,33 +175,38 @@ def main(argv=None) -> list[dict]:
             from async_rl.demo import prepare
 
             prepare(demo_dir, seed=0)
-        for eta in (int(e) for e in args.etas.split(",")):
-            for decoupled in (True,) if args.no_naive else (True, False):
-                row, curve = run_once(demo_dir, Path(tmp), eta, decoupled, args.steps, args.test_freq, args.timeout_s,
-                                      args.cap)
-                rows.append(row)
-                label = (f"decoupled cap={args.cap:g}" if args.cap is not None else "decoupled") if decoupled else "naive PPO"
-                curves[f"eta={eta} {label}"] = curve
-                print(f"done: {json.dumps(row)}", flush=True)
+        for seed in seeds:
+            for eta in (int(e) for e in args.etas.split(",")):
+                for decoupled in (True,) if args.no_naive else (True, False):
+                    row, curve = run_once(demo_dir, Path(tmp), eta, decoupled, args.steps, args.test_freq,
+                                          args.timeout_s, args.cap, seed)
+                    rows.append(row)
+                    label = objective(decoupled) + (f" cap={args.cap:g}" if decoupled and args.cap is not None else "")
+                    curves[f"eta={eta} {label}" + (f" seed={seed}" if len(seeds) > 1 else "")] = curve
+                    print(f"done: {json.dumps(row)}", flush=True)
     print(f"\ncommand: {command}\ncpus: {os.cpu_count()}, demo quickstart settings, {args.steps} steps per run")
-    header = (f"{'eta':>3} {'objective':>12} {'steps':>5} | {'final val reward':>16} {'wall s':>8} {'s/step':>7} | "
-              f"{'max staleness':>13} {'capped tokens (last third)':>26}")
+    header = (f"{'eta':>3} {'objective':>12} {'seed':>4} {'steps':>5} | {'final val reward':>16} {'wall s':>8} "
+              f"{'s/step':>7} | {'max staleness':>13} {'capped tokens (last third)':>26}")
     print(header)
     print("-" * len(header))
     for r in rows:
-        print(f"{r['eta']:>3} {'decoupled' if r['decoupled'] else 'naive PPO':>12} {r['steps']:>5} | "
+        print(f"{r['eta']:>3} {objective(r['decoupled']):>12} {r['seed']:>4} {r['steps']:>5} | "
               f"{r['final_val_reward']:>16.3f} {r['wall_s']:>8.1f} {r['mean_step_s']:>7.2f} | "
               f"{r['max_staleness_seen']:>13.0f} {capped_text(r):>26}")
-    base = next((r for r in rows if r["eta"] == 0 and r["decoupled"]), None)
-    for r in rows:
-        if base and r["decoupled"] and r["eta"] > 0:
-            print(f"decoupled eta={r['eta']} vs eta=0: reward {r['final_val_reward'] - base['final_val_reward']:+.3f}, "
-                  f"wall time x{r['wall_s'] / base['wall_s']:.2f} (expected: within 0.05, less time)")
+    summary = summarize(rows)
+    if len(seeds) > 1:
+        print(f"\nover seeds {args.seeds}:")
+        print(f"{'eta':>3} {'objective':>12} | {'mean reward':>11} {'worst':>6} {'mean wall s':>11}")
+        for g in summary:
+            print(f"{g['eta']:>3} {objective(g['decoupled']):>12} | {g['mean_reward']:>11.3f} {g['worst_reward']:>6.3f} "
+                  f"{g['mean_wall_s']:>11.1f}")
+    for line in comparisons(summary):
+        print(line)
     if args.png:
         plot(curves, args.png)
         print(f"plot: {args.png}")
     if args.json:
-        keys = ("eta", "decoupled", "steps", "final_val_reward", "wall_s", "cap", "capped_token_fraction",
+        keys = ("eta", "decoupled", "seed", "steps", "final_val_reward", "wall_s", "cap", "capped_token_fraction",
                 "capped_token_fraction_last_third")
         with open(args.json, "w") as f:
             json.dump([{k: r[k] for k in keys} for r in rows], f, indent=1)
