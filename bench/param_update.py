@@ -16,8 +16,8 @@ step (forward + backward) that runs while the pipeline's sync is in flight slows
 against the same step alone. The CPU rollout server decodes requests throughout.
 
 Steady state: the first syncs of a run write into never-touched pages of Ray's
-shared-memory object store, and a page's first touch is slow on this machine (about 2 s
-per GB); once the store has cycled, every later sync reuses pages. The bench reports the
+shared-memory object store, and a page's first touch is slow on this machine (the
+first sync took 2.4-7.7x a later one); once the store has cycled, every later sync reuses pages. The bench reports the
 first sync (cold) apart, then syncs until the store has cycled once and measures after
 that: latency with generation decoding, and the training slowdown in further syncs that
 run beside a training step (their latency is reported too: both share two cores).
