@@ -49,6 +49,7 @@ CAPPED = "rollout_corr/rollout_is_ratio_fraction_high"  # verl: share of tokens 
 def run_once(demo_dir: Path, workdir: Path, eta: int, decoupled: bool, steps: int, test_freq: int, timeout_s: float,
              cap: float | None = None, seed: int = 0):
     """One training run; returns the row and its validation curve [(wall_s, reward)]."""
+    from async_rl.config import AsyncPipelineConfig
     from async_rl.demo import demo_overrides
 
     extra = {
@@ -87,7 +88,7 @@ def run_once(demo_dir: Path, workdir: Path, eta: int, decoupled: bool, steps: in
         "wall_s": wall_s,
         "max_staleness_seen": staleness,
         "mean_step_s": sum(step_s.values()) / max(len(step_s), 1),
-        "cap": (cap if cap is not None else 5.0) if decoupled else None,
+        "cap": (cap if cap is not None else AsyncPipelineConfig().behav_imp_weight_cap) if decoupled else None,
         "capped_token_fraction": sum(capped) / len(capped) if capped else None,
         "capped_token_fraction_last_third": sum(late) / len(late) if late else None,
     }

@@ -261,8 +261,8 @@ def bench_size(size: str, bucket_mb: float, consume_mb: float) -> dict:
     ray.get(load_run, timeout=TIMEOUT_S)  # raises if the generation load failed
     for actor in (stage, server, trainer, load):
         ray.kill(actor, no_restart=True)
-    best = min(runs, key=lambda t: t["timing_s/param_update/total"])
     total = "timing_s/param_update/total"
+    best = min(runs, key=lambda t: t[total])
     return {
         "size": size,
         "params": params,

@@ -182,9 +182,10 @@ class ActorTrainStage(StateMachine):
         step_start = time.perf_counter()
         batch = await resolve(parts["logp"].batch_ref)
         old_log_prob_s = None
-        if self.compute_proximal:
+        if self.compute_proximal:  # stamped with this trainer's version: nothing to check
             parts["logp"], old_log_prob_s = await self._proximal_log_probs(parts["logp"], batch)
-        self._check_proximal_version(parts["logp"])
+        else:
+            self._check_proximal_version(parts["logp"])
         batch, correction_metrics = self._training_batch(batch, parts)
         rows = self._rows_to_train(parts["reward"], len(batch))
         train_batch = batch if len(rows) == len(batch) else batch.select_idxs(rows)
