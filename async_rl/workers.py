@@ -100,10 +100,10 @@ class PipelineWorker(ActorRolloutRefWorker):
         """recv (fetch from Ray's object store) + register-buffer; runs beside compute."""
         import time
 
-        from param_update.buckets import Bucket
+        from param_update.buckets import Bucket, join_arrays
 
         start = time.perf_counter()
-        data = ray.get(refs[0], timeout=RECV_TIMEOUT_S)
+        data = join_arrays(ray.get(refs, timeout=RECV_TIMEOUT_S))
         fetched = time.perf_counter()
         self._stager.stage(version, Bucket(version, index, data, slices))
         return {"recv_s": fetched - start, "register_s": time.perf_counter() - fetched}

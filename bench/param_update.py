@@ -15,14 +15,21 @@ Per size: total sync latency, the time generation was blocked, and how much a tr
 step (forward + backward) that runs while the pipeline's sync is in flight slows down
 against the same step alone. The CPU rollout server decodes requests throughout.
 
+Put threads: the pipeline puts each bucket as several objects from several threads at
+once (`BucketSender(put_threads=...)`). `--put-threads 4,1` runs the pipeline with each
+count in turn, sync by sync, so the comparison sees the same machine state; the main
+table shows the first count.
+
 Steady state: the first syncs of a run write into never-touched pages of Ray's
 shared-memory object store, and a page's first touch is slow on this machine (the
-first sync took 2.4-7.7x a later one); once the store has cycled, every later sync reuses pages. The bench reports the
-first sync (cold) apart, then syncs until the store has cycled once and measures after
-that: latency with generation decoding, and the training slowdown in further syncs that
-run beside a training step (their latency is reported too: both share two cores).
+first sync took 2.5-5.3x a later one); once the store has cycled, every later sync
+reuses pages. The bench reports the first sync (cold) apart, then syncs until the store
+has cycled once and measures after that: latency with generation decoding, and the training slowdown in further syncs that
+run beside a training step (their latency is reported too: both share two cores). Last,
+with the generation load stopped, three more syncs measure the latency on an idle
+machine, as the raw copy is measured: the transport's own cost without contention.
 
-    python bench/param_update.py [--sizes 10M,100M,500M] [--json PATH]
+    python bench/param_update.py [--sizes 10M,100M,500M] [--put-threads 4,1] [--json PATH]
 
 The trainer here is one process (its gather is a walk over its state dict); in the
 pipeline the same code walks verl's FSDP2 per-tensor generator.
@@ -45,6 +52,8 @@ sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(
 
 import ray  # noqa: E402
 import torch  # noqa: E402
+
+from param_update.sender import PUT_THREADS  # noqa: E402
 
 SIZES = {"2M": (64, 2), "10M": (256, 6), "100M": (768, 12), "500M": (1280, 24)}  # hidden, layers
 VOCAB = 8192
@@ -74,23 +83,28 @@ def build_model(size: str, seed: int):
 class Trainer:
     """The training side: a model, the bucket sender, a training step."""
 
-    def __init__(self, size: str, seed: int):
+    def __init__(self, size: str, seed: int, put_threads: list[int]):
         from param_update.sender import BucketSender
 
         self.model = build_model(size, seed)
-        self.sender = BucketSender()
+        self.senders = {n: BucketSender(put_threads=n) for n in put_threads}
         self.batch = torch.randint(0, VOCAB, (4, 64))
+
+    def save(self, path: str) -> None:
+        """The server starts from these weights (saved here: the driver never holds a model)."""
+        self.model.save_pretrained(path)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
 
-    def send(self, version: int, bucket_bytes: int, sink) -> float:
+    def send(self, version: int, bucket_bytes: int, sink, put_threads: int) -> float:
         """gather + hand buckets to the send thread; returns when the gather is done."""
         from param_update.sender import live_storage_addresses
 
         state = self.model.state_dict()
         live = live_storage_addresses(state.values())
-        return self.sender.gather_and_send(state.items(), version, bucket_bytes, sink, True, live)["gather_s"]
+        sender = self.senders[put_threads]
+        return sender.gather_and_send(state.items(), version, bucket_bytes, sink, True, live)["gather_s"]
 
     def gather_all(self):
         """naive gather + put: every tensor in one object (one copy, as the pipeline's put)."""
@@ -151,7 +165,9 @@ class LoadGenerator:
         return self.tokens
 
 
-def raw_copy_s(nbytes: int, repeats: int = 3) -> float:
+def raw_copy_s(nbytes: int, repeats: int = 10) -> float:
+    """The fastest of `repeats` copies of `nbytes` (s): a small copy takes milliseconds, and one
+    interruption would double it."""
     src = torch.empty(nbytes, dtype=torch.uint8).random_()
     dst = torch.empty_like(src)
     dst.copy_(src)  # touch the pages once
@@ -183,13 +199,15 @@ def warmup_syncs(model_bytes: int) -> int:
     return max(2, min(MAX_WARMUP_SYNCS, -(-int(store_bytes) // max(model_bytes, 1)) + 1))
 
 
-def pipeline_sync(trainer, stage, version: int, bucket_bytes: int, train_during=False) -> tuple[dict, float | None]:
+def pipeline_sync(
+    trainer, stage, version: int, bucket_bytes: int, put_threads: int, train_during=False
+) -> tuple[dict, float | None]:
     """One sync through the param_update stage; with `train_during`, a training step starts as
     soon as the gather returns (as actor_train's next step does) and its seconds are returned."""
     from state_machines.param_update import NewWeights
 
     ray.get(stage.put.remote(NewWeights(version=version, started_at=time.time())), timeout=TIMEOUT_S)
-    ray.get(trainer.send.remote(version, bucket_bytes, stage), timeout=TIMEOUT_S)
+    ray.get(trainer.send.remote(version, bucket_bytes, stage, put_threads), timeout=TIMEOUT_S)
     step = trainer.train_step.remote() if train_during else None
     step_s = ray.get(step, timeout=TIMEOUT_S) if step is not None else None
     deadline = time.time() + TIMEOUT_S
@@ -212,7 +230,7 @@ def naive_sync(trainer, server, version: int) -> dict:
     return {"total_s": total, "blocked_s": total}
 
 
-def bench_size(size: str, bucket_mb: float, consume_mb: float) -> dict:
+def bench_size(size: str, bucket_mb: float, consume_mb: float, put_threads: list[int]) -> dict:
     from verl.workers.config import HFModelConfig, RolloutConfig
 
     from async_rl.rollout.cpu_server import CPURolloutServer
@@ -220,8 +238,9 @@ def bench_size(size: str, bucket_mb: float, consume_mb: float) -> dict:
     from param_update.overlapped import ActorReceiver
     from state_machines.param_update import ParamUpdateStage
 
+    trainer = Trainer.remote(size, seed=1, put_threads=put_threads)
     with tempfile.TemporaryDirectory() as model_dir:
-        build_model(size, seed=0).save_pretrained(model_dir)
+        ray.get(trainer.save.remote(model_dir), timeout=TIMEOUT_S)
         model_bytes = model_weight_bytes(model_dir)
         config = RolloutConfig(name="cpu", tensor_model_parallel_size=1, prompt_length=8, response_length=32)
         server = ray.remote(CPURolloutServer).options(max_concurrency=64).remote(
@@ -229,7 +248,6 @@ def bench_size(size: str, bucket_mb: float, consume_mb: float) -> dict:
         )
         ray.get(server.launch_server.remote(), timeout=TIMEOUT_S)
     ray.get(server.configure_weight_sync.remote(True, int(consume_mb * (1 << 20))), timeout=TIMEOUT_S)
-    trainer = Trainer.remote(size, seed=1)
     params = ray.get(trainer.num_params.remote(), timeout=TIMEOUT_S)
     stage = ray.remote(ParamUpdateStage).options(max_concurrency=64).remote(
         [ActorReceiver("rollout_server", server, True)], VersionLog.remote()
@@ -243,43 +261,64 @@ def bench_size(size: str, bucket_mb: float, consume_mb: float) -> dict:
         time.sleep(0.05)
     bucket_bytes = int(bucket_mb * (1 << 20))
 
-    first, _ = pipeline_sync(trainer, stage, 1, bucket_bytes)  # cold: never-touched store pages
+    main_threads = put_threads[0]
+    first, _ = pipeline_sync(trainer, stage, 1, bucket_bytes, main_threads)  # cold: never-touched store pages
     warmup = warmup_syncs(model_bytes)
     for version in range(2, warmup + 1):
-        pipeline_sync(trainer, stage, version, bucket_bytes)
+        pipeline_sync(trainer, stage, version, bucket_bytes, put_threads[version % len(put_threads)])
     ray.get(trainer.train_step.remote(), timeout=TIMEOUT_S)  # warm-up step
-    alone = statistics.median(ray.get(trainer.train_step.remote(), timeout=TIMEOUT_S) for _ in range(3))
-    version = warmup + 1
-    runs = [pipeline_sync(trainer, stage, v, bucket_bytes)[0] for v in range(version, version + 3)]
-    training_runs = [pipeline_sync(trainer, stage, v, bucket_bytes, train_during=True)
-                     for v in range(version + 3, version + 6)]
-    overlapped_step = statistics.median(step for _, step in training_runs)
+    versions = iter(range(warmup + 1, 1 << 30))
+    runs: dict[int, list] = {n: [] for n in put_threads}
+    training_runs: dict[int, list] = {n: [] for n in put_threads}
+    alone = []
+    for _ in range(3):  # interleaved: every put-thread count meets the same machine state
+        for n in put_threads:
+            runs[n].append(pipeline_sync(trainer, stage, next(versions), bucket_bytes, n)[0])
+    for _ in range(3):
+        alone.append(ray.get(trainer.train_step.remote(), timeout=TIMEOUT_S))
+        for n in put_threads:
+            training_runs[n].append(pipeline_sync(trainer, stage, next(versions), bucket_bytes, n, train_during=True))
+    alone_s = statistics.median(alone)
     raw_copy_decoding = ray.get(trainer.raw_copy_s.remote(model_bytes), timeout=TIMEOUT_S)
-    naive_sync(trainer, server, version + 6)  # warm-up of the naive path
-    naive = min((naive_sync(trainer, server, v) for v in (version + 7, version + 8)), key=lambda r: r["total_s"])
+    naive_sync(trainer, server, next(versions))  # warm-up of the naive path
+    naive = min((naive_sync(trainer, server, next(versions)) for _ in range(2)), key=lambda r: r["total_s"])
     tokens = ray.get(load.stop.remote(), timeout=TIMEOUT_S)
     ray.get(load_run, timeout=TIMEOUT_S)  # raises if the generation load failed
+    idle = [pipeline_sync(trainer, stage, next(versions), bucket_bytes, main_threads)[0] for _ in range(3)]
     for actor in (stage, server, trainer, load):
         ray.kill(actor, no_restart=True)
     total = "timing_s/param_update/total"
-    best = min(runs, key=lambda t: t[total])
+    by_threads = {}
+    for n in put_threads:
+        best = min(runs[n], key=lambda t: t[total])
+        by_threads[n] = {
+            "pipeline_total_s": best[total],
+            "pipeline_blocked_s": best["async/param_update/blocked_s"],
+            "pipeline_total_training_s": statistics.median(t[total] for t, _ in training_runs[n]),
+            "train_step_slowdown": statistics.median(step for _, step in training_runs[n]) / alone_s,
+            "parts_s": {k.rsplit("/", 1)[-1]: v for k, v in best.items() if k.startswith("timing_s/")},
+        }
+    main = by_threads[main_threads]
     return {
         "size": size,
         "params": params,
         "model_mb": model_bytes / (1 << 20),
-        "pipeline_total_s": best[total],
-        "pipeline_blocked_s": best["async/param_update/blocked_s"],
+        "put_threads": main_threads,
+        "pipeline_total_s": main["pipeline_total_s"],
+        "pipeline_blocked_s": main["pipeline_blocked_s"],
         "pipeline_first_sync_s": first[total],
-        "pipeline_total_training_s": statistics.median(t[total] for t, _ in training_runs),
+        "pipeline_total_training_s": main["pipeline_total_training_s"],
+        "pipeline_total_idle_s": min(t[total] for t in idle),
         "warmup_syncs": warmup,
         "naive_total_s": naive["total_s"],
         "naive_blocked_s": naive["blocked_s"],
         "raw_copy_s": raw_copy_s(model_bytes),
         "raw_copy_decoding_s": raw_copy_decoding,
         "object_store_put_s": object_store_put_s(model_bytes),
-        "train_step_slowdown": overlapped_step / alone,
-        "train_step_alone_s": alone,
-        "parts_s": {k.rsplit("/", 1)[-1]: v for k, v in best.items() if k.startswith("timing_s/")},
+        "train_step_slowdown": main["train_step_slowdown"],
+        "train_step_alone_s": alone_s,
+        "parts_s": main["parts_s"],
+        "by_put_threads": by_threads,
         "tokens_generated": tokens,
     }
 
@@ -289,14 +328,17 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--sizes", default="10M,100M,500M", help=f"comma-separated, of {list(SIZES)}")
     parser.add_argument("--bucket-mb", type=float, default=512.0, help="preduce bucket size, MB (the pipeline default)")
     parser.add_argument("--consume-mb", type=float, default=128.0, help="consume bucket size, MB (the pipeline default)")
+    parser.add_argument("--put-threads", default=f"{PUT_THREADS},1",
+                        help="comma-separated put-thread counts run in turn; the first is the main table's")
     parser.add_argument("--json", help="write the rows as a JSON list here")
     args = parser.parse_args(argv)
+    put_threads = [int(n) for n in args.put_threads.split(",")]
     command = " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv])
     ray.init(num_cpus=16, include_dashboard=False, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     rows = []
     try:
         for size in args.sizes.split(","):
-            rows.append(bench_size(size.strip(), args.bucket_mb, args.consume_mb))
+            rows.append(bench_size(size.strip(), args.bucket_mb, args.consume_mb, put_threads))
             print(f"done {size}: {json.dumps(rows[-1])}", flush=True)
     finally:
         ray.shutdown()
@@ -305,7 +347,7 @@ def main(argv=None) -> list[dict]:
               f"{'naive total':>11} {'naive blocked':>13} | {'raw copy':>8} {'decoding':>8} {'ray.put':>8} | "
               f"{'blocked ratio':>13} {'total/raw':>9} | {'train slowdown':>14}")
     print(f"\ncommand: {command}\ncpus: {os.cpu_count()}, torch {torch.__version__}, buckets {args.bucket_mb:g} MB "
-          f"(preduce) / {args.consume_mb:g} MB (consume), dual buffer on")
+          f"(preduce) / {args.consume_mb:g} MB (consume), dual buffer on, {put_threads[0]} put threads")
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -323,10 +365,21 @@ def main(argv=None) -> list[dict]:
     for r in rows:
         parts = ", ".join(f"{k} {v:.3f}s" for k, v in r["parts_s"].items())
         print(f"{r['size']}: pipeline parts: {parts}")
+    print("\nno decoding (the rollout server idle, as the raw copy ran): "
+          + ", ".join(f"{r['size']} pipe total {r['pipeline_total_idle_s']:.3f}s = "
+                      f"{r['pipeline_total_idle_s'] / r['raw_copy_s']:.2f}x raw copy" for r in rows))
+    print(f"\nput threads (syncs interleaved): {'size':>5} {'threads':>7} | {'pipe total':>10} {'gather':>7} "
+          f"{'w/ train':>9} {'total/raw':>9} {'train slowdown':>14}")
+    for r in rows:
+        for n, t in r["by_put_threads"].items():
+            print(f"{'':>32}{r['size']:>5} {n:>7} | {t['pipeline_total_s']:>9.3f}s {t['parts_s']['gather']:>6.3f}s "
+                  f"{t['pipeline_total_training_s']:>8.3f}s {t['pipeline_total_s'] / r['raw_copy_s']:>9.2f} "
+                  f"{t['train_step_slowdown']:>13.2f}x")
     if args.json:
         keys = ("params", "pipeline_total_s", "pipeline_blocked_s", "naive_total_s", "naive_blocked_s",
                 "raw_copy_s", "train_step_slowdown", "pipeline_first_sync_s", "pipeline_total_training_s",
-                "object_store_put_s", "warmup_syncs", "raw_copy_decoding_s")
+                "object_store_put_s", "warmup_syncs", "raw_copy_decoding_s", "put_threads", "by_put_threads",
+                "pipeline_total_idle_s")
         with open(args.json, "w") as f:
             json.dump([{"size": r["size"], **{k: r[k] for k in keys}} for r in rows], f, indent=1)
     return rows

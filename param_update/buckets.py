@@ -3,7 +3,9 @@
 A bucket is a list of `uint8` arrays, one per `TensorSlice`: on the sender, views of the
 tensors themselves (packing copies nothing); `ray.put` of the bucket then copies every
 array once into Ray's shared-memory object store, and a receiver on the node gets the
-same arrays back as zero-copy, read-only views. A tensor larger than the bucket is split
+same arrays back as zero-copy, read-only views. A bucket travels as a few objects
+(`split_arrays`), put from several threads at once: Ray copies an array under 100 MB
+with one thread (see `sender.py`). A tensor larger than the bucket is split
 across consecutive buckets; small tensors share one. Bytes travel verbatim, so a
 receiver rebuilds tensors that are bit-identical to the sender's.
 """
@@ -115,6 +117,24 @@ def pack_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes
             start += take
     if slices:
         yield Bucket(version, index, data, slices)
+
+
+def split_arrays(data: list[np.ndarray], parts: int) -> list[list[np.ndarray]]:
+    """`data`, in order, as at most `parts` consecutive runs of about equal bytes (one object each)."""
+    total = sum(a.nbytes for a in data)
+    runs: list[list[np.ndarray]] = [[]]
+    done = 0
+    for array in data:
+        if runs[-1] and len(runs) < parts and done >= total * len(runs) / parts:
+            runs.append([])
+        runs[-1].append(array)
+        done += array.nbytes
+    return runs
+
+
+def join_arrays(runs: Iterable[list[np.ndarray]]) -> list[np.ndarray]:
+    """A bucket's arrays from the runs `split_arrays` made, as a receiver fetched them."""
+    return [array for run in runs for array in run]
 
 
 def slice_tensor(s: TensorSlice, array: np.ndarray) -> torch.Tensor:

@@ -26,7 +26,7 @@ import ray
 import torch
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
-from param_update.buckets import Bucket
+from param_update.buckets import Bucket, join_arrays
 from param_update.staging import VersionStager
 
 BACKEND = "async_rl"
@@ -87,7 +87,7 @@ class StagedCheckpointEngine(CheckpointEngine):
 
     def stage_bucket(self, version: int, index: int, refs: list, slices: list) -> dict[str, float]:
         start = time.perf_counter()
-        data = ray.get(refs[0], timeout=RECV_TIMEOUT_S)
+        data = join_arrays(ray.get(refs, timeout=RECV_TIMEOUT_S))
         fetched = time.perf_counter()
         self.stager.stage(version, Bucket(version, index, data, slices))
         return {"recv_s": fetched - start, "register_s": time.perf_counter() - fetched}

@@ -21,7 +21,8 @@ from param_update.interface import WeightSync, WeightSyncError
 
 @dataclass
 class BucketRef:
-    """One announced bucket: where it is (`refs[0]`, a Ray ObjectRef) and what it carries."""
+    """One announced bucket: where it is (`refs`, Ray ObjectRefs of its arrays in runs, see
+    `buckets.split_arrays`) and what it carries."""
 
     version: int
     index: int

@@ -27,3 +27,11 @@ def test_bench_prints_table_and_json(tmp_path):
     assert 2 <= row["warmup_syncs"] <= 40
     assert row["pipeline_first_sync_s"] > 0 and row["pipeline_total_training_s"] > 0
     assert row["raw_copy_decoding_s"] > 0
+    # the put-thread counts ran in turn; the main columns are the first count's (the sender's default)
+    from param_update.sender import PUT_THREADS
+
+    assert row["put_threads"] == PUT_THREADS and set(row["by_put_threads"]) == {str(PUT_THREADS), "1"}
+    assert row["by_put_threads"][str(PUT_THREADS)]["pipeline_total_s"] == row["pipeline_total_s"]
+    assert all(t["pipeline_total_s"] > 0 and t["train_step_slowdown"] > 0 for t in row["by_put_threads"].values())
+    assert "put threads (syncs interleaved)" in proc.stdout
+    assert row["pipeline_total_idle_s"] > 0 and "no decoding" in proc.stdout

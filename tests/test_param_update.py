@@ -17,7 +17,9 @@ from param_update.buckets import (
     MB,
     BucketSizeError,
     check_bucket_sizes,
+    join_arrays,
     pack_buckets,
+    split_arrays,
     tensor_digest as digest,
     tensors_from_buckets,
 )
@@ -72,6 +74,23 @@ def test_buckets_round_trip_bit_identical(bucket_bytes):
     # packing copies nothing: a whole tensor comes back as a view of the sender's own memory
     whole = [(n, t) for (n, t), (_, r) in zip(named, rebuilt) if t.numel() and r.data_ptr() == t.data_ptr()]
     assert whole or bucket_bytes < 140
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 4, 7, 20])
+def test_a_bucket_splits_into_runs_of_about_equal_bytes_in_order(parts):
+    import numpy as np
+
+    sizes = [5, 1, 1, 8, 3, 3, 3, 0, 2, 9, 4]
+    data = [np.full(n, i, dtype=np.uint8) for i, n in enumerate(sizes)]
+    runs = split_arrays(data, parts)
+    assert 1 <= len(runs) <= parts
+    assert all(runs), "no run is empty"
+    joined = join_arrays(runs)
+    assert [id(a) for a in joined] == [id(a) for a in data]  # same arrays, same order, no copy
+    # a run exceeds the fair share by less than one array
+    assert max(sum(a.nbytes for a in run) for run in runs) < sum(sizes) / parts + max(sizes)
+    if parts <= len(sizes) // 2:
+        assert len(runs) == parts
+
 
 def test_missing_bucket_leaves_a_tensor_incomplete():
     buckets = list(pack_buckets(iter(mixed_tensors()), 1000, version=0))

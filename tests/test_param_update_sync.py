@@ -18,7 +18,7 @@ import torch
 import transformers
 
 from async_rl.rollout.cpu_server import CPURolloutServer
-from param_update.buckets import pack_buckets, tensor_digest
+from param_update.buckets import pack_buckets, split_arrays, tensor_digest
 from param_update.interface import WeightSyncError
 from param_update.overlapped import ActorReceiver, BucketRef, BucketStream, OverlappedWeightSync, VersionEnd
 from param_update.sender import BucketSender
@@ -152,9 +152,11 @@ def run_sync(sync: OverlappedWeightSync, version: int):
 
 
 def announce(stream: BucketStream, buckets, refs):
+    """Announce each bucket with its ref (one object) or list of refs (runs, as the sender puts them)."""
     async def put_all():
         for bucket, ref in zip(buckets, refs):
-            await stream.put_bucket(BucketRef(bucket.version, bucket.index, [ref], bucket.slices))
+            runs = ref if isinstance(ref, list) else [ref]
+            await stream.put_bucket(BucketRef(bucket.version, bucket.index, runs, bucket.slices))
 
     return put_all()
 
@@ -333,7 +335,8 @@ def test_gpu_replica_receiver_stages_then_loads_through_verl_update_weights(ray_
     stream = BucketStream(max_in_flight=64)
     sync = OverlappedWeightSync([receiver], log, stream, timeout_s=30)
     buckets = list(pack_buckets(trained.state_dict().items(), 3000, version=1))
-    refs = [ray.put(b.data) for b in buckets]
+    refs = [[ray.put(run) for run in split_arrays(b.data, 3)] for b in buckets]  # as the sender puts them
+    assert max(len(r) for r in refs) > 1
 
     async def main():
         await receiver.configure(layout, dual)
@@ -375,7 +378,7 @@ class GatedSink:
 
 def test_sent_version_is_unchanged_by_the_next_training_step(ray_session):
     """Buckets still queued in the send thread when training resumes carry the gathered bytes."""
-    from param_update.buckets import Bucket, tensors_from_buckets
+    from param_update.buckets import Bucket, join_arrays, tensors_from_buckets
 
     trainer, sink = Trainer.remote(seed=1), GatedSink.remote()
     want = ray.get(trainer.digests.remote(), timeout=TIMEOUT_S)
@@ -393,6 +396,7 @@ def test_sent_version_is_unchanged_by_the_next_training_step(ray_session):
         time.sleep(0.05)
     announced, ended = ray.get(sink.get.remote(), timeout=TIMEOUT_S)
     assert ended == (1, count) and [i for i, _, _ in announced] == list(range(count))
-    buckets = [Bucket(1, i, ray.get(refs[0], timeout=TIMEOUT_S), slices) for i, refs, slices in announced]
+    assert max(len(refs) for _, refs, _ in announced) > 1, "a bucket travels as several objects"
+    buckets = [Bucket(1, i, join_arrays(ray.get(refs, timeout=TIMEOUT_S)), slices) for i, refs, slices in announced]
     assert {n: tensor_digest(t) for n, t in tensors_from_buckets(buckets)} == want
     assert ray.get(trainer.digests.remote(), timeout=TIMEOUT_S) != want  # the step did change the weights

@@ -226,10 +226,10 @@ class CPURolloutServer:
 
     async def stage_weight_bucket(self, version: int, index: int, refs: list, slices: list) -> dict[str, float]:
         """recv (fetch bucket `index` of `version` from Ray's object store) + register-buffer (stage it)."""
-        from param_update.buckets import Bucket
+        from param_update.buckets import Bucket, join_arrays
 
         start = time.perf_counter()
-        data = await refs[0]
+        data = join_arrays(await asyncio.gather(*refs))
         fetched = time.perf_counter()
         await asyncio.to_thread(self._stager.stage, version, Bucket(version, index, data, slices))
         return {"recv_s": fetched - start, "register_s": time.perf_counter() - fetched}
