@@ -24,10 +24,11 @@ Steady state: the first syncs of a run write into never-touched pages of Ray's
 shared-memory object store, and a page's first touch is slow on this machine (the
 first sync took 2.5-5.3x a later one); once the store has cycled, every later sync
 reuses pages. The bench reports the first sync (cold) apart, then syncs until the store
-has cycled once and measures after that: latency with generation decoding, and the training slowdown in further syncs that
-run beside a training step (their latency is reported too: both share two cores). Last,
-with the generation load stopped, three more syncs measure the latency on an idle
-machine, as the raw copy is measured: the transport's own cost without contention.
+has cycled once and measures after that: latency with generation decoding, and the
+training slowdown in further syncs that run beside a training step (their latency is
+reported too: both share two cores). Last, with the generation load stopped, three more
+syncs measure the latency on an idle machine, as the raw copy is measured: the
+transport's own cost without contention.
 
     python bench/param_update.py [--sizes 10M,100M,500M] [--put-threads 4,1] [--json PATH]
 
