@@ -316,6 +316,49 @@ def test_a_load_preempts_the_running_step_and_loses_no_row(preempt):
     assert {0, 1} <= set(results["r0"].token_versions)
 
 
+def test_a_load_preempting_a_chunked_prefill_keeps_every_admitted_request():
+    """Preempted after the first of three prefill chunks (one request each): the chunk already in
+    the batch and the two not yet run all complete, under the new version only."""
+    models = {0: tiny_model(0), 1: tiny_model(1)}
+    engine = ContinuousBatchingEngine(tiny_model(0), eos_token_ids=[], seed=0, max_prefill_tokens=4)
+    expected, aliases, _ = engine.weight_layout()
+    stager = VersionStager(expected, aliases)
+    for bucket in pack_buckets(models[1].state_dict().items(), 1 << 20, version=1):
+        stager.stage(1, bucket)
+    entered, release = threading.Event(), threading.Event()
+    first_layer_calls = []
+
+    def hold_second_chunk(module, args):
+        first_layer_calls.append(1)
+        if len(first_layer_calls) == 2:  # the second prefill chunk of the first step
+            entered.set()
+            release.wait(30)
+
+    engine.model.get_decoder().layers[0].register_forward_pre_hook(hold_second_chunk)
+    prompts = {"a": [1, 2, 3], "b": [4, 5, 6], "c": [7, 8, 9]}  # 3 tokens each: one per chunk of 4
+
+    async def main():
+        await engine.pause()
+        jobs = {rid: asyncio.ensure_future(engine.generate(p, {"max_new_tokens": 5}, rid))
+                for rid, p in prompts.items()}
+        await asyncio.sleep(0)
+        engine.resume()
+        assert await asyncio.to_thread(entered.wait, 30)
+        load = asyncio.ensure_future(engine.load_staged(stager, version=1, consume_bytes=4096, swap=True))
+        while not engine._preempt.is_set():
+            await asyncio.sleep(0.001)
+        release.set()
+        await load
+        return {rid: await job for rid, job in jobs.items()}
+
+    results = asyncio.run(asyncio.wait_for(main(), 60))
+    assert engine.num_preempted_steps == 1
+    for rid, result in results.items():
+        assert len(result.token_ids) == 5 and result.token_versions == [1] * 5
+        want = teacher_forced_logprobs(models[1], prompts[rid], result.token_ids)
+        assert max(abs(a - b) for a, b in zip(result.log_probs, want)) < 1e-4, rid
+
+
 def test_load_without_partial_rollout_waits_for_running_requests():
     """partial_rollout=False: running requests finish under the old version, queued ones start under the new."""
     engine = ContinuousBatchingEngine(tiny_model(0), eos_token_ids=[], seed=0, max_num_seqs=4)
