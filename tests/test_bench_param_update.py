@@ -36,5 +36,6 @@ def test_bench_prints_table_and_json(tmp_path):
     assert "put threads (syncs interleaved)" in proc.stdout
     assert row["pipeline_total_idle_s"] > 0 and "no decoding" in proc.stdout
     # syncs with the engine's preemption off ran in turn with the others
-    assert set(row["preemption"]) == {"load_s", "load_without_s", "pipeline_total_without_s"}
+    assert set(row["preemption"]) == {"load_s", "load_without_s", "blocked_s", "blocked_without_s",
+                                      "pipeline_total_without_s"}
     assert all(v > 0 for v in row["preemption"].values()) and "load preempting" in proc.stdout

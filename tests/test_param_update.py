@@ -299,8 +299,10 @@ def test_a_load_preempts_the_running_step_and_loses_no_row(preempt):
             await asyncio.sleep(0.001)
         assert not load.done()
         release.set()
-        await load
+        blocked = await load
         assert engine.num_steps == steps_before + (not preempt)  # a preempted step makes no token
+        if preempt:  # the dropped step's compute, held >= 0.05 s in its first layer, counts as blocked
+            assert blocked >= 0.05
         return {rid: await job for rid, job in jobs.items()}
 
     results = asyncio.run(asyncio.wait_for(main(), 60))

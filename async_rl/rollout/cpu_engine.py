@@ -346,6 +346,7 @@ class ContinuousBatchingEngine:
             layer.register_forward_pre_hook(self._stop_if_preempted)
         self.num_steps = 0  # forward steps run so far
         self.num_preempted_steps = 0  # steps dropped for a weight update
+        self._dropped_step_s = 0.0  # compute of the step the pending update dropped (s)
         self.num_generated_tokens = 0
 
     @classmethod
@@ -494,7 +495,8 @@ class ContinuousBatchingEngine:
         ever sees two versions. `interrupt` (partial rollout): running requests continue under
         the new weights (re-prefilled); False: no request is admitted until every running one
         has finished under the old weights, then the load. Returns the seconds during which
-        requests could not start or continue decoding (s).
+        requests could not start or continue decoding (s), the compute of a step dropped
+        for the load included (see `preempt_for_updates`).
         """
         self._ensure_started()
         _, _, tensors = self.weight_layout()
@@ -514,12 +516,13 @@ class ContinuousBatchingEngine:
         finally:
             self._admitting = True
             self._wakeup.set()
-        return done - (start if not interrupt else locked)
+        return done - (start if not interrupt else locked) + self._dropped_step_s
 
     @contextlib.asynccontextmanager
     async def _between_steps(self, preempt: bool):
         """Hold the step lock; `preempt`: stop the running step rather than wait for it (its rows
         are re-prefilled, so only its compute is lost)."""
+        self._dropped_step_s = 0.0
         if preempt and self.preempt_for_updates:
             self._preempt.set()
         try:
@@ -622,6 +625,7 @@ class ContinuousBatchingEngine:
             if not seq.done:
                 prefill.append(seq)
         version = self._version
+        started = time.perf_counter()
         try:
             batch, tokens, logps = await asyncio.to_thread(self._forward, batch, prefill)
         except _Preempted:  # a weight update is next: keep every row, rebuild the (half-updated) cache after it
@@ -629,6 +633,7 @@ class ContinuousBatchingEngine:
             self._batch = _KVBatch(list(rows), None, torch.zeros(len(rows), 0, dtype=torch.long))
             self._cache_stale = True
             self.num_preempted_steps += 1
+            self._dropped_step_s = time.perf_counter() - started
             return
         except Exception as error:  # fail the rows of this step, keep serving
             logger.exception("CPU engine step failed")
