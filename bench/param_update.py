@@ -20,13 +20,9 @@ once (`BucketSender(put_threads=...)`). `--put-threads 4,1` runs the pipeline wi
 count in turn, sync by sync, so the comparison sees the same machine state; the main
 table shows the first count.
 
-Preemption: a load that finds a decoding step running stops it at its next decoder layer
-(the CPU engine's `preempt_for_updates`). Syncs with it off run interleaved with the
-others, so the load part (median over the syncs) is compared in the same run.
-
 Steady state: the first syncs of a run write into never-touched pages of Ray's
 shared-memory object store, and a page's first touch is slow on this machine (the
-first sync took 2.5-8x a later one over runs); once the store has cycled, every later sync
+first sync took 2.5-5.3x a later one); once the store has cycled, every later sync
 reuses pages. The bench reports the first sync (cold) apart, then syncs until the store
 has cycled once and measures after that: latency with generation decoding, and the
 training slowdown in further syncs that run beside a training step (their latency is
@@ -127,17 +123,6 @@ class Trainer:
         seconds = time.perf_counter() - start
         self.model.zero_grad(set_to_none=True)  # free the gradients' memory between steps
         return seconds
-
-
-def rollout_server_class():
-    """The CPU rollout server, plus a switch for its engine's preemption (compared in the bench)."""
-    from async_rl.rollout.cpu_server import CPURolloutServer
-
-    class BenchRolloutServer(CPURolloutServer):
-        def set_preemption(self, on: bool) -> None:
-            self.engine.preempt_for_updates = on
-
-    return BenchRolloutServer
 
 
 @ray.remote
@@ -249,6 +234,7 @@ def naive_sync(trainer, server, version: int) -> dict:
 def bench_size(size: str, bucket_mb: float, consume_mb: float, put_threads: list[int]) -> dict:
     from verl.workers.config import HFModelConfig, RolloutConfig
 
+    from async_rl.rollout.cpu_server import CPURolloutServer
     from param_update.capacity import model_weight_bytes
     from param_update.overlapped import ActorReceiver
     from state_machines.param_update import ParamUpdateStage
@@ -258,7 +244,7 @@ def bench_size(size: str, bucket_mb: float, consume_mb: float, put_threads: list
         ray.get(trainer.save.remote(model_dir), timeout=TIMEOUT_S)
         model_bytes = model_weight_bytes(model_dir)
         config = RolloutConfig(name="cpu", tensor_model_parallel_size=1, prompt_length=8, response_length=32)
-        server = ray.remote(rollout_server_class()).options(max_concurrency=64).remote(
+        server = ray.remote(CPURolloutServer).options(max_concurrency=64).remote(
             config=config, model_config=HFModelConfig(path=model_dir, load_tokenizer=False)
         )
         ray.get(server.launch_server.remote(), timeout=TIMEOUT_S)
@@ -284,15 +270,11 @@ def bench_size(size: str, bucket_mb: float, consume_mb: float, put_threads: list
     ray.get(trainer.train_step.remote(), timeout=TIMEOUT_S)  # warm-up step
     versions = iter(range(warmup + 1, 1 << 30))
     runs: dict[int, list] = {n: [] for n in put_threads}
-    unpreempted = []  # main put-thread count, the engine's preemption off
     training_runs: dict[int, list] = {n: [] for n in put_threads}
     alone = []
     for _ in range(3):  # interleaved: every put-thread count meets the same machine state
         for n in put_threads:
             runs[n].append(pipeline_sync(trainer, stage, next(versions), bucket_bytes, n)[0])
-        ray.get(server.set_preemption.remote(False), timeout=TIMEOUT_S)
-        unpreempted.append(pipeline_sync(trainer, stage, next(versions), bucket_bytes, main_threads)[0])
-        ray.get(server.set_preemption.remote(True), timeout=TIMEOUT_S)
     for _ in range(3):
         alone.append(ray.get(trainer.train_step.remote(), timeout=TIMEOUT_S))
         for n in put_threads:
@@ -318,14 +300,6 @@ def bench_size(size: str, bucket_mb: float, consume_mb: float, put_threads: list
             "parts_s": {k.rsplit("/", 1)[-1]: v for k, v in best.items() if k.startswith("timing_s/")},
         }
     main = by_threads[main_threads]
-    load, blocked = "timing_s/param_update/load", "async/param_update/blocked_s"
-    preemption = {  # medians, but for the best total as in the main table
-        "load_s": statistics.median(t[load] for t in runs[main_threads]),
-        "load_without_s": statistics.median(t[load] for t in unpreempted),
-        "blocked_s": statistics.median(t[blocked] for t in runs[main_threads]),
-        "blocked_without_s": statistics.median(t[blocked] for t in unpreempted),
-        "pipeline_total_without_s": min(t[total] for t in unpreempted),
-    }
     return {
         "size": size,
         "params": params,
@@ -346,7 +320,6 @@ def bench_size(size: str, bucket_mb: float, consume_mb: float, put_threads: list
         "train_step_alone_s": alone_s,
         "parts_s": main["parts_s"],
         "by_put_threads": by_threads,
-        "preemption": preemption,
         "tokens_generated": tokens,
     }
 
@@ -403,17 +376,11 @@ def main(argv=None) -> list[dict]:
             print(f"{'':>32}{r['size']:>5} {n:>7} | {t['pipeline_total_s']:>9.3f}s {t['parts_s']['gather']:>6.3f}s "
                   f"{t['pipeline_total_training_s']:>8.3f}s {t['pipeline_total_s'] / r['raw_copy_s']:>9.2f} "
                   f"{t['train_step_slowdown']:>13.2f}x")
-    print("\nload preempting the running step or waiting for it (syncs interleaved; median load and blocked, "
-          "blocked counting the dropped step's compute; best total): "
-          + ", ".join(f"{r['size']} load {p['load_s']:.3f}s vs {p['load_without_s']:.3f}s, blocked "
-                      f"{p['blocked_s']:.4f}s vs {p['blocked_without_s']:.4f}s, pipe total "
-                      f"{r['pipeline_total_s']:.3f}s vs {p['pipeline_total_without_s']:.3f}s"
-                      for r in rows for p in [r["preemption"]]))
     if args.json:
         keys = ("params", "pipeline_total_s", "pipeline_blocked_s", "naive_total_s", "naive_blocked_s",
                 "raw_copy_s", "train_step_slowdown", "pipeline_first_sync_s", "pipeline_total_training_s",
                 "object_store_put_s", "warmup_syncs", "raw_copy_decoding_s", "put_threads", "by_put_threads",
-                "pipeline_total_idle_s", "preemption")
+                "pipeline_total_idle_s")
         with open(args.json, "w") as f:
             json.dump([{"size": r["size"], **{k: r[k] for k in keys}} for r in rows], f, indent=1)
     return rows

@@ -7,7 +7,6 @@ test_param_update_sync.py.
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import pytest
 import torch
@@ -256,109 +255,6 @@ def test_engine_loads_between_steps_and_no_token_sees_two_versions(dual):
     assert {n: digest(t) for n, t in engine.model.state_dict().items()} == {
         n: digest(t) for n, t in models[1].state_dict().items()
     }
-
-
-@pytest.mark.parametrize("preempt", [True, False])
-def test_a_load_preempts_the_running_step_and_loses_no_row(preempt):
-    """A step inside its forward when a load asks for the lock stops at the next decoder layer:
-    its rows, and a request it was admitting, go on under the new version with exact log-probs.
-    With `preempt_for_updates=False` the load waits for the step, which makes its tokens."""
-    models = {0: tiny_model(0), 1: tiny_model(1)}
-    engine = ContinuousBatchingEngine(tiny_model(0), eos_token_ids=[], seed=0, preempt_for_updates=preempt)
-    expected, aliases, _ = engine.weight_layout()
-    stager = VersionStager(expected, aliases)
-    for bucket in pack_buckets(models[1].state_dict().items(), 1 << 20, version=1):
-        stager.stage(1, bucket)
-    entered, release = threading.Event(), threading.Event()
-    armed = []
-
-    def hold_in_first_layer(module, args):  # registered after the engine's own hook on this layer
-        if armed:
-            armed.clear()
-            entered.set()
-            release.wait(30)
-
-    engine.model.get_decoder().layers[0].register_forward_pre_hook(hold_in_first_layer)
-    prompts = {"r0": [1, 2, 3], "r1": [4, 5, 6, 7], "late": [8, 9]}
-
-    async def main():
-        params = {"temperature": 1.0, "max_new_tokens": 12}
-        jobs = {rid: asyncio.ensure_future(engine.generate(prompts[rid], params, rid)) for rid in ("r0", "r1")}
-        while engine.num_generated_tokens < 4:
-            await asyncio.sleep(0.001)
-        await engine.pause()  # no step running: the next one decodes r0, r1 and admits "late"
-        armed.append(True)
-        jobs["late"] = asyncio.ensure_future(engine.generate(prompts["late"], params, "late"))
-        await asyncio.sleep(0)
-        engine.resume()
-        assert await asyncio.to_thread(entered.wait, 30)
-        steps_before = engine.num_steps
-        load = asyncio.ensure_future(engine.load_staged(stager, version=1, consume_bytes=4096, swap=True))
-        await asyncio.sleep(0.05)
-        while preempt and not engine._preempt.is_set():  # the load is waiting for the step
-            await asyncio.sleep(0.001)
-        assert not load.done()
-        release.set()
-        blocked = await load
-        assert engine.num_steps == steps_before + (not preempt)  # a preempted step makes no token
-        if preempt:  # the dropped step's compute, held >= 0.05 s in its first layer, counts as blocked
-            assert blocked >= 0.05
-        return {rid: await job for rid, job in jobs.items()}
-
-    results = asyncio.run(asyncio.wait_for(main(), 60))
-    assert engine.num_preempted_steps == int(preempt) and engine.param_version == 1
-    # preempted: the late request's prefill was dropped and redone after the load
-    assert results["late"].token_versions == ([1] * 12 if preempt else [0] + [1] * 11)
-    for rid, result in results.items():
-        assert len(result.token_ids) == 12 and result.stop_reason == "length"
-        assert result.token_versions == sorted(result.token_versions)
-        for i, version in enumerate(result.token_versions):
-            want = teacher_forced_logprobs(models[version], prompts[rid], result.token_ids[: i + 1])[-1]
-            assert abs(result.log_probs[i] - want) < 1e-4, (rid, i, version)
-    assert {0, 1} <= set(results["r0"].token_versions)
-
-
-def test_a_load_preempting_a_chunked_prefill_keeps_every_admitted_request():
-    """Preempted after the first of three prefill chunks (one request each): the chunk already in
-    the batch and the two not yet run all complete, under the new version only."""
-    models = {0: tiny_model(0), 1: tiny_model(1)}
-    engine = ContinuousBatchingEngine(tiny_model(0), eos_token_ids=[], seed=0, max_prefill_tokens=4)
-    expected, aliases, _ = engine.weight_layout()
-    stager = VersionStager(expected, aliases)
-    for bucket in pack_buckets(models[1].state_dict().items(), 1 << 20, version=1):
-        stager.stage(1, bucket)
-    entered, release = threading.Event(), threading.Event()
-    first_layer_calls = []
-
-    def hold_second_chunk(module, args):
-        first_layer_calls.append(1)
-        if len(first_layer_calls) == 2:  # the second prefill chunk of the first step
-            entered.set()
-            release.wait(30)
-
-    engine.model.get_decoder().layers[0].register_forward_pre_hook(hold_second_chunk)
-    prompts = {"a": [1, 2, 3], "b": [4, 5, 6], "c": [7, 8, 9]}  # 3 tokens each: one per chunk of 4
-
-    async def main():
-        await engine.pause()
-        jobs = {rid: asyncio.ensure_future(engine.generate(p, {"max_new_tokens": 5}, rid))
-                for rid, p in prompts.items()}
-        await asyncio.sleep(0)
-        engine.resume()
-        assert await asyncio.to_thread(entered.wait, 30)
-        load = asyncio.ensure_future(engine.load_staged(stager, version=1, consume_bytes=4096, swap=True))
-        while not engine._preempt.is_set():
-            await asyncio.sleep(0.001)
-        release.set()
-        await load
-        return {rid: await job for rid, job in jobs.items()}
-
-    results = asyncio.run(asyncio.wait_for(main(), 60))
-    assert engine.num_preempted_steps == 1
-    for rid, result in results.items():
-        assert len(result.token_ids) == 5 and result.token_versions == [1] * 5
-        want = teacher_forced_logprobs(models[1], prompts[rid], result.token_ids)
-        assert max(abs(a - b) for a, b in zip(result.log_probs, want)) < 1e-4, rid
 
 
 def test_load_without_partial_rollout_waits_for_running_requests():

@@ -27,12 +27,7 @@ param_update: swap of a dual buffer's halves, or a copy) and
 (they take the same lock as a step, so never in the middle of a forward). After
 an update the KV cache is dropped and every in-flight sequence is re-prefilled
 with the new weights, so each token's log-prob is exactly the one its recorded
-version assigns to it given the whole prefix. A step still running when an update
-asks for the lock is preempted at its next decoder layer: its rows would be
-re-prefilled after the update anyway, so it is dropped (no token comes of it) rather
-than waited for. At 500M parameters the load took 0.020 s this way against 0.65 s
-waiting for the step, mostly the re-prefill that follows the previous load
-(median, `bench/param_update.py`).
+version assigns to it given the whole prefix.
 
 Log-probs: for a sampled token ``t`` with temperature ``T > 0`` the engine
 returns ``log_softmax(logits / T)[t]`` of the raw model logits: the policy at
@@ -55,10 +50,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 import math
-import threading
 import time
 import uuid
 from collections.abc import Iterable, Mapping
@@ -73,10 +66,6 @@ logger = logging.getLogger(__name__)
 STOP_COMPLETED = "completed"
 STOP_ABORTED = "aborted"
 STOP_LENGTH = "length"
-
-
-class _Preempted(Exception):
-    """Raised in a decoder layer's pre-hook: a weight update waits for the running step."""
 
 # Sampling-param keys that are accepted and have no effect here (detokenization options; log-probs are always on).
 _NO_EFFECT_KEYS = frozenset({"logprobs", "skip_special_tokens", "spaces_between_special_tokens", "detokenize"})
@@ -295,8 +284,6 @@ class ContinuousBatchingEngine:
         max_prefill_tokens: padded tokens per prefill forward (rows x longest row); a larger
             prefill is split into several forwards.
         version: initial weight version.
-        preempt_for_updates: a weight update stops the running step at its next decoder layer
-            instead of waiting for the step to end (attribute of the same name; off: to measure it).
     """
 
     def __init__(
@@ -309,7 +296,6 @@ class ContinuousBatchingEngine:
         max_model_len: Optional[int] = None,
         max_prefill_tokens: int = 8192,
         version: int = 0,
-        preempt_for_updates: bool = True,
     ):
         text_config = model.config.get_text_config(decoder=True)
         layer_types = getattr(text_config, "layer_types", None) or []
@@ -340,13 +326,7 @@ class ContinuousBatchingEngine:
         self._wakeup: Optional[asyncio.Event] = None
         self._step_lock: Optional[asyncio.Lock] = None  # held for a whole step and for weight updates
         self._loop_task: Optional[asyncio.Task] = None
-        self.preempt_for_updates = preempt_for_updates
-        self._preempt = threading.Event()  # set: the running step stops at its next decoder layer
-        for layer in getattr(self.model.get_decoder(), "layers", []):
-            layer.register_forward_pre_hook(self._stop_if_preempted)
         self.num_steps = 0  # forward steps run so far
-        self.num_preempted_steps = 0  # steps dropped for a weight update
-        self._dropped_step_s = 0.0  # compute of the step the pending update dropped (s)
         self.num_generated_tokens = 0
 
     @classmethod
@@ -473,7 +453,7 @@ class ContinuousBatchingEngine:
                     f"update_weights: tensor {name!r} has shape {tuple(tensor.shape)}, "
                     f"model expects {tuple(params[name].shape)}"
                 )
-        async with self._between_steps(preempt=True):
+        async with self._step_lock:
             await asyncio.to_thread(_copy_into, params, updates)
             self._version = version
             self._cache_stale = True
@@ -495,8 +475,7 @@ class ContinuousBatchingEngine:
         ever sees two versions. `interrupt` (partial rollout): running requests continue under
         the new weights (re-prefilled); False: no request is admitted until every running one
         has finished under the old weights, then the load. Returns the seconds during which
-        requests could not start or continue decoding (s), the compute of a step dropped
-        for the load included (see `preempt_for_updates`).
+        requests could not start or continue decoding (s).
         """
         self._ensure_started()
         _, _, tensors = self.weight_layout()
@@ -504,7 +483,7 @@ class ContinuousBatchingEngine:
         try:
             if not interrupt:
                 await self._wait_for_running()
-            async with self._between_steps(preempt=interrupt):
+            async with self._step_lock:
                 locked = time.perf_counter()
                 if swap:
                     stager.swap_into(tensors)
@@ -516,25 +495,7 @@ class ContinuousBatchingEngine:
         finally:
             self._admitting = True
             self._wakeup.set()
-        return done - (start if not interrupt else locked) + self._dropped_step_s
-
-    @contextlib.asynccontextmanager
-    async def _between_steps(self, preempt: bool):
-        """Hold the step lock; `preempt`: stop the running step rather than wait for it (its rows
-        are re-prefilled, so only its compute is lost)."""
-        self._dropped_step_s = 0.0
-        if preempt and self.preempt_for_updates:
-            self._preempt.set()
-        try:
-            async with self._step_lock:
-                self._preempt.clear()
-                yield
-        finally:
-            self._preempt.clear()
-
-    def _stop_if_preempted(self, module, args) -> None:
-        if self._preempt.is_set():
-            raise _Preempted
+        return done - (start if not interrupt else locked)
 
     def _live_rows(self) -> int:
         return sum(not s.done for s in self._batch.seqs)
@@ -625,16 +586,8 @@ class ContinuousBatchingEngine:
             if not seq.done:
                 prefill.append(seq)
         version = self._version
-        started = time.perf_counter()
         try:
             batch, tokens, logps = await asyncio.to_thread(self._forward, batch, prefill)
-        except _Preempted:  # a weight update is next: keep every row, rebuild the (half-updated) cache after it
-            rows = dict.fromkeys(s for s in (*self._batch.seqs, *batch.seqs, *prefill) if not s.done)
-            self._batch = _KVBatch(list(rows), None, torch.zeros(len(rows), 0, dtype=torch.long))
-            self._cache_stale = True
-            self.num_preempted_steps += 1
-            self._dropped_step_s = time.perf_counter() - started
-            return
         except Exception as error:  # fail the rows of this step, keep serving
             logger.exception("CPU engine step failed")
             for seq in batch.seqs + prefill:
