@@ -20,9 +20,15 @@ once (`BucketSender(put_threads=...)`). `--put-threads 4,1` runs the pipeline wi
 count in turn, sync by sync, so the comparison sees the same machine state; the main
 table shows the first count.
 
+Spacing: in the pipeline a whole training step separates two syncs, so by the next load
+the server has long finished the re-prefill that follows the previous one (every live
+row's prefix, recomputed under the new weights) and is decoding. Syncs here start
+likewise only once the server has run `SETTLE_STEPS` steps since its last load; back to
+back, a load would mostly wait for that re-prefill (0.36 s median at 493M, commit d4a2978).
+
 Steady state: the first syncs of a run write into never-touched pages of Ray's
 shared-memory object store, and a page's first touch is slow on this machine (the
-first sync took 2.5-5.3x a later one); once the store has cycled, every later sync
+first sync took 2.2-5.3x a later one); once the store has cycled, every later sync
 reuses pages. The bench reports the first sync (cold) apart, then syncs until the store
 has cycled once and measures after that: latency with generation decoding, and the
 training slowdown in further syncs that run beside a training step (their latency is
@@ -60,6 +66,7 @@ SIZES = {"2M": (64, 2), "10M": (256, 6), "100M": (768, 12), "500M": (1280, 24)} 
 VOCAB = 8192
 TIMEOUT_S = 900
 MAX_WARMUP_SYNCS = 40  # small models: the store's allocator reuses freed pages well before it cycles
+SETTLE_STEPS = 2  # server steps after a load (its re-prefill, one decoding step) before the next sync starts
 
 
 def model_config(size: str):
@@ -123,6 +130,24 @@ class Trainer:
         seconds = time.perf_counter() - start
         self.model.zero_grad(set_to_none=True)  # free the gradients' memory between steps
         return seconds
+
+
+def rollout_server_class():
+    """The CPU rollout server, counting its steps since its last load (the bench spaces syncs by them)."""
+    from async_rl.rollout.cpu_server import CPURolloutServer
+
+    class BenchRolloutServer(CPURolloutServer):
+        _steps_at_load = 0
+
+        async def commit_weights(self, version: int, num_buckets: int) -> dict[str, float]:
+            result = await super().commit_weights(version, num_buckets)
+            self._steps_at_load = self.engine.num_steps
+            return result
+
+        def steps_since_load(self) -> int:
+            return self.engine.num_steps - self._steps_at_load
+
+    return BenchRolloutServer
 
 
 @ray.remote
@@ -200,13 +225,25 @@ def warmup_syncs(model_bytes: int) -> int:
     return max(2, min(MAX_WARMUP_SYNCS, -(-int(store_bytes) // max(model_bytes, 1)) + 1))
 
 
+def wait_for_steps_since_load(server) -> None:
+    """Return once `server` has run SETTLE_STEPS steps since its last load."""
+    deadline = time.time() + TIMEOUT_S
+    while ray.get(server.steps_since_load.remote(), timeout=TIMEOUT_S) < SETTLE_STEPS:
+        if time.time() > deadline:
+            raise TimeoutError(f"the rollout server ran under {SETTLE_STEPS} steps in {TIMEOUT_S} s after a load")
+        time.sleep(0.005)
+
+
 def pipeline_sync(
-    trainer, stage, version: int, bucket_bytes: int, put_threads: int, train_during=False
+    trainer, stage, version: int, bucket_bytes: int, put_threads: int, train_during=False, decoding_server=None
 ) -> tuple[dict, float | None]:
     """One sync through the param_update stage; with `train_during`, a training step starts as
-    soon as the gather returns (as actor_train's next step does) and its seconds are returned."""
+    soon as the gather returns (as actor_train's next step does) and its seconds are returned.
+    `decoding_server`: starts once it has run SETTLE_STEPS steps since its last load."""
     from state_machines.param_update import NewWeights
 
+    if decoding_server is not None:
+        wait_for_steps_since_load(decoding_server)
     ray.get(stage.put.remote(NewWeights(version=version, started_at=time.time())), timeout=TIMEOUT_S)
     ray.get(trainer.send.remote(version, bucket_bytes, stage, put_threads), timeout=TIMEOUT_S)
     step = trainer.train_step.remote() if train_during else None
@@ -234,7 +271,6 @@ def naive_sync(trainer, server, version: int) -> dict:
 def bench_size(size: str, bucket_mb: float, consume_mb: float, put_threads: list[int]) -> dict:
     from verl.workers.config import HFModelConfig, RolloutConfig
 
-    from async_rl.rollout.cpu_server import CPURolloutServer
     from param_update.capacity import model_weight_bytes
     from param_update.overlapped import ActorReceiver
     from state_machines.param_update import ParamUpdateStage
@@ -244,7 +280,7 @@ def bench_size(size: str, bucket_mb: float, consume_mb: float, put_threads: list
         ray.get(trainer.save.remote(model_dir), timeout=TIMEOUT_S)
         model_bytes = model_weight_bytes(model_dir)
         config = RolloutConfig(name="cpu", tensor_model_parallel_size=1, prompt_length=8, response_length=32)
-        server = ray.remote(CPURolloutServer).options(max_concurrency=64).remote(
+        server = ray.remote(rollout_server_class()).options(max_concurrency=64).remote(
             config=config, model_config=HFModelConfig(path=model_dir, load_tokenizer=False)
         )
         ray.get(server.launch_server.remote(), timeout=TIMEOUT_S)
@@ -263,10 +299,11 @@ def bench_size(size: str, bucket_mb: float, consume_mb: float, put_threads: list
     bucket_bytes = int(bucket_mb * (1 << 20))
 
     main_threads = put_threads[0]
-    first, _ = pipeline_sync(trainer, stage, 1, bucket_bytes, main_threads)  # cold: never-touched store pages
+    decoding = {"decoding_server": server}
+    first, _ = pipeline_sync(trainer, stage, 1, bucket_bytes, main_threads, **decoding)  # cold store pages
     warmup = warmup_syncs(model_bytes)
     for version in range(2, warmup + 1):
-        pipeline_sync(trainer, stage, version, bucket_bytes, put_threads[version % len(put_threads)])
+        pipeline_sync(trainer, stage, version, bucket_bytes, put_threads[version % len(put_threads)], **decoding)
     ray.get(trainer.train_step.remote(), timeout=TIMEOUT_S)  # warm-up step
     versions = iter(range(warmup + 1, 1 << 30))
     runs: dict[int, list] = {n: [] for n in put_threads}
@@ -274,11 +311,13 @@ def bench_size(size: str, bucket_mb: float, consume_mb: float, put_threads: list
     alone = []
     for _ in range(3):  # interleaved: every put-thread count meets the same machine state
         for n in put_threads:
-            runs[n].append(pipeline_sync(trainer, stage, next(versions), bucket_bytes, n)[0])
+            runs[n].append(pipeline_sync(trainer, stage, next(versions), bucket_bytes, n, **decoding)[0])
     for _ in range(3):
         alone.append(ray.get(trainer.train_step.remote(), timeout=TIMEOUT_S))
         for n in put_threads:
-            training_runs[n].append(pipeline_sync(trainer, stage, next(versions), bucket_bytes, n, train_during=True))
+            training_runs[n].append(
+                pipeline_sync(trainer, stage, next(versions), bucket_bytes, n, train_during=True, **decoding)
+            )
     alone_s = statistics.median(alone)
     raw_copy_decoding = ray.get(trainer.raw_copy_s.remote(model_bytes), timeout=TIMEOUT_S)
     naive_sync(trainer, server, next(versions))  # warm-up of the naive path

@@ -13,8 +13,8 @@ stage), so the next training step runs while the buckets travel. The sink's
 
 Every put of a bucket is split into `put_threads` objects put at once from a thread pool
 (`split_arrays`): Ray copies each array below 100 MB with a single thread. With one put
-thread the whole sync took 1.2x as long at 100M parameters and 2.0x at 500M on this
-2-core machine (`bench/param_update.py --put-threads 4,1`).
+thread the gather took 1.1-1.3x as long at 100M and 500M parameters, and the whole sync
+1.2-2.0x at 500M, on this 2-core machine in two runs (`bench/param_update.py --put-threads 4,1`).
 """
 
 from __future__ import annotations
