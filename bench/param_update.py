@@ -225,13 +225,15 @@ def warmup_syncs(model_bytes: int) -> int:
     return max(2, min(MAX_WARMUP_SYNCS, -(-int(store_bytes) // max(model_bytes, 1)) + 1))
 
 
-def wait_for_steps_since_load(server) -> None:
-    """Return once `server` has run SETTLE_STEPS steps since its last load."""
+def wait_for(check, what: str, poll_s: float):
+    """Call `check` every `poll_s` seconds until it returns something truthy, and return that;
+    TimeoutError naming `what` after TIMEOUT_S."""
     deadline = time.time() + TIMEOUT_S
-    while ray.get(server.steps_since_load.remote(), timeout=TIMEOUT_S) < SETTLE_STEPS:
+    while not (result := check()):
         if time.time() > deadline:
-            raise TimeoutError(f"the rollout server ran under {SETTLE_STEPS} steps in {TIMEOUT_S} s after a load")
-        time.sleep(0.005)
+            raise TimeoutError(f"{what} did not happen in {TIMEOUT_S} s")
+        time.sleep(poll_s)
+    return result
 
 
 def pipeline_sync(
@@ -243,18 +245,15 @@ def pipeline_sync(
     from state_machines.param_update import NewWeights
 
     if decoding_server is not None:
-        wait_for_steps_since_load(decoding_server)
+        wait_for(lambda: ray.get(decoding_server.steps_since_load.remote(), timeout=TIMEOUT_S) >= SETTLE_STEPS,
+                 f"{SETTLE_STEPS} rollout server steps after a load", poll_s=0.005)
     ray.get(stage.put.remote(NewWeights(version=version, started_at=time.time())), timeout=TIMEOUT_S)
     ray.get(trainer.send.remote(version, bucket_bytes, stage, put_threads), timeout=TIMEOUT_S)
     step = trainer.train_step.remote() if train_during else None
     step_s = ray.get(step, timeout=TIMEOUT_S) if step is not None else None
-    deadline = time.time() + TIMEOUT_S
-    while time.time() < deadline:
-        timings = ray.get(stage.pop_timings.remote(), timeout=TIMEOUT_S)
-        if version in timings:
-            return timings[version], step_s
-        time.sleep(0.02)
-    raise TimeoutError(f"sync of version {version} did not finish in {TIMEOUT_S} s")
+    timings = wait_for(lambda: ray.get(stage.pop_timings.remote(), timeout=TIMEOUT_S).get(version),
+                       f"the sync of version {version}", poll_s=0.02)
+    return timings, step_s
 
 
 def naive_sync(trainer, server, version: int) -> dict:
@@ -293,17 +292,15 @@ def bench_size(size: str, bucket_mb: float, consume_mb: float, put_threads: list
     stage.run.remote()
     load = LoadGenerator.remote(server)
     load_run = load.run.remote()
-    deadline = time.time() + TIMEOUT_S
-    while ray.get(load.count.remote(), timeout=TIMEOUT_S) == 0 and time.time() < deadline:  # decoding has begun
-        time.sleep(0.05)
+    wait_for(lambda: ray.get(load.count.remote(), timeout=TIMEOUT_S), "the first generated tokens", poll_s=0.05)
     bucket_bytes = int(bucket_mb * (1 << 20))
 
     main_threads = put_threads[0]
-    decoding = {"decoding_server": server}
-    first, _ = pipeline_sync(trainer, stage, 1, bucket_bytes, main_threads, **decoding)  # cold store pages
+    first, _ = pipeline_sync(trainer, stage, 1, bucket_bytes, main_threads, decoding_server=server)  # cold store
     warmup = warmup_syncs(model_bytes)
     for version in range(2, warmup + 1):
-        pipeline_sync(trainer, stage, version, bucket_bytes, put_threads[version % len(put_threads)], **decoding)
+        threads = put_threads[version % len(put_threads)]
+        pipeline_sync(trainer, stage, version, bucket_bytes, threads, decoding_server=server)
     ray.get(trainer.train_step.remote(), timeout=TIMEOUT_S)  # warm-up step
     versions = iter(range(warmup + 1, 1 << 30))
     runs: dict[int, list] = {n: [] for n in put_threads}
@@ -311,13 +308,14 @@ def bench_size(size: str, bucket_mb: float, consume_mb: float, put_threads: list
     alone = []
     for _ in range(3):  # interleaved: every put-thread count meets the same machine state
         for n in put_threads:
-            runs[n].append(pipeline_sync(trainer, stage, next(versions), bucket_bytes, n, **decoding)[0])
+            timings, _ = pipeline_sync(trainer, stage, next(versions), bucket_bytes, n, decoding_server=server)
+            runs[n].append(timings)
     for _ in range(3):
         alone.append(ray.get(trainer.train_step.remote(), timeout=TIMEOUT_S))
         for n in put_threads:
-            training_runs[n].append(
-                pipeline_sync(trainer, stage, next(versions), bucket_bytes, n, train_during=True, **decoding)
-            )
+            training_runs[n].append(pipeline_sync(
+                trainer, stage, next(versions), bucket_bytes, n, train_during=True, decoding_server=server
+            ))
     alone_s = statistics.median(alone)
     raw_copy_decoding = ray.get(trainer.raw_copy_s.remote(model_bytes), timeout=TIMEOUT_S)
     naive_sync(trainer, server, next(versions))  # warm-up of the naive path
