@@ -9,7 +9,12 @@ machine, in one run:
   generating; the load swaps the halves between two decoding steps.
 - naive: stop-the-world, as verl's standalone sync does it (abort and pause generation,
   gather everything, one put, load in full, resume): generation is blocked throughout.
-- raw copy: one `copy_` of the same bytes in one process, the physical limit here.
+- raw copy: a copy of the same bytes in one process, the physical limit here: the faster
+  of torch's `copy_` (on its intra-op threads) and memcpy split across every core
+  (`np.copyto` per core; 1.5-1.6x faster than torch's at 100M and 500M here).
+- the sender's puts alone: the model's buckets put into Ray's object store exactly as a
+  sync puts them, nothing else running: the one copy every sync through the object store
+  pays, so the floor of this transport here.
 
 Per size: total sync latency, the time generation was blocked, and how much a training
 step (forward + backward) that runs while the pipeline's sync is in flight slows down
@@ -34,7 +39,7 @@ has cycled once and measures after that: latency with generation decoding, and t
 training slowdown in further syncs that run beside a training step (their latency is
 reported too: both share two cores). Last, with the generation load stopped, three more
 syncs measure the latency on an idle machine, as the raw copy is measured: the
-transport's own cost without contention.
+transport's own cost without contention; then the sender's puts alone (best of five).
 
     python bench/param_update.py [--sizes 10M,100M,500M] [--put-threads 4,1] [--json PATH]
 
@@ -53,6 +58,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 # this file's name shadows the `param_update` package when run as a script: drop its folder
 sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
@@ -118,9 +124,23 @@ class Trainer:
         """naive gather + put: every tensor in one object (one copy, as the pipeline's put)."""
         return ray.put(list(self.model.state_dict().items()))
 
-    def raw_copy_s(self, nbytes: int) -> float:
+    def raw_copy_s(self, nbytes: int) -> dict[str, float]:
         """The raw copy measured in this process, while the rollout server keeps decoding."""
         return raw_copy_s(nbytes)
+
+    def sender_put_s(self, bucket_bytes: int, put_threads: int, repeats: int = 5) -> float:
+        """Seconds of the sender's puts alone, best of `repeats`: this model's buckets put into
+        the object store as a sync puts them (all of a version held at once, then freed)."""
+        from param_update.buckets import pack_buckets
+
+        sender = self.senders[put_threads]
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            refs = [sender.put(bucket) for bucket in pack_buckets(self.model.state_dict().items(), bucket_bytes, 0)]
+            times.append(time.perf_counter() - start)
+            del refs
+        return min(times)
 
     def train_step(self) -> float:
         """Seconds of one forward + backward (no optimizer)."""
@@ -191,32 +211,31 @@ class LoadGenerator:
         return self.tokens
 
 
-def raw_copy_s(nbytes: int, repeats: int = 10) -> float:
-    """The fastest of `repeats` copies of `nbytes` (s): a small copy takes milliseconds, and one
-    interruption would double it."""
-    src = torch.empty(nbytes, dtype=torch.uint8).random_()
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # touch the pages once
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
-def object_store_put_s(nbytes: int, repeats: int = 2) -> float:
-    """One ray.put of the same bytes (a single uint8 array): the copy every object-store transfer pays."""
+def raw_copy_s(nbytes: int, repeats: int = 10) -> dict[str, float]:
+    """The fastest of `repeats` copies of `nbytes` (s), by torch (`torch`: `copy_` on its intra-op
+    threads) and by memcpy split across every core (`memcpy`: `np.copyto` of one piece per core
+    thread, which releases the GIL): a small copy takes milliseconds, and one interruption
+    would double it."""
     import numpy as np
 
-    array = np.ones(nbytes, dtype=np.uint8)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        ref = ray.put(array)
-        times.append(time.perf_counter() - start)
-        del ref
-    return min(times)
+    src = torch.empty(nbytes, dtype=torch.uint8).random_()
+    dst = torch.empty_like(src)
+    cores = os.cpu_count() or 1
+    step = -(-nbytes // cores)
+    pieces = [(dst.numpy()[i : i + step], src.numpy()[i : i + step]) for i in range(0, nbytes, step)]
+    dst.copy_(src)  # touch the pages once
+    with ThreadPoolExecutor(cores) as pool:
+        copies = {"torch": lambda: dst.copy_(src),
+                  "memcpy": lambda: list(pool.map(lambda pair: np.copyto(*pair), pieces))}
+        best = {}
+        for name, copy in copies.items():
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                copy()
+                times.append(time.perf_counter() - start)
+            best[name] = min(times)
+    return best
 
 
 def warmup_syncs(model_bytes: int) -> int:
@@ -317,12 +336,13 @@ def bench_size(size: str, bucket_mb: float, consume_mb: float, put_threads: list
                 trainer, stage, next(versions), bucket_bytes, n, train_during=True, decoding_server=server
             ))
     alone_s = statistics.median(alone)
-    raw_copy_decoding = ray.get(trainer.raw_copy_s.remote(model_bytes), timeout=TIMEOUT_S)
+    raw_copy_decoding = min(ray.get(trainer.raw_copy_s.remote(model_bytes), timeout=TIMEOUT_S).values())
     naive_sync(trainer, server, next(versions))  # warm-up of the naive path
     naive = min((naive_sync(trainer, server, next(versions)) for _ in range(2)), key=lambda r: r["total_s"])
     tokens = ray.get(load.stop.remote(), timeout=TIMEOUT_S)
     ray.get(load_run, timeout=TIMEOUT_S)  # raises if the generation load failed
     idle = [pipeline_sync(trainer, stage, next(versions), bucket_bytes, main_threads)[0] for _ in range(3)]
+    sender_put = ray.get(trainer.sender_put_s.remote(bucket_bytes, main_threads), timeout=TIMEOUT_S)
     for actor in (stage, server, trainer, load):
         ray.kill(actor, no_restart=True)
     total = "timing_s/param_update/total"
@@ -337,6 +357,7 @@ def bench_size(size: str, bucket_mb: float, consume_mb: float, put_threads: list
             "parts_s": {k.rsplit("/", 1)[-1]: v for k, v in best.items() if k.startswith("timing_s/")},
         }
     main = by_threads[main_threads]
+    raw_copy = raw_copy_s(model_bytes)
     return {
         "size": size,
         "params": params,
@@ -350,9 +371,10 @@ def bench_size(size: str, bucket_mb: float, consume_mb: float, put_threads: list
         "warmup_syncs": warmup,
         "naive_total_s": naive["total_s"],
         "naive_blocked_s": naive["blocked_s"],
-        "raw_copy_s": raw_copy_s(model_bytes),
+        "raw_copy_s": min(raw_copy.values()),
+        "raw_copy_torch_s": raw_copy["torch"],
         "raw_copy_decoding_s": raw_copy_decoding,
-        "object_store_put_s": object_store_put_s(model_bytes),
+        "sender_put_s": sender_put,
         "train_step_slowdown": main["train_step_slowdown"],
         "train_step_alone_s": alone_s,
         "parts_s": main["parts_s"],
@@ -382,7 +404,8 @@ def main(argv=None) -> list[dict]:
         ray.shutdown()
     header = (f"{'size':>5} {'params':>11} {'MB':>7} | {'first sync':>10} {'pipe total':>10} {'pipe blocked':>12} "
               f"{'w/ train':>9} | "
-              f"{'naive total':>11} {'naive blocked':>13} | {'raw copy':>8} {'decoding':>8} {'ray.put':>8} | "
+              f"{'naive total':>11} {'naive blocked':>13} | {'raw copy':>8} {'torch':>8} {'decoding':>8} "
+              f"{'put only':>8} | "
               f"{'blocked ratio':>13} {'total/raw':>9} | {'train slowdown':>14}")
     print(f"\ncommand: {command}\ncpus: {os.cpu_count()}, torch {torch.__version__}, buckets {args.bucket_mb:g} MB "
           f"(preduce) / {args.consume_mb:g} MB (consume), dual buffer on, {put_threads[0]} put threads")
@@ -392,20 +415,23 @@ def main(argv=None) -> list[dict]:
         print(f"{r['size']:>5} {r['params']:>11,} {r['model_mb']:>7.0f} | {r['pipeline_first_sync_s']:>9.3f}s "
               f"{r['pipeline_total_s']:>9.3f}s {r['pipeline_blocked_s']:>11.4f}s {r['pipeline_total_training_s']:>8.3f}s | "
               f"{r['naive_total_s']:>10.3f}s {r['naive_blocked_s']:>12.3f}s | "
-              f"{r['raw_copy_s']:>7.3f}s {r['raw_copy_decoding_s']:>7.3f}s {r['object_store_put_s']:>7.3f}s | "
+              f"{r['raw_copy_s']:>7.4f}s {r['raw_copy_torch_s']:>7.4f}s {r['raw_copy_decoding_s']:>7.4f}s "
+              f"{r['sender_put_s']:>7.3f}s | "
               f"{r['pipeline_blocked_s'] / r['naive_blocked_s']:>13.4f} "
               f"{r['pipeline_total_s'] / r['raw_copy_s']:>9.2f} | {r['train_step_slowdown']:>13.2f}x")
-    print("goal: blocked ratio <= 0.1 (pipeline vs naive), total/raw <= 2.0; 'ray.put' is one object-store put "
-          "of the same bytes, a copy every transfer through Ray's object store pays; 'first sync': the cold store; "
+    print("goal: blocked ratio <= 0.1 (pipeline vs naive), total/raw <= 2.0; 'raw copy': the faster of torch's "
+          "copy_ ('torch') and memcpy on every core; 'put only': the sender's puts of the model's buckets alone, nothing else "
+          "running, the one copy every sync through Ray's object store pays; 'first sync': the cold store; "
           "'pipe total/blocked': after the store has cycled, generation decoding; 'w/ train': the same with a "
           "training step beside it (median); 'decoding': the raw copy in the trainer process while the "
           "rollout server decodes, as the pipeline's syncs run")
     for r in rows:
         parts = ", ".join(f"{k} {v:.3f}s" for k, v in r["parts_s"].items())
         print(f"{r['size']}: pipeline parts: {parts}")
-    print("\nno decoding (the rollout server idle, as the raw copy ran): "
+    print("\nno decoding (the rollout server idle, as the raw copy and the puts alone ran): "
           + ", ".join(f"{r['size']} pipe total {r['pipeline_total_idle_s']:.3f}s = "
-                      f"{r['pipeline_total_idle_s'] / r['raw_copy_s']:.2f}x raw copy" for r in rows))
+                      f"{r['pipeline_total_idle_s'] / r['raw_copy_s']:.2f}x raw copy, "
+                      f"{r['pipeline_total_idle_s'] / r['sender_put_s']:.2f}x put only" for r in rows))
     print(f"\nput threads (syncs interleaved): {'size':>5} {'threads':>7} | {'pipe total':>10} {'gather':>7} "
           f"{'w/ train':>9} {'total/raw':>9} {'train slowdown':>14}")
     for r in rows:
@@ -416,8 +442,8 @@ def main(argv=None) -> list[dict]:
     if args.json:
         keys = ("params", "pipeline_total_s", "pipeline_blocked_s", "naive_total_s", "naive_blocked_s",
                 "raw_copy_s", "train_step_slowdown", "pipeline_first_sync_s", "pipeline_total_training_s",
-                "object_store_put_s", "warmup_syncs", "raw_copy_decoding_s", "put_threads", "by_put_threads",
-                "pipeline_total_idle_s")
+                "sender_put_s", "warmup_syncs", "raw_copy_torch_s", "raw_copy_decoding_s", "put_threads",
+                "by_put_threads", "pipeline_total_idle_s")
         with open(args.json, "w") as f:
             json.dump([{"size": r["size"], **{k: r[k] for k in keys}} for r in rows], f, indent=1)
     return rows

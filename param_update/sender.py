@@ -13,8 +13,9 @@ stage), so the next training step runs while the buckets travel. The sink's
 
 Every put of a bucket is split into `put_threads` objects put at once from a thread pool
 (`split_arrays`): Ray copies each array below 100 MB with a single thread. With one put
-thread the gather took 1.1-1.3x as long at 100M and 500M parameters, and the whole sync
-1.2-2.0x at 500M, on this 2-core machine in two runs (`bench/param_update.py --put-threads 4,1`).
+thread the whole sync at 500M parameters took 1.2-2.0x as long on this 2-core machine in
+three runs (`bench/param_update.py --put-threads 4,1`); at 100M and 10M it moved 0.6-1.2x
+either way.
 """
 
 from __future__ import annotations
@@ -84,14 +85,14 @@ class BucketSender:
         count = 0
         for bucket in pack_buckets(note_live(named_tensors), bucket_bytes, version):
             aliases_live = any(s.name in live_names for s in bucket.slices)
-            refs = self._put(bucket) if aliases_live else None
+            refs = self.put(bucket) if aliases_live else None
             self._queue.put((bucket, (sink, refs)))
             count += 1
         gather_s = time.perf_counter() - start
         self._queue.put((_END, (version, count, gather_s, sink)))
         return {"gather_s": gather_s}
 
-    def _put(self, bucket: Bucket) -> list:
+    def put(self, bucket: Bucket) -> list:
         """Put `bucket`'s arrays into the object store as up to `put_threads` objects, at once; their refs."""
         futures = [self._put_pool.submit(ray.put, run) for run in split_arrays(bucket.data, self._put_threads)]
         return [future.result() for future in futures]
@@ -113,7 +114,7 @@ class BucketSender:
                     continue
                 sink, refs = payload
                 start = time.perf_counter()
-                refs = self._put(item) if refs is None else refs
+                refs = self.put(item) if refs is None else refs
                 # the refs travel inside a list so that Ray passes them on instead of resolving them
                 ray.get(sink.put_bucket.remote(item.version, item.index, refs, item.slices), timeout=SINK_TIMEOUT_S)
                 send_s += time.perf_counter() - start
