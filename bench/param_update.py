@@ -33,7 +33,7 @@ back, a load would mostly wait for that re-prefill (0.36 s median at 493M, commi
 
 Steady state: the first syncs of a run write into never-touched pages of Ray's
 shared-memory object store, and a page's first touch is slow on this machine (the
-first sync took 2.2-5.3x a later one); once the store has cycled, every later sync
+first sync took 2.2-5.6x a later one); once the store has cycled, every later sync
 reuses pages. The bench reports the first sync (cold) apart, then syncs until the store
 has cycled once and measures after that: latency with generation decoding, and the
 training slowdown in further syncs that run beside a training step (their latency is
