@@ -14,7 +14,7 @@ stage), so the next training step runs while the buckets travel. The sink's
 Every put of a bucket is split into `put_threads` objects put at once from a thread pool
 (`split_arrays`): Ray copies each array below 100 MB with a single thread. With one put
 thread the whole sync at 500M parameters took 1.2-2.0x as long on this 2-core machine in
-three runs (`bench/param_update.py --put-threads 4,1`); at 100M and 10M it moved 0.6-1.2x
+four runs (`bench/param_update.py --put-threads 4,1`); at 100M and 10M it moved 0.6-1.2x
 either way.
 """
 
