@@ -21,7 +21,6 @@ from verl.workers.engine_workers import ActorRolloutRefWorker
 
 WEIGHTS_GROUP = "weights"  # Ray concurrency group of the staging calls
 CONCURRENCY_GROUPS = {WEIGHTS_GROUP: 1}
-RECV_TIMEOUT_S = 300.0
 
 
 class PipelineWorker(ActorRolloutRefWorker):
@@ -98,15 +97,9 @@ class PipelineWorker(ActorRolloutRefWorker):
     @ray.method(concurrency_group=WEIGHTS_GROUP)
     def stage_weight_bucket(self, version: int, index: int, refs: list, slices: list) -> dict[str, float]:
         """recv (fetch from Ray's object store) + register-buffer; runs beside compute."""
-        import time
+        from param_update.staging import receive_bucket
 
-        from param_update.buckets import Bucket, join_arrays
-
-        start = time.perf_counter()
-        data = join_arrays(ray.get(refs, timeout=RECV_TIMEOUT_S))
-        fetched = time.perf_counter()
-        self._stager.stage(version, Bucket(version, index, data, slices))
-        return {"recv_s": fetched - start, "register_s": time.perf_counter() - fetched}
+        return receive_bucket(self._stager, version, index, refs, slices)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     @ray.method(concurrency_group=WEIGHTS_GROUP)

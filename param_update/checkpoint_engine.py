@@ -22,15 +22,12 @@ import time
 from collections.abc import Iterator
 from typing import Any, Optional
 
-import ray
 import torch
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
-from param_update.buckets import Bucket, join_arrays
-from param_update.staging import VersionStager
+from param_update.staging import VersionStager, receive_bucket
 
 BACKEND = "async_rl"
-RECV_TIMEOUT_S = 300.0
 
 
 @CheckpointEngineRegistry.register(BACKEND)
@@ -86,11 +83,7 @@ class StagedCheckpointEngine(CheckpointEngine):
         self.stager = VersionStager(expected)
 
     def stage_bucket(self, version: int, index: int, refs: list, slices: list) -> dict[str, float]:
-        start = time.perf_counter()
-        data = join_arrays(ray.get(refs, timeout=RECV_TIMEOUT_S))
-        fetched = time.perf_counter()
-        self.stager.stage(version, Bucket(version, index, data, slices))
-        return {"recv_s": fetched - start, "register_s": time.perf_counter() - fetched}
+        return receive_bucket(self.stager, version, index, refs, slices)
 
     def check(self, version: int, num_buckets: int) -> None:
         self.stager.check_complete(version, num_buckets)

@@ -22,12 +22,16 @@ failed sync leaves the previous version serving.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from typing import Optional
 
+import ray
 import torch
 
-from param_update.buckets import Bucket, as_tensor, slice_tensor, tensor_bytes, write_slices
+from param_update.buckets import Bucket, as_tensor, join_arrays, slice_tensor, tensor_bytes, write_slices
+
+RECV_TIMEOUT_S = 300.0  # one bucket's fetch from Ray's object store may take this long
 
 
 class StagingError(RuntimeError):
@@ -208,6 +212,17 @@ class VersionStager:
             copied += write_slices(bucket, destinations, group)
         self.reset()
         return copied
+
+
+def receive_bucket(stager: VersionStager, version: int, index: int, refs: list, slices: list) -> dict[str, float]:
+    """recv (fetch bucket `index` of `version`, the runs of arrays `refs` point to, from Ray's
+    object store: zero-copy views on this node) + register-buffer (stage it in `stager`).
+    Returns seconds of each: `{recv_s, register_s}`."""
+    start = time.perf_counter()
+    data = join_arrays(ray.get(refs, timeout=RECV_TIMEOUT_S))
+    fetched = time.perf_counter()
+    stager.stage(version, Bucket(version, index, data, slices))
+    return {"recv_s": fetched - start, "register_s": time.perf_counter() - fetched}
 
 
 def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
