@@ -11,10 +11,13 @@ machine, in one run:
   gather everything, one put, load in full, resume): generation is blocked throughout.
 - raw copy: a copy of the same bytes in one process, the physical limit here: the faster
   of torch's `copy_` (on its intra-op threads) and memcpy split across every core
-  (`np.copyto` per core; 1.5-1.6x faster than torch's at 100M and 500M here).
+  (`np.copyto` per core; 1.5-1.7x faster than torch's at 100M and 500M here).
 - the sender's puts alone: the model's buckets put into Ray's object store exactly as a
   sync puts them, nothing else running: the one copy every sync through the object store
-  pays, so the floor of this transport here.
+  pays.
+- one put: the object store's fastest put of the same bytes, one contiguous array in one
+  `ray.put` (no per-tensor buffers; Ray copies it on one core, see bench/store_floor.py),
+  so the floor of any transport that hands the bytes to the store with `ray.put`.
 
 Per size: total sync latency, the time generation was blocked, and how much a training
 step (forward + backward) that runs while the pipeline's sync is in flight slows down
@@ -33,13 +36,14 @@ back, a load would mostly wait for that re-prefill (0.36 s median at 493M, commi
 
 Steady state: the first syncs of a run write into never-touched pages of Ray's
 shared-memory object store, and a page's first touch is slow on this machine (the
-first sync took 2.2-5.6x a later one); once the store has cycled, every later sync
+first sync took 2.2-7.7x a later one); once the store has cycled, every later sync
 reuses pages. The bench reports the first sync (cold) apart, then syncs until the store
 has cycled once and measures after that: latency with generation decoding, and the
 training slowdown in further syncs that run beside a training step (their latency is
 reported too: both share two cores). Last, with the generation load stopped, three more
 syncs measure the latency on an idle machine, as the raw copy is measured: the
-transport's own cost without contention; then the sender's puts alone (best of five).
+transport's own cost without contention; then the sender's puts alone and the one put
+(best of five each).
 
     python bench/param_update.py [--sizes 10M,100M,500M] [--put-threads 4,1] [--json PATH]
 
@@ -140,6 +144,13 @@ class Trainer:
             repeats,
         )
 
+    def store_put_s(self, repeats: int = 5) -> float:
+        """Seconds of the object store's fastest put of this model's bytes, best of `repeats`: one
+        `ray.put` of one contiguous array (no per-tensor buffers, no threads; built outside the
+        timing), the floor of any transport that hands the bytes to the store with `ray.put`."""
+        flat = torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in self.model.state_dict().values()])
+        return best_time_s(lambda: ray.put(flat.numpy()), repeats)
+
     def train_step(self) -> float:
         """Seconds of one forward + backward (no optimizer)."""
         start = time.perf_counter()
@@ -221,6 +232,12 @@ def best_time_s(run, repeats: int) -> float:
     return min(times)
 
 
+def pieces_per_core(dst, src, cores: int) -> list:
+    """(destination, source) numpy views of `cores` about equal pieces, for `np.copyto` on one thread each."""
+    step = -(-len(src) // cores)
+    return [(dst[i : i + step], src[i : i + step]) for i in range(0, len(src), step)]
+
+
 def raw_copy_s(nbytes: int, repeats: int = 10) -> dict[str, float]:
     """The fastest of `repeats` copies of `nbytes` (s), by torch (`torch`: `copy_` on its intra-op
     threads) and by memcpy split across every core (`memcpy`: `np.copyto` of one piece per core
@@ -231,8 +248,7 @@ def raw_copy_s(nbytes: int, repeats: int = 10) -> dict[str, float]:
     src = torch.empty(nbytes, dtype=torch.uint8).random_()
     dst = torch.empty_like(src)
     cores = os.cpu_count() or 1
-    step = -(-nbytes // cores)
-    pieces = [(dst.numpy()[i : i + step], src.numpy()[i : i + step]) for i in range(0, nbytes, step)]
+    pieces = pieces_per_core(dst.numpy(), src.numpy(), cores)
     dst.copy_(src)  # touch the pages once
     with ThreadPoolExecutor(cores) as pool:
         return {
@@ -346,6 +362,7 @@ def bench_size(size: str, bucket_mb: float, consume_mb: float, put_threads: list
     ray.get(load_run, timeout=TIMEOUT_S)  # raises if the generation load failed
     idle = [pipeline_sync(trainer, stage, next(versions), bucket_bytes, main_threads)[0] for _ in range(3)]
     sender_put = ray.get(trainer.sender_put_s.remote(bucket_bytes, main_threads), timeout=TIMEOUT_S)
+    store_put = ray.get(trainer.store_put_s.remote(), timeout=TIMEOUT_S)
     for actor in (stage, server, trainer, load):
         ray.kill(actor, no_restart=True)
     total = "timing_s/param_update/total"
@@ -378,6 +395,7 @@ def bench_size(size: str, bucket_mb: float, consume_mb: float, put_threads: list
         "raw_copy_torch_s": raw_copy["torch"],
         "raw_copy_decoding_s": raw_copy_decoding,
         "sender_put_s": sender_put,
+        "store_put_s": store_put,
         "train_step_slowdown": main["train_step_slowdown"],
         "train_step_alone_s": alone_s,
         "parts_s": main["parts_s"],
@@ -408,7 +426,7 @@ def main(argv=None) -> list[dict]:
     header = (f"{'size':>5} {'params':>11} {'MB':>7} | {'first sync':>10} {'pipe total':>10} {'pipe blocked':>12} "
               f"{'w/ train':>9} | "
               f"{'naive total':>11} {'naive blocked':>13} | {'raw copy':>8} {'torch':>8} {'decoding':>8} "
-              f"{'put only':>8} | "
+              f"{'put only':>8} {'one put':>8} | "
               f"{'blocked ratio':>13} {'total/raw':>9} | {'train slowdown':>14}")
     print(f"\ncommand: {command}\ncpus: {os.cpu_count()}, torch {torch.__version__}, buckets {args.bucket_mb:g} MB "
           f"(preduce) / {args.consume_mb:g} MB (consume), dual buffer on, {put_threads[0]} put threads")
@@ -419,12 +437,14 @@ def main(argv=None) -> list[dict]:
               f"{r['pipeline_total_s']:>9.3f}s {r['pipeline_blocked_s']:>11.4f}s {r['pipeline_total_training_s']:>8.3f}s | "
               f"{r['naive_total_s']:>10.3f}s {r['naive_blocked_s']:>12.3f}s | "
               f"{r['raw_copy_s']:>7.4f}s {r['raw_copy_torch_s']:>7.4f}s {r['raw_copy_decoding_s']:>7.4f}s "
-              f"{r['sender_put_s']:>7.3f}s | "
+              f"{r['sender_put_s']:>7.3f}s {r['store_put_s']:>7.4f}s | "
               f"{r['pipeline_blocked_s'] / r['naive_blocked_s']:>13.4f} "
               f"{r['pipeline_total_s'] / r['raw_copy_s']:>9.2f} | {r['train_step_slowdown']:>13.2f}x")
     print("goal: blocked ratio <= 0.1 (pipeline vs naive), total/raw <= 2.0; 'raw copy': the faster of torch's "
           "copy_ ('torch') and memcpy on every core; 'put only': the sender's puts of the model's buckets alone, nothing else "
-          "running, the one copy every sync through Ray's object store pays; 'first sync': the cold store; "
+          "running, the one copy every sync through Ray's object store pays; 'one put': the store's fastest put of "
+          "the same bytes (one contiguous array, one call), the floor of any transport through `ray.put`; "
+          "'first sync': the cold store; "
           "'pipe total/blocked': after the store has cycled, generation decoding; 'w/ train': the same with a "
           "training step beside it (median); 'decoding': the raw copy in the trainer process while the "
           "rollout server decodes, as the pipeline's syncs run")
@@ -435,6 +455,9 @@ def main(argv=None) -> list[dict]:
           + ", ".join(f"{r['size']} pipe total {r['pipeline_total_idle_s']:.3f}s = "
                       f"{r['pipeline_total_idle_s'] / r['raw_copy_s']:.2f}x raw copy, "
                       f"{r['pipeline_total_idle_s'] / r['sender_put_s']:.2f}x put only" for r in rows))
+    print("the object store's floor: " + ", ".join(
+        f"{r['size']} one put {r['store_put_s'] / r['raw_copy_s']:.2f}x raw copy, the sender's puts "
+        f"{r['sender_put_s'] / r['raw_copy_s']:.2f}x" for r in rows))
     print(f"\nput threads (syncs interleaved): {'size':>5} {'threads':>7} | {'pipe total':>10} {'gather':>7} "
           f"{'w/ train':>9} {'total/raw':>9} {'train slowdown':>14}")
     for r in rows:
@@ -445,7 +468,7 @@ def main(argv=None) -> list[dict]:
     if args.json:
         keys = ("params", "pipeline_total_s", "pipeline_blocked_s", "naive_total_s", "naive_blocked_s",
                 "raw_copy_s", "train_step_slowdown", "pipeline_first_sync_s", "pipeline_total_training_s",
-                "sender_put_s", "warmup_syncs", "raw_copy_torch_s", "raw_copy_decoding_s", "put_threads",
+                "sender_put_s", "store_put_s", "warmup_syncs", "raw_copy_torch_s", "raw_copy_decoding_s", "put_threads",
                 "by_put_threads", "pipeline_total_idle_s")
         with open(args.json, "w") as f:
             json.dump([{"size": r["size"], **{k: r[k] for k in keys}} for r in rows], f, indent=1)
