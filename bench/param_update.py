@@ -148,7 +148,9 @@ class Trainer:
         """Seconds of the object store's fastest put of this model's bytes, best of `repeats`: one
         `ray.put` of one contiguous array (no per-tensor buffers, no threads; built outside the
         timing), the floor of any transport that hands the bytes to the store with `ray.put`."""
-        flat = torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in self.model.state_dict().values()])
+        from param_update.buckets import tensor_bytes
+
+        flat = torch.cat([tensor_bytes(t) for t in self.model.state_dict().values()])
         return best_time_s(lambda: ray.put(flat.numpy()), repeats)
 
     def train_step(self) -> float:

@@ -42,6 +42,8 @@ import numpy as np  # noqa: E402
 import ray  # noqa: E402
 import torch  # noqa: E402
 
+from param_update.buckets import tensor_bytes  # noqa: E402
+
 MB = 1 << 20
 TIMEOUT_S = 300
 
@@ -132,7 +134,7 @@ def cache(nbytes: int, rotate_bytes: int, repeats: int, pool: ThreadPoolExecutor
 
 def layout(size: str, store_bytes: int, repeats: int) -> dict[str, float]:
     model = PU.build_model(size, seed=1)
-    arrays = [t.detach().reshape(-1).view(torch.uint8).numpy() for t in model.state_dict().values()]
+    arrays = [tensor_bytes(t).numpy() for t in model.state_dict().values()]
     flat = np.concatenate(arrays)
     dst = flat.copy()
     offsets = np.cumsum([0] + [a.nbytes for a in arrays])
