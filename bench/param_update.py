@@ -16,8 +16,8 @@ machine, in one run:
   sync puts them, nothing else running: the one copy every sync through the object store
   pays.
 - one put: the object store's fastest put of the same bytes, one contiguous array in one
-  `ray.put` (no per-tensor buffers; Ray copies it on one core, see bench/store_floor.py),
-  so the floor of any transport that hands the bytes to the store with `ray.put`.
+  `ray.put` (no per-tensor buffers), so the floor of any transport that hands the bytes to
+  the store with `ray.put` (why it is where it is: bench/store_floor.py).
 
 Per size: total sync latency, the time generation was blocked, and how much a training
 step (forward + backward) that runs while the pipeline's sync is in flight slows down
@@ -406,6 +406,14 @@ def bench_size(size: str, bucket_mb: float, consume_mb: float, put_threads: list
     }
 
 
+def command_line() -> str:
+    """This run's command, led by GLIBC_TUNABLES when set (it changes how memcpy stores, see
+    bench/store_floor.py)."""
+    tunables = os.environ.get("GLIBC_TUNABLES")
+    return (f"GLIBC_TUNABLES={shlex.quote(tunables)} " if tunables else "") + " ".join(
+        shlex.quote(a) for a in [sys.executable, *sys.argv])
+
+
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="10M,100M,500M", help=f"comma-separated, of {list(SIZES)}")
@@ -416,7 +424,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--json", help="write the rows as a JSON list here")
     args = parser.parse_args(argv)
     put_threads = [int(n) for n in args.put_threads.split(",")]
-    command = " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv])
+    command = command_line()
     ray.init(num_cpus=16, include_dashboard=False, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     rows = []
     try:

@@ -4,10 +4,9 @@ A bucket is a list of `uint8` arrays, one per `TensorSlice`: on the sender, view
 tensors themselves (packing copies nothing); `ray.put` of the bucket then copies every
 array once into Ray's shared-memory object store, and a receiver on the node gets the
 same arrays back as zero-copy, read-only views. A bucket travels as a few objects
-(`split_arrays`), put from several threads at once: Ray copies an array under 100 MB
-with one thread (see `sender.py`). A tensor larger than the bucket is split
-across consecutive buckets; small tensors share one. Bytes travel verbatim, so a
-receiver rebuilds tensors that are bit-identical to the sender's.
+(`split_arrays`), put from several threads at once (see `sender.py`). A tensor larger
+than the bucket is split across consecutive buckets; small tensors share one. Bytes
+travel verbatim, so a receiver rebuilds tensors that are bit-identical to the sender's.
 """
 
 from __future__ import annotations

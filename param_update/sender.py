@@ -12,10 +12,10 @@ stage), so the next training step runs while the buckets travel. The sink's
 `put_bucket` returns only when it has room, which bounds the buckets in flight.
 
 Every put of a bucket is split into `put_threads` objects put at once from a thread pool
-(`split_arrays`): Ray copies each array below 100 MB with a single thread. With one put
-thread the whole sync at 500M parameters took 1.2-2.0x as long on this 2-core machine in
-four runs (`bench/param_update.py --put-threads 4,1`); at 100M and 10M it moved 0.6-1.2x
-either way.
+(`split_arrays`). With one put thread the whole sync at 500M parameters took 1.2-2.0x as
+long on this 2-core machine in four runs (`bench/param_update.py --put-threads 4,1`); at
+100M and 10M it moved 0.6-1.2x either way. The gain is not a copy on more cores: Ray's
+serializer already copies every array over 1 MB on six threads (`bench/store_floor.py`).
 """
 
 from __future__ import annotations

@@ -39,3 +39,18 @@ def test_bench_prints_table_and_json(tmp_path):
     assert all(t["pipeline_total_s"] > 0 and t["train_step_slowdown"] > 0 for t in row["by_put_threads"].values())
     assert "put threads (syncs interleaved)" in proc.stdout
     assert row["pipeline_total_idle_s"] > 0 and "no decoding" in proc.stdout
+
+
+def test_command_line_names_glibc_tunables(monkeypatch):
+    """A run under GLIBC_TUNABLES (memcpy's store type, bench/store_floor.py) says so in its command."""
+    import importlib.util
+
+    bench = os.path.join(os.path.dirname(__file__), "..", "bench", "param_update.py")
+    spec = importlib.util.spec_from_file_location("bench_param_update", bench)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(sys, "argv", ["bench/param_update.py", "--sizes", "2M"])
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    assert module.command_line() == f"{sys.executable} bench/param_update.py --sizes 2M"
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.cpu.x86_non_temporal_threshold=0x100000")
+    assert module.command_line().startswith("GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=0x100000 ")
