@@ -10,7 +10,7 @@ page of the store is slow on its first write):
   the same bytes as two halves put at the same moment from two processes, against memcpy
   on one core and on every core, each as one piece per thread and as the put copies: Ray's
   serializer copies every buffer over 1 MB in `RAY_MEMCOPY_THREADS` pieces, on as many
-  threads it starts for that buffer. Also: the threads a put starts in the putting process
+  threads it starts for that buffer (python/ray/includes/serialization.pxi). Also: the threads a put starts in the putting process
   and the cores it keeps busy (CPU seconds of that process over the put's wall seconds).
 - cache: memcpy on every core of `--cache-mb` MB (the 10M model's bytes) into the same
   destination each time, as the raw copy is timed, against a fresh destination each time

@@ -15,7 +15,8 @@ Every put of a bucket is split into `put_threads` objects put at once from a thr
 (`split_arrays`). With one put thread the whole sync at 500M parameters took 1.2-2.0x as
 long on this 2-core machine in four runs (`bench/param_update.py --put-threads 4,1`); at
 100M and 10M it moved 0.6-1.2x either way. The gain is not a copy on more cores: Ray's
-serializer already copies every array over 1 MB on six threads (`bench/store_floor.py`).
+serializer already copies every array over 1 MB on six threads (its `serialization.pxi`;
+`bench/store_floor.py` counts them).
 """
 
 from __future__ import annotations
