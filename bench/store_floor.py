@@ -10,8 +10,9 @@ page of the store is slow on its first write):
   the same bytes as two halves put at the same moment from two processes, against memcpy
   on one core and on every core, each as one piece per thread and as the put copies: Ray's
   serializer copies every buffer over 1 MB in `RAY_MEMCOPY_THREADS` pieces, on as many
-  threads it starts for that buffer (python/ray/includes/serialization.pxi). Also: the threads a put starts in the putting process
-  and the cores it keeps busy (CPU seconds of that process over the put's wall seconds).
+  threads it starts for that buffer (python/ray/includes/serialization.pxi). Also: the
+  threads a put starts in the putting process and the cores it keeps busy (CPU seconds of
+  that process over the put's wall seconds).
 - cache: memcpy on every core of `--cache-mb` MB (the 10M model's bytes) into the same
   destination each time, as the raw copy is timed, against a fresh destination each time
   (rotating over `--rotate-mb` MB), as the store hands a put fresh memory; both best of
@@ -38,7 +39,6 @@ import importlib.util
 import itertools
 import json
 import os
-import shlex
 import subprocess
 import sys
 import threading
@@ -74,6 +74,11 @@ PU = _param_update_bench()
 CORES = os.cpu_count() or 1
 
 
+def random_bytes(nbytes: int, seed: int) -> np.ndarray:
+    """`nbytes` random uint8 bytes (every page written)."""
+    return np.random.default_rng(seed).integers(0, 255, nbytes, dtype=np.uint8)
+
+
 def copy_on_every_core(pool: ThreadPoolExecutor, dst: np.ndarray, src: np.ndarray, pieces: int = CORES) -> None:
     """memcpy of `src` into `dst` in `pieces` pieces on `pool`'s threads (np.copyto releases the
     GIL); one piece per core is bench/param_update.py's raw copy."""
@@ -98,7 +103,7 @@ class Putter:
     """Holds `nbytes` random bytes and puts them into the store when told to."""
 
     def __init__(self, nbytes: int, store_bytes: int):
-        self.array = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+        self.array = random_bytes(nbytes, seed=0)
         cycle_store(lambda: ray.put(self.array), nbytes, store_bytes)
 
     def put_at(self, wall_time: float) -> tuple[float, float, float]:
@@ -148,10 +153,8 @@ def concurrent_put(putters: list, repeats: int) -> dict[str, float]:
     return min(rounds, key=lambda r: r["wall_s"])
 
 
-def memcpy_pieces(nbytes: int, repeats: int) -> dict[str, float]:
-    """memcpy of `nbytes` on this thread in one piece and in Ray's pieces (best of `repeats`, s)."""
-    src = np.random.default_rng(3).integers(0, 255, nbytes, dtype=np.uint8)
-    dst = src.copy()
+def memcpy_pieces(dst: np.ndarray, src: np.ndarray, repeats: int) -> dict[str, float]:
+    """memcpy of `src` into `dst` on this thread in one piece and in Ray's pieces (best of `repeats`, s)."""
     return {
         "one_core_s": PU.best_time_s(lambda: np.copyto(dst, src), repeats),
         "one_core_ray_pieces_s": PU.best_time_s(lambda: copy_in_pieces(dst, src, RAY_MEMCOPY_THREADS), repeats),
@@ -159,9 +162,9 @@ def memcpy_pieces(nbytes: int, repeats: int) -> dict[str, float]:
 
 
 def put_scaling(nbytes: int, store_bytes: int, repeats: int, pool: ThreadPoolExecutor) -> dict[str, float]:
-    out = {f"memcpy_{key}": seconds for key, seconds in memcpy_pieces(nbytes, repeats).items()}
-    src = np.random.default_rng(1).integers(0, 255, nbytes, dtype=np.uint8)
+    src = random_bytes(nbytes, seed=1)
     dst = src.copy()
+    out = {f"memcpy_{key}": seconds for key, seconds in memcpy_pieces(dst, src, repeats).items()}
     out["memcpy_every_core_s"] = PU.best_time_s(lambda: copy_on_every_core(pool, dst, src), repeats)
     with ThreadPoolExecutor(RAY_MEMCOPY_THREADS) as ray_like:
         out["memcpy_ray_pieces_s"] = PU.best_time_s(
@@ -193,7 +196,7 @@ def store_type(nbytes: int, repeats: int) -> dict[str, float]:
 
 
 def cache(nbytes: int, rotate_bytes: int, repeats: int, pool: ThreadPoolExecutor) -> dict[str, float]:
-    src = np.random.default_rng(2).integers(0, 255, nbytes, dtype=np.uint8)
+    src = random_bytes(nbytes, seed=2)
     destinations = [src.copy() for _ in range(max(2, rotate_bytes // nbytes))]
     turn = itertools.count()
     copies = repeats * len(destinations)  # both best of as many copies: every destination `repeats` times
@@ -241,10 +244,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--pieces-only", action="store_true", help=argparse.SUPPRESS)  # store_type's child
     args = parser.parse_args(argv)
     if args.pieces_only:
+        src = random_bytes(int(args.put_mb * MB), seed=3)
         print(json.dumps({"glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
-                          **memcpy_pieces(int(args.put_mb * MB), args.repeats)}))
+                          **memcpy_pieces(src.copy(), src, args.repeats)}))
         return {}
-    command = " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv])
+    command = PU.command_line()
     store_bytes = int(args.store_mb * MB)
     ray.init(num_cpus=4, include_dashboard=False, object_store_memory=store_bytes)
     try:
