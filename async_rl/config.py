@@ -20,6 +20,9 @@ Every key is added to a verl command with `+` (verl's schema does not know them)
 
 Validation runs in the driver before any Ray actor starts and raises
 `AsyncConfigError` with one message naming the key, the value and what is allowed.
+verl settings the pipeline cannot serve are refused the same way: a critic
+(`critic.enable=True`, or verl's default `algorithm.adv_estimator=gae`) and checkpoints
+(`trainer.save_freq > 0`, `trainer.resume_mode=resume_path`, or `auto` with a checkpoint to resume).
 """
 
 from __future__ import annotations
@@ -148,6 +151,51 @@ def _check_decoupled(config, enabled: bool) -> None:
             "algorithm.decoupled_ppo", True,
             f"False when {given} is set (decoupled PPO sets algorithm.rollout_correction itself)",
         )
+
+
+def check_no_critic(config) -> None:
+    """The pipeline has no critic-train stage: refuse a config for which verl would build a critic
+    (`critic.enable=True`, or verl's default estimator `gae` with `critic.enable` unset), naming the key."""
+    import warnings
+
+    from verl.trainer.ppo.core_algos import AdvantageEstimator
+    from verl.trainer.ppo.utils import need_critic
+
+    with warnings.catch_warnings():  # verl warns when it disables the critic, the case that is fine here
+        warnings.simplefilter("ignore")
+        if not need_critic(config):
+            return
+    critic_free = ", ".join(e.value for e in AdvantageEstimator if e != AdvantageEstimator.GAE)
+    if _select(config, "critic.enable", None) is not None:
+        raise AsyncConfigError("critic.enable", True, "null or False: the async pipeline has no critic-train stage")
+    raise AsyncConfigError(
+        "algorithm.adv_estimator", _select(config, "algorithm.adv_estimator", None),
+        f"an estimator without a critic ({critic_free}): gae needs a value model, and the async pipeline "
+        "has no critic-train stage",
+    )
+
+
+def check_no_checkpointing(config) -> None:
+    """The pipeline neither saves nor resumes verl checkpoints: refuse `trainer.save_freq > 0` and a
+    resume verl would make (`resume_mode=resume_path`, or `auto` with a checkpoint in
+    `trainer.default_local_dir`), instead of training without saving or silently from scratch."""
+    save_freq = _select(config, "trainer.save_freq", -1)
+    if isinstance(save_freq, int) and not isinstance(save_freq, bool) and save_freq > 0:
+        raise AsyncConfigError("trainer.save_freq", save_freq, "-1 or 0: the async pipeline does not save checkpoints")
+    mode = _select(config, "trainer.resume_mode", "auto")
+    if mode == "resume_path":
+        raise AsyncConfigError("trainer.resume_mode", mode,
+                               "auto or disable: the async pipeline cannot resume a checkpoint")
+    if mode == "auto":
+        from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
+
+        found = find_latest_ckpt_path(_select(config, "trainer.default_local_dir", None))
+        if found is not None:
+            raise AsyncConfigError(
+                "trainer.resume_mode", mode,
+                f"disable (train from scratch) or another trainer.default_local_dir: verl would resume from {found}, "
+                "and the async pipeline cannot resume a checkpoint",
+            )
 
 
 FILTER_GROUPS_METRICS = ("reward", "acc", "score", "seq_reward", "seq_final_reward")  # one sequence score here

@@ -71,18 +71,22 @@ def uses_behaviour_as_old(config: DictConfig) -> bool:
     return bool(rollout_correction is not None and rollout_correction.get("bypass_mode", False))
 
 
+def set_behaviour_as_old(batch, config: DictConfig) -> None:
+    """Bypass mode: old_log_probs become the behaviour log-probs (the data half of verl's
+    apply_bypass_mode, which verl's trainer runs before the KL penalty and the advantages)."""
+    if uses_behaviour_as_old(config) and "rollout_log_probs" in batch.batch.keys():
+        batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
+
+
 def add_correction(batch, config: DictConfig):
     """As verl's trainer does before advantages; returns `(batch, metrics)`.
 
-    Bypass mode: old_log_probs become the behaviour log-probs. Otherwise verl's importance
-    weights (`rollout_is_weights`) and `rollout_corr/*` metrics from the proximal
-    (`old_log_probs`) and behaviour (`rollout_log_probs`) log-probs.
+    verl's importance weights (`rollout_is_weights`) and `rollout_corr/*` metrics from the
+    proximal (`old_log_probs`) and behaviour (`rollout_log_probs`) log-probs; nothing in
+    bypass mode (`set_behaviour_as_old` is all it needs).
     """
     rollout_correction = config.algorithm.get("rollout_correction")
-    if rollout_correction is None or "rollout_log_probs" not in batch.batch.keys():
-        return batch, {}
-    if uses_behaviour_as_old(config):
-        batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]  # the data half of verl's apply_bypass_mode
+    if rollout_correction is None or "rollout_log_probs" not in batch.batch.keys() or uses_behaviour_as_old(config):
         return batch, {}
     if not bool(batch.batch["response_mask"].any()):  # verl refuses a batch with no valid token
         return batch, {}

@@ -21,7 +21,14 @@ from typing import Any
 import ray
 from omegaconf import DictConfig, OmegaConf
 
-from async_rl.config import AsyncConfigError, AsyncPipelineConfig, read_async_config, strip_async_keys
+from async_rl.config import (
+    AsyncConfigError,
+    AsyncPipelineConfig,
+    check_no_checkpointing,
+    check_no_critic,
+    read_async_config,
+    strip_async_keys,
+)
 from async_rl.resources import check_cluster_fits, devices_needed, split_world_sizes, total_device_slots
 from async_rl.stage_graph import build_edges, upstream_counts
 
@@ -41,6 +48,8 @@ def validate_pipeline_config(config: DictConfig) -> AsyncPipelineConfig:
     from state_machines.reward import overlong_shaping
 
     async_cfg = read_async_config(config)
+    check_no_critic(config)
+    check_no_checkpointing(config)
     for spec in async_cfg.user_stages:
         spec.load_class()
     check_rollout_name(config.actor_rollout_ref.rollout.name, config.trainer.device)
@@ -339,6 +348,8 @@ class AsyncPipeline:
         test_freq = int(cfg.trainer.get("test_freq", -1) or -1)
         if cfg.trainer.get("val_before_train", True):
             self._validate(step=0)
+            if cfg.trainer.get("val_only", False):  # as verl's trainer: validate the initial policy, train nothing
+                return
         runs = {self.stages[n].run.remote(): n for n in self.stage_names}
         last_stats: dict = {}
         self._busy_ratios(last_stats)

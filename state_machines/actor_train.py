@@ -3,15 +3,16 @@
 For step j it waits for the three results of batch j (in order), computes the proximal
 log-probs on its own ranks when the logp stage did not (`algorithm.proximal_logp_workers=train`:
 the weights are version j, just before the update, as verl's synchronous trainer and
-AReaL's trainer do), builds verl's
-training batch (token-level scores on the last response token; verl's rollout correction,
-which under decoupled PPO weights each token by pi_prox / pi_behav (async_rl/decoupled_ppo.py);
-advantages through verl's `compute_advantage`: GRPO and every other estimator verl has),
-balances it over the data-parallel ranks (`trainer.balance_batch`), runs verl's
-`update_actor` on the train worker group, then gathers version j + 1 into buckets
-that the workers' send thread streams to param_update (param_update/sender.py); the
-next step starts as soon as the gather is done. Step metrics use verl's names
-(`compute_data_metrics`, `actor/*`) plus `async/*`.
+AReaL's trainer do), builds verl's training batch as verl's trainer does (token-level
+scores on the last response token, less verl's KL penalty with `algorithm.use_kl_in_reward`;
+verl's rollout correction, which under decoupled PPO weights each token by pi_prox /
+pi_behav (async_rl/decoupled_ppo.py); advantages through verl's `compute_advantage`: GRPO
+and every other estimator verl has that needs no critic), balances it over the
+data-parallel ranks (`trainer.balance_batch`), runs verl's `update_actor` on the train
+worker group, then gathers version j + 1 into buckets that the workers' send thread
+streams to param_update (param_update/sender.py); the next step starts as soon as the
+gather is done. Step metrics use verl's names (`compute_data_metrics`, `actor/*`) plus
+`async/*`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 
 from async_rl import engine_calls
 from async_rl.balance import balance_rows
-from async_rl.decoupled_ppo import add_correction, uses_behaviour_as_old
+from async_rl.decoupled_ppo import add_correction, set_behaviour_as_old, uses_behaviour_as_old
 from async_rl.resources import make_worker_group
 from async_rl.staleness import version_metrics
 from state_machines.base import END_OF_STREAM, StateMachine
@@ -62,6 +63,20 @@ def place_scores_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor
     return token_scores
 
 
+def add_token_level_rewards(batch, kl_ctrl, kl_penalty: str) -> dict[str, float]:
+    """verl's `token_level_rewards` from `token_level_scores`: with `algorithm.use_kl_in_reward`
+    (`kl_ctrl` given), minus beta * KL(pi_old || pi_ref) on every response token, through verl's
+    `apply_kl_penalty` (the controller keeps beta from step to step); otherwise the scores.
+    Returns verl's KL metrics (`actor/reward_kl_penalty`, `actor/reward_kl_penalty_coeff`)."""
+    if kl_ctrl is None:
+        batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
+        return {}
+    from verl.trainer.ppo.ray_trainer import apply_kl_penalty
+
+    _, metrics = apply_kl_penalty(batch, kl_ctrl=kl_ctrl, kl_penalty=kl_penalty)
+    return {k: float(v) for k, v in metrics.items()}
+
+
 def trainable_rows(kept: int, mini_batch_rows: int, dp_size: int, group_size: int) -> int:
     """Rows of a filtered batch that verl's update can take: whole mini-batches, or one
     smaller mini-batch of whole groups that splits evenly over the data-parallel ranks."""
@@ -86,6 +101,11 @@ class ActorTrainStage(StateMachine):
         self.bucket_bytes = bucket_bytes
         self.compute_proximal = compute_proximal
         self.temperature = float(config.actor_rollout_ref.rollout.temperature)
+        self.kl_ctrl_in_reward = None  # verl's KL controller, kept across steps (algorithm.use_kl_in_reward)
+        if config.algorithm.get("use_kl_in_reward", False):
+            from verl.trainer.ppo.core_algos import get_kl_controller
+
+            self.kl_ctrl_in_reward = get_kl_controller(config.algorithm.kl_ctrl)
         self.worker_group = None
         self.version = 0  # trainer's policy version: number of updates done
         self._parts: dict[int, dict[str, Any]] = {}
@@ -117,18 +137,18 @@ class ActorTrainStage(StateMachine):
         return self._parts.pop(want)
 
     def _training_batch(self, batch, parts) -> tuple[Any, dict]:
-        """verl's training batch and the rollout-correction metrics."""
+        """verl's training batch, as its trainer builds it, and the KL-penalty and rollout-correction metrics."""
         from verl.trainer.ppo.ray_trainer import compute_advantage
 
         algo = self.config.algorithm
         response_mask = batch.batch["response_mask"]
-        token_scores = place_scores_on_last_token(parts["reward"].scores, response_mask)
-        batch.batch["token_level_scores"] = token_scores
-        batch.batch["token_level_rewards"] = token_scores
+        batch.batch["token_level_scores"] = place_scores_on_last_token(parts["reward"].scores, response_mask)
         if parts["logp"].old_log_probs is not None:
             batch.batch["old_log_probs"] = parts["logp"].old_log_probs
         if parts["ref_logp"].ref_log_prob is not None:
             batch.batch["ref_log_prob"] = parts["ref_logp"].ref_log_prob
+        set_behaviour_as_old(batch, self.config)
+        kl_metrics = add_token_level_rewards(batch, self.kl_ctrl_in_reward, algo.get("kl_penalty", "kl"))
         batch, correction_metrics = add_correction(batch, self.config)
         return compute_advantage(
             batch,
@@ -138,7 +158,7 @@ class ActorTrainStage(StateMachine):
             num_repeat=int(self.config.actor_rollout_ref.rollout.n),
             norm_adv_by_std_in_grpo=algo.get("norm_adv_by_std_in_grpo", True),
             config=algo,
-        ), correction_metrics
+        ), {**kl_metrics, **correction_metrics}
 
     def _rows_to_train(self, scored: ScoredBatch, num_rows: int) -> np.ndarray:
         """Row indices to train on: the rows a filter stage kept, trimmed to what verl's update takes."""
@@ -186,10 +206,10 @@ class ActorTrainStage(StateMachine):
             parts["logp"], old_log_prob_s = await self._proximal_log_probs(parts["logp"], batch)
         else:
             self._check_proximal_version(parts["logp"])
-        batch, correction_metrics = self._training_batch(batch, parts)
+        batch, algorithm_metrics = self._training_batch(batch, parts)
         rows = self._rows_to_train(parts["reward"], len(batch))
         train_batch = batch if len(rows) == len(batch) else batch.select_idxs(rows)
-        metrics = {**parts["reward"].metrics, **correction_metrics}
+        metrics = {**parts["reward"].metrics, **algorithm_metrics}
         metrics.update(self._version_metrics(train_batch if len(rows) else batch))
         if len(rows) and self.config.trainer.get("balance_batch", True):
             metrics.update(balance_rows(train_batch, self.world_size))

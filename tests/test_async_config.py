@@ -232,3 +232,52 @@ def test_async_pipeline_enabled(value, expected):
 def test_async_pipeline_enabled_default_off():
     assert async_pipeline_enabled(OmegaConf.create({})) is False
     assert async_pipeline_enabled(cfg()) is False
+
+
+# ---- verl keys the pipeline cannot serve ------------------------------------------------
+
+
+def test_configs_that_need_a_critic_are_refused_naming_the_key(demo_dir):
+    """verl builds a critic for its default estimator (gae) or critic.enable=True; the pipeline has
+    no critic-train stage, so it refuses them before Ray starts instead of failing at step 1."""
+    from async_rl.config import check_no_critic
+    from async_rl.demo import demo_overrides
+    from async_rl.pipeline import AsyncPipeline
+    from conftest import compose_ppo
+
+    with pytest.raises(AsyncConfigError) as info:
+        check_no_critic(compose_ppo([]))  # verl's defaults: adv_estimator=gae
+    assert info.value.key == "algorithm.adv_estimator" and "'gae'" in str(info.value) and "grpo" in str(info.value)
+    with pytest.raises(AsyncConfigError) as info:
+        check_no_critic(compose_ppo(["algorithm.adv_estimator=grpo", "critic.enable=True"]))
+    assert info.value.key == "critic.enable"
+    for estimator in ("grpo", "rloo", "reinforce_plus_plus"):
+        check_no_critic(compose_ppo([f"algorithm.adv_estimator={estimator}"]))
+    check_no_critic(compose_ppo(["algorithm.adv_estimator=grpo", "critic.enable=False"]))
+    with pytest.raises(AsyncConfigError, match="algorithm.adv_estimator='gae'"):  # wired into the start checks
+        AsyncPipeline(compose_ppo(demo_overrides(demo_dir, extra={"algorithm.adv_estimator": "gae"})))
+
+
+def test_checkpoint_saving_and_resuming_are_refused_naming_the_key(tmp_path):
+    """The pipeline does not save or resume verl checkpoints: asked to, it says so instead of
+    training without saving, or from scratch where verl would resume."""
+    from async_rl.config import check_no_checkpointing
+    from conftest import compose_ppo
+
+    def refused(*overrides) -> AsyncConfigError:
+        with pytest.raises(AsyncConfigError) as info:
+            check_no_checkpointing(compose_ppo(list(overrides)))
+        return info.value
+
+    assert refused("trainer.save_freq=10").key == "trainer.save_freq"
+    assert refused("trainer.resume_mode=resume_path", "trainer.resume_from_path=x/global_step_3").key == (
+        "trainer.resume_mode")
+    empty = tmp_path / "empty"
+    check_no_checkpointing(compose_ppo([f"trainer.default_local_dir={empty}"]))  # auto, nothing to resume
+    check_no_checkpointing(compose_ppo(["trainer.save_freq=-1", "trainer.resume_mode=disable"]))
+    saved = tmp_path / "saved"
+    (saved / "global_step_3").mkdir(parents=True)
+    (saved / "latest_checkpointed_iteration.txt").write_text("3")
+    error = refused(f"trainer.default_local_dir={saved}")  # resume_mode=auto, verl's default
+    assert error.key == "trainer.resume_mode" and str(saved / "global_step_3") in str(error)
+    check_no_checkpointing(compose_ppo([f"trainer.default_local_dir={saved}", "trainer.resume_mode=disable"]))

@@ -8,7 +8,13 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from async_rl.decoupled_ppo import add_correction, apply_to_config, conflicting_settings, rollout_correction_settings
+from async_rl.decoupled_ppo import (
+    add_correction,
+    apply_to_config,
+    conflicting_settings,
+    rollout_correction_settings,
+    set_behaviour_as_old,
+)
 
 EPS_LOW, EPS_HIGH, CAP = 0.2, 0.28, 5.0
 
@@ -149,9 +155,11 @@ def test_bypass_mode_trains_against_the_behaviour_policy():
     logp, prox, behav, _, mask = random_batch(8)
     config = OmegaConf.create({"algorithm": {"rollout_correction": {"bypass_mode": True}}})
     batch = DataProto.from_dict(tensors={"old_log_probs": prox, "rollout_log_probs": behav, "response_mask": mask})
-    batch, _ = add_correction(batch, config)
+    set_behaviour_as_old(batch, config)
     assert torch.equal(batch.batch["old_log_probs"], behav)
-    assert "rollout_is_weights" not in batch.batch.keys()
+    batch, metrics = add_correction(batch, config)
+    assert torch.equal(batch.batch["old_log_probs"], behav)
+    assert "rollout_is_weights" not in batch.batch.keys() and metrics == {}
 
 
 def test_settings_survive_verls_config_and_dataclass():

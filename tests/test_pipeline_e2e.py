@@ -27,12 +27,17 @@ def _short_run(k: int, steps: int) -> dict:
     }
 
 
-NAIVE_PPO = {"+algorithm.decoupled_ppo": False, "algorithm.rollout_correction.bypass_mode": True}
+# naive PPO, with verl's KL penalty in the reward (which brings the ref_logp stage in)
+NAIVE_PPO_KL = {"+algorithm.decoupled_ppo": False, "algorithm.rollout_correction.bypass_mode": True,
+                "algorithm.use_kl_in_reward": True}
+KL_LOSS = {"actor_rollout_ref.actor.use_kl_loss": True}  # verl's KL loss against the ref_logp stage's log-probs
 
 
-@pytest.mark.parametrize("k,steps,extra", [(1, 4, {}), (3, 6, {}), (3, 4, NAIVE_PPO)], ids=["k1", "k3", "k3-naive"])
+@pytest.mark.parametrize("k,steps,extra", [(1, 4, {}), (3, 6, KL_LOSS), (3, 4, NAIVE_PPO_KL)],
+                         ids=["k1", "k3-kl-loss", "k3-naive-kl"])
 def test_pipeline_trains_with_bounded_staleness(demo_dir, tmp_path, k, steps, extra):
     code, out, rows = run_verl(demo_dir, {**_short_run(k, steps), **extra}, tmp_path)
+    naive = extra is NAIVE_PPO_KL
     assert code == 0, out[-4000:]
     by_step = step_rows(rows)
     assert sorted(by_step) == list(range(1, steps + 1))
@@ -45,10 +50,15 @@ def test_pipeline_trains_with_bounded_staleness(demo_dir, tmp_path, k, steps, ex
         hist = [metrics.get(f"async/staleness/hist_{s}", 0.0) for s in range(k)]
         assert abs(sum(hist) - 1.0) < 1e-6, hist  # every sample in a bucket 0..eta
         assert 1 <= metrics["async/partial/max_versions_spanned"] <= k  # a sample spans at most eta + 1 versions
-        if extra:  # naive PPO: pi_old is the behaviour policy; nothing recomputed, no weights
+        assert ("actor/kl_loss" in metrics) == (extra is KL_LOSS)
+        if naive:  # naive PPO: pi_old is the behaviour policy; nothing recomputed, no weights
             assert metrics["async/logp_version"] == -1 and "rollout_corr/rollout_is_mean" not in metrics
             assert "timing_s/old_log_prob" not in metrics
+            # KL(pi_behav || pi_ref) in the reward (the ref_logp stage ran), verl's default fixed coefficient
+            assert metrics["actor/reward_kl_penalty_coeff"] == 0.001
+            assert abs(metrics["actor/reward_kl_penalty"]) < 10
         else:  # decoupled PPO: pi_prox is the trainer's pre-update version, token weights from verl
+            assert "actor/reward_kl_penalty" not in metrics
             assert metrics["async/logp_version"] == step - 1
             assert "rollout_corr/rollout_is_mean" in metrics
             assert metrics["timing_s/old_log_prob"] > 0  # computed on the train ranks (the default)
@@ -105,6 +115,12 @@ def test_dynamic_sampling_from_verls_filter_groups_key(demo_dir, tmp_path):
         assert metrics["async/trained_rows"] == TRAIN_BATCH_SIZE * GROUP_SIZE  # full, not filtered down
         assert metrics["async/staleness/max"] <= 1 and metrics["async/logp_version"] == step - 1
         assert "async/dynamic_sampling/busy_ratio" in metrics
+
+
+def test_val_only_validates_and_trains_nothing(demo_dir, tmp_path):
+    code, out, rows = run_verl(demo_dir, {"trainer.val_only": True, "trainer.val_before_train": True}, tmp_path)
+    assert code == 0, out[-4000:]
+    assert sorted(val_rows(rows)) == [0] and not step_rows(rows)
 
 
 def test_bad_config_value_fails_before_ray(demo_dir, tmp_path):
