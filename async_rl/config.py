@@ -154,25 +154,20 @@ def _check_decoupled(config, enabled: bool) -> None:
 
 
 def check_no_critic(config) -> None:
-    """The pipeline has no critic-train stage: refuse a config for which verl would build a critic
-    (`critic.enable=True`, or verl's default estimator `gae` with `critic.enable` unset), naming the key."""
-    import warnings
-
+    """The pipeline has no critic-train stage: refuse `critic.enable=True`, and the estimator that
+    needs a value model (`gae`, verl's default, whatever `critic.enable` says), naming the key."""
     from verl.trainer.ppo.core_algos import AdvantageEstimator
-    from verl.trainer.ppo.utils import need_critic
 
-    with warnings.catch_warnings():  # verl warns when it disables the critic, the case that is fine here
-        warnings.simplefilter("ignore")
-        if not need_critic(config):
-            return
-    critic_free = ", ".join(e.value for e in AdvantageEstimator if e != AdvantageEstimator.GAE)
-    if _select(config, "critic.enable", None) is not None:
+    if _select(config, "critic.enable", None) is True:
         raise AsyncConfigError("critic.enable", True, "null or False: the async pipeline has no critic-train stage")
-    raise AsyncConfigError(
-        "algorithm.adv_estimator", _select(config, "algorithm.adv_estimator", None),
-        f"an estimator without a critic ({critic_free}): gae needs a value model, and the async pipeline "
-        "has no critic-train stage",
-    )
+    estimator = _select(config, "algorithm.adv_estimator", None)
+    if estimator == AdvantageEstimator.GAE.value:
+        critic_free = ", ".join(e.value for e in AdvantageEstimator if e != AdvantageEstimator.GAE)
+        raise AsyncConfigError(
+            "algorithm.adv_estimator", estimator,
+            f"an estimator without a critic ({critic_free}): gae needs a value model, and the async pipeline "
+            "has no critic-train stage",
+        )
 
 
 def check_no_checkpointing(config) -> None:

@@ -238,8 +238,8 @@ def test_async_pipeline_enabled_default_off():
 
 
 def test_configs_that_need_a_critic_are_refused_naming_the_key(demo_dir):
-    """verl builds a critic for its default estimator (gae) or critic.enable=True; the pipeline has
-    no critic-train stage, so it refuses them before Ray starts instead of failing at step 1."""
+    """gae (verl's default estimator) needs a critic's values and critic.enable=True asks for one; the
+    pipeline has no critic-train stage, so it refuses both before Ray starts instead of failing at step 1."""
     from async_rl.config import check_no_critic
     from async_rl.demo import demo_overrides
     from async_rl.pipeline import AsyncPipeline
@@ -248,6 +248,9 @@ def test_configs_that_need_a_critic_are_refused_naming_the_key(demo_dir):
     with pytest.raises(AsyncConfigError) as info:
         check_no_critic(compose_ppo([]))  # verl's defaults: adv_estimator=gae
     assert info.value.key == "algorithm.adv_estimator" and "'gae'" in str(info.value) and "grpo" in str(info.value)
+    with pytest.raises(AsyncConfigError) as info:  # verl would skip the critic, then find no values
+        check_no_critic(compose_ppo(["critic.enable=False"]))
+    assert info.value.key == "algorithm.adv_estimator"
     with pytest.raises(AsyncConfigError) as info:
         check_no_critic(compose_ppo(["algorithm.adv_estimator=grpo", "critic.enable=True"]))
     assert info.value.key == "critic.enable"
