@@ -118,7 +118,8 @@ def test_dynamic_sampling_from_verls_filter_groups_key(demo_dir, tmp_path):
 
 
 def test_val_only_validates_and_trains_nothing(demo_dir, tmp_path):
-    code, out, rows = run_verl(demo_dir, {"trainer.val_only": True, "trainer.val_before_train": True}, tmp_path)
+    extra = {"trainer.val_only": True, "trainer.val_before_train": True}
+    code, out, rows = run_verl(demo_dir, extra, tmp_path, timeout_s=300)  # training would take longer
     assert code == 0, out[-4000:]
     assert sorted(val_rows(rows)) == [0] and not step_rows(rows)
 
