@@ -21,6 +21,16 @@ def demo_dir(tmp_path_factory) -> Path:
     return root
 
 
+def load_bench(name: str):
+    """`bench/<name>.py` as a module (by file: `bench/param_update.py` would shadow the `param_update` package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", Path(__file__).parents[1] / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def compose_ppo(overrides):
     """Compose verl's ppo_trainer config (as `main_ppo` does); unknown keys raise."""
     import verl

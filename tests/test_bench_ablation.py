@@ -1,13 +1,9 @@
 """bench/ablation.py's summary over seeds and the eta comparison it prints."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from conftest import load_bench
 
-SPEC = importlib.util.spec_from_file_location("bench_ablation", Path(__file__).parents[1] / "bench" / "ablation.py")
-ablation = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(ablation)
+ablation = load_bench("ablation")
 
 
 def run(eta, decoupled, reward, wall_s, seed):

@@ -1,13 +1,9 @@
 """bench/e2e.py's summary: the numbers the side-by-side table reports, from metric rows."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from conftest import load_bench
 
-SPEC = importlib.util.spec_from_file_location("bench_e2e", Path(__file__).parents[1] / "bench" / "e2e.py")
-e2e = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(e2e)
+e2e = load_bench("e2e")
 
 
 def rows_for(step_s, val_key, vals, **busy):

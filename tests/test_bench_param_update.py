@@ -43,12 +43,9 @@ def test_bench_prints_table_and_json(tmp_path):
 
 def test_command_line_names_glibc_tunables(monkeypatch):
     """A run under GLIBC_TUNABLES (memcpy's store type, bench/store_floor.py) says so in its command."""
-    import importlib.util
+    from conftest import load_bench
 
-    bench = os.path.join(os.path.dirname(__file__), "..", "bench", "param_update.py")
-    spec = importlib.util.spec_from_file_location("bench_param_update", bench)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_bench("param_update")
     monkeypatch.setattr(sys, "argv", ["bench/param_update.py", "--sizes", "2M"])
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
     assert module.command_line() == f"{sys.executable} bench/param_update.py --sizes 2M"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -27,13 +26,10 @@ def test_store_floor_prints_and_writes_json(tmp_path):
     assert scaling["put_threads_started"] >= 2
     assert cache["destinations"] == 8 and cache["same_destination_s"] > 0 and cache["fresh_destination_s"] > 0
     # the layout test walks the 2M model of bench/param_update.py, every tensor of it
+    from conftest import load_bench
     from transformers import Qwen2ForCausalLM
 
-    spec = importlib.util.spec_from_file_location("bench_param_update", os.path.join(os.path.dirname(BENCH),
-                                                                                      "param_update.py"))
-    bench_param_update = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_param_update)
-    expected = Qwen2ForCausalLM(bench_param_update.model_config("2M")).state_dict()
+    expected = Qwen2ForCausalLM(load_bench("param_update").model_config("2M")).state_dict()
     assert layout["tensors"] == len(expected)
     assert abs(layout["model_mb"] - sum(t.nbytes for t in expected.values()) / (1 << 20)) < 1e-6
     assert all(layout[k] > 0 for k in ("contiguous_copy_s", "tensor_by_tensor_copy_s", "put_contiguous_s",
