@@ -21,8 +21,8 @@ Every key is added to a verl command with `+` (verl's schema does not know them)
 Validation runs in the driver before any Ray actor starts and raises
 `AsyncConfigError` with one message naming the key, the value and what is allowed.
 verl settings the pipeline cannot serve are refused the same way: a critic
-(`critic.enable=True`, or verl's default `algorithm.adv_estimator=gae`) and checkpoints
-(`trainer.save_freq > 0`, `trainer.resume_mode=resume_path`, or `auto` with a checkpoint to resume).
+(`critic.enable=True`, or verl's default `algorithm.adv_estimator=gae`). verl's checkpoint
+keys are read and checked by async_rl/checkpoints.py.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ STAGES_KEY = "trainer.async_stages"
 CONFIG_KEYS = tuple(k for k, _, _ in _KEYS) + (STAGES_KEY,)
 
 
-def _select(config, key: str, default):
+def select_value(config, key: str, default):
     value = OmegaConf.select(config, key, default=default) if isinstance(config, DictConfig) else default
     if isinstance(value, (DictConfig, ListConfig)):
         value = OmegaConf.to_container(value, resolve=True)
@@ -158,9 +158,9 @@ def check_no_critic(config) -> None:
     needs a value model (`gae`, verl's default, whatever `critic.enable` says), naming the key."""
     from verl.trainer.ppo.core_algos import AdvantageEstimator
 
-    if _select(config, "critic.enable", None) is True:
+    if select_value(config, "critic.enable", None) is True:
         raise AsyncConfigError("critic.enable", True, "null or False: the async pipeline has no critic-train stage")
-    estimator = _select(config, "algorithm.adv_estimator", None)
+    estimator = select_value(config, "algorithm.adv_estimator", None)
     if estimator == AdvantageEstimator.GAE.value:
         critic_free = ", ".join(e.value for e in AdvantageEstimator if e != AdvantageEstimator.GAE)
         raise AsyncConfigError(
@@ -170,40 +170,17 @@ def check_no_critic(config) -> None:
         )
 
 
-def check_no_checkpointing(config) -> None:
-    """The pipeline neither saves nor resumes verl checkpoints: refuse `trainer.save_freq > 0` and a
-    resume verl would make (`resume_mode=resume_path`, or `auto` with a checkpoint in
-    `trainer.default_local_dir`), instead of training without saving or silently from scratch."""
-    save_freq = _select(config, "trainer.save_freq", -1)
-    if isinstance(save_freq, int) and not isinstance(save_freq, bool) and save_freq > 0:
-        raise AsyncConfigError("trainer.save_freq", save_freq, "-1 or 0: the async pipeline does not save checkpoints")
-    mode = _select(config, "trainer.resume_mode", "auto")
-    if mode == "resume_path":
-        raise AsyncConfigError("trainer.resume_mode", mode,
-                               "auto or disable: the async pipeline cannot resume a checkpoint")
-    if mode == "auto":
-        from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
-
-        found = find_latest_ckpt_path(_select(config, "trainer.default_local_dir", None))
-        if found is not None:
-            raise AsyncConfigError(
-                "trainer.resume_mode", mode,
-                f"disable (train from scratch) or another trainer.default_local_dir: verl would resume from {found}, "
-                "and the async pipeline cannot resume a checkpoint",
-            )
-
-
 FILTER_GROUPS_METRICS = ("reward", "acc", "score", "seq_reward", "seq_final_reward")  # one sequence score here
 
 
 def dynamic_sampling_enabled(config) -> bool:
     """verl's DAPO dynamic sampling key, `algorithm.filter_groups.enable` (validated)."""
-    if _select(config, "algorithm.filter_groups.enable", False) is not True:
+    if select_value(config, "algorithm.filter_groups.enable", False) is not True:
         return False
-    metric = _select(config, "algorithm.filter_groups.metric", None)
+    metric = select_value(config, "algorithm.filter_groups.metric", None)
     if metric is not None and metric not in FILTER_GROUPS_METRICS:
         raise AsyncConfigError("algorithm.filter_groups.metric", metric, f"null or one of {list(FILTER_GROUPS_METRICS)}")
-    bound = _select(config, "algorithm.filter_groups.max_num_gen_batches", 0)
+    bound = select_value(config, "algorithm.filter_groups.max_num_gen_batches", 0)
     if isinstance(bound, bool) or not isinstance(bound, int) or bound < 0:
         raise AsyncConfigError("algorithm.filter_groups.max_num_gen_batches", bound, "an integer >= 0 (0: no bound)")
     return True
@@ -213,10 +190,10 @@ def read_async_config(config) -> AsyncPipelineConfig:
     """Read and validate the pipeline keys from a verl config; raises AsyncConfigError."""
     from async_rl.stage_graph import parse_user_stages
 
-    raw = {fld: _select(config, key, default) for key, fld, default in _KEYS}
+    raw = {fld: select_value(config, key, default) for key, fld, default in _KEYS}
     keys = {fld: key for key, fld, _ in _KEYS}
     _check_decoupled(config, raw["decoupled_ppo"] is True)
-    user_stages = parse_user_stages(_select(config, STAGES_KEY, None))
+    user_stages = parse_user_stages(select_value(config, STAGES_KEY, None))
     dynamic_sampling = dynamic_sampling_enabled(config)
     if dynamic_sampling and any(spec.name == "dynamic_sampling" for spec in user_stages):
         raise AsyncConfigError(f"{STAGES_KEY}.dynamic_sampling", "...",
@@ -259,5 +236,5 @@ def strip_async_keys(config: DictConfig) -> None:
 
 def async_pipeline_enabled(config) -> bool:
     """True when the user asked for the pipeline (`+actor_rollout_ref.async_pipeline=True`)."""
-    value = _select(config, "actor_rollout_ref.async_pipeline", False)
+    value = select_value(config, "actor_rollout_ref.async_pipeline", False)
     return value is True or (isinstance(value, str) and value.lower() == "true")

@@ -15,22 +15,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import time
 from typing import Any
 
 import ray
 from omegaconf import DictConfig, OmegaConf
 
+from async_rl.checkpoints import read_checkpoint_config
 from async_rl.config import (
     AsyncConfigError,
     AsyncPipelineConfig,
-    check_no_checkpointing,
     check_no_critic,
     read_async_config,
     strip_async_keys,
 )
 from async_rl.resources import check_cluster_fits, devices_needed, split_world_sizes, total_device_slots
 from async_rl.stage_graph import build_edges, upstream_counts
+from async_rl.stop_signals import STOP_BUDGET_S, PipelinePreempted, stop_signals_caught
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +51,7 @@ def validate_pipeline_config(config: DictConfig) -> AsyncPipelineConfig:
 
     async_cfg = read_async_config(config)
     check_no_critic(config)
-    check_no_checkpointing(config)
+    read_checkpoint_config(config)
     for spec in async_cfg.user_stages:
         spec.load_class()
     check_rollout_name(config.actor_rollout_ref.rollout.name, config.trainer.device)
@@ -101,6 +103,31 @@ def total_training_steps(config: DictConfig, train_rows: int) -> int:
     return int(config.trainer.total_epochs) * (train_rows // int(config.data.train_batch_size))
 
 
+OUTPUT_DIR_KEYS = ("trainer.default_local_dir", "trainer.rollout_data_dir", "trainer.validation_data_dir")
+
+
+def resolve_output_dirs(config: DictConfig) -> None:
+    """Relative output directories are the driver's (its working directory), not each actor's."""
+    from omegaconf import open_dict
+
+    for key in OUTPUT_DIR_KEYS:
+        value = OmegaConf.select(config, key)
+        if isinstance(value, str) and value and not os.path.isabs(value):
+            parent, _, leaf = key.rpartition(".")
+            with open_dict(config):
+                OmegaConf.select(config, parent)[leaf] = os.path.abspath(value)
+
+
+def set_optimizer_horizon(config: DictConfig, total_steps: int) -> None:
+    """As verl's trainer: the optimizer's `total_training_steps` (lr warmup / decay schedules) is the run's."""
+    from omegaconf import open_dict
+
+    with open_dict(config):
+        config.actor_rollout_ref.actor.optim.total_training_steps = total_steps
+        if OmegaConf.select(config, "critic.optim") is not None:
+            config.critic.optim.total_training_steps = total_steps
+
+
 class AsyncPipeline:
     """Builds and runs the async pipeline for one verl config."""
 
@@ -108,6 +135,12 @@ class AsyncPipeline:
         self.async_cfg = validate_pipeline_config(config)
         self.config = config.copy()
         strip_async_keys(self.config)
+        resolve_output_dirs(self.config)
+        self.checkpoint_cfg = read_checkpoint_config(self.config)
+        self.total_steps = total_training_steps(self.config, count_rows(self.config.data.train_files))
+        self.start_step = 0
+        self.resume_point = None
+        set_optimizer_horizon(self.config, self.total_steps)
         if self.async_cfg.decoupled_ppo:
             from async_rl.decoupled_ppo import apply_to_config
 
@@ -118,6 +151,8 @@ class AsyncPipeline:
             use_staged_checkpoint_engine(
                 self.config, self.async_cfg.consume_bucket_size_mb, self.async_cfg.enable_dual_buffer
             )
+        self._stop_request = None
+        self._training = False  # the stages' loops run
         self.stages: dict[str, Any] = {}
         self.replicas: list = []
         self.receivers: list = []  # weight receivers (param_update/overlapped.py)
@@ -164,6 +199,7 @@ class AsyncPipeline:
         from verl.trainer.ppo.utils import need_reference_policy
         from verl.utils import hf_tokenizer
 
+        from async_rl.checkpoints import CheckpointDir, RunCheckpointer
         from async_rl.rollout_backends import launch_rollout_replicas, make_rollout_replicas
         from async_rl.validation import Validator
 
@@ -180,14 +216,19 @@ class AsyncPipeline:
         self.replicas = launch_rollout_replicas(replicas, cfg.actor_rollout_ref.rollout.name, timeout_s=SETUP_TIMEOUT_S)
         servers = [r.server_handle for r in self.replicas]
         self.validator = Validator(cfg, tokenizer, servers)
-        steps = total_training_steps(cfg, count_rows(cfg.data.train_files))
-        self.total_steps = steps
+        steps = self.total_steps
         eta = self.async_cfg.max_staleness
         rollout_cfg = cfg.actor_rollout_ref.rollout
+        resume = self.resume_point = self._find_resume_point(sizes["train"])
+        state = resume.state if resume is not None else None
+        self.start_step = state.global_step if state is not None else 0
 
         refill = self.async_cfg.dynamic_sampling  # draws prompts until the training batches are full
-        dataloader = self._stage("dataloader", DataloaderStage, cfg, tokenizer, None if refill else steps)
-        generate = self._stage("generate", GenerateStage, servers, rollout_cfg, eta, dynamic_sampling=refill)
+        sampling = None
+        dataloader = self._stage("dataloader", DataloaderStage, cfg, tokenizer, None if refill else steps,
+                                 state.generated_batches if state else 0, state.dataloader_state if state else None)
+        generate = self._stage("generate", GenerateStage, servers, rollout_cfg, eta, dynamic_sampling=refill,
+                               steps_formed=self.start_step)
         self._stage(
             "rollout", RolloutStage, int(cfg.data.max_prompt_length), int(rollout_cfg.response_length),
             tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
@@ -196,15 +237,22 @@ class AsyncPipeline:
         if refill:
             from state_machines.dynamic_sampling import DynamicSamplingStage
 
-            self._stage("dynamic_sampling", DynamicSamplingStage, cfg, eta, steps, generate, dataloader)
+            sampling = self._stage("dynamic_sampling", DynamicSamplingStage, cfg, eta, steps, generate, dataloader,
+                                   self.start_step, state.generated_batches if state else 0,
+                                   state.sampling_pool if state else None)
         bucket_bytes = self._check_weight_sync()
         dual = self.async_cfg.enable_dual_buffer
         logp = self._stage("logp", LogpStage, cfg, sizes["logp"], bucket_bytes["consume"], compute=proximal == "logp")
         self._stage("ref_logp", RefLogpStage, cfg, sizes["ref_logp"], need_reference_policy(cfg))
         receivers = self._weight_receivers(logp if proximal == "logp" else None)
         param_update = self._stage("param_update", ParamUpdateStage, receivers, generate)
+        checkpointer = None
+        if self.checkpoint_cfg.save_freq > 0:
+            CheckpointDir(self.checkpoint_cfg.root).remove_partials()
+            checkpointer = RunCheckpointer(self.checkpoint_cfg, steps, dataloader, sampling)
         self._stage("actor_train", ActorTrainStage, cfg, sizes["train"], eta, param_update, bucket_bytes["preduce"],
-                    compute_proximal=proximal == "train")
+                    compute_proximal=proximal == "train", start_step=self.start_step, checkpointer=checkpointer,
+                    kl_coef=state.kl_coef if state else None)
         for spec in self.async_cfg.user_stages:
             self._stage(spec.name, spec.load_class(), config=cfg, name=spec.name, **spec.kwargs)
 
@@ -213,6 +261,27 @@ class AsyncPipeline:
                    "start verl worker groups")
         self._configure_receivers(dual, bucket_bytes["consume"])
         self._wire()
+        if resume is not None:
+            self._load_resume_point(resume)
+
+    def _find_resume_point(self, train_world_size: int):
+        """The checkpoint this run continues from (verl's resume_mode rules), or None."""
+        from async_rl.checkpoints import find_resume_point
+
+        workers = int(self.config.data.get("dataloader_num_workers", 0) or 0)
+        return find_resume_point(self.checkpoint_cfg, train_world_size, workers, self.async_cfg.dynamic_sampling)
+
+    def _load_resume_point(self, resume) -> None:
+        """Load the checkpoint into the train ranks and serve its weights before anything generates."""
+        from state_machines.param_update import NewWeights
+
+        step = resume.state.global_step
+        logger.warning("resuming from %s (step %d, written by %s)", resume.path, step, resume.written_by)
+        self._wait({"actor_train": self.stages["actor_train"].load_checkpoint.remote(
+            resume.path, self.checkpoint_cfg.del_local_after_load)}, SETUP_TIMEOUT_S, f"load the checkpoint {resume.path}")
+        self._wait({"param_update": self.stages["param_update"].process_data.remote(NewWeights(step, time.time())),
+                    "actor_train": self.stages["actor_train"].send_weights.remote()},
+                   SETUP_TIMEOUT_S, f"send the weights of step {step} to the rollout servers")
 
     def proximal_logp_workers(self) -> str | None:
         """Which workers recompute pi_prox: "train", "logp", or None (verl's bypass mode: none do)."""
@@ -271,15 +340,27 @@ class AsyncPipeline:
         self._wait(calls, CALL_TIMEOUT_S, "wire stages")
 
     def _wait(self, refs: dict[str, Any], timeout_s: float, what: str) -> dict[str, Any]:
+        """Results of `refs` (name -> ObjectRef); PipelineError naming the late or failed ones, PipelinePreempted
+        on a stop signal meanwhile."""
         names = list(refs)
-        ready, pending = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
-        if pending:
-            late = [n for n, r in refs.items() if r in pending]
-            raise PipelineError(f"timed out after {timeout_s:g} s waiting to {what}: {late}")
+        deadline = time.monotonic() + timeout_s
+        pending = list(refs.values())
+        while pending:
+            self._raise_if_stop_requested(f"while waiting to {what}")
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=min(1.0, max(deadline - time.monotonic(), 0)))
+            if pending and time.monotonic() >= deadline:
+                late = [n for n, r in refs.items() if r in pending]
+                raise PipelineError(f"timed out after {timeout_s:g} s waiting to {what}: {late}")
         try:
             return dict(zip(names, ray.get(list(refs.values()), timeout=timeout_s)))
         except ray.exceptions.RayError as exc:
             raise PipelineError(f"failed to {what}: {exc}") from exc
+
+    def _raise_if_stop_requested(self, where: str) -> None:
+        """Before training starts a stop signal has nothing to save: stop at once (after, the loop
+        stops at a step boundary with a checkpoint)."""
+        if self._stop_request is not None and self._stop_request.requested and not self._training:
+            raise PipelinePreempted(self._stop_request.signum, None, where)
 
     # ---- run ------------------------------------------------------------------------
     def _make_tracking(self):
@@ -309,7 +390,7 @@ class AsyncPipeline:
 
     def _validate(self, step: int) -> dict:
         version = ray.get(self.stages["generate"].served_version.remote(), timeout=CALL_TIMEOUT_S)
-        metrics = self.validator.run(timeout_s=SETUP_TIMEOUT_S)
+        metrics = self.validator.run(timeout_s=SETUP_TIMEOUT_S, step=step)
         metrics["val-aux/param_version"] = float(version)
         self._log(metrics, step)
         return metrics
@@ -321,11 +402,13 @@ class AsyncPipeline:
         """
         self._start_ray()
         try:
-            self.build()
-            self.tracking = self._make_tracking()
-            self._loop()
-            if after_training is not None:
-                after_training(self)
+            with stop_signals_caught() as stop:  # after ray.init, which installs its own SIGTERM handler
+                self._stop_request = stop
+                self.build()
+                self.tracking = self._make_tracking()
+                self._loop()
+                if after_training is not None:
+                    after_training(self)
         finally:
             self.shutdown()
         return self.history
@@ -346,18 +429,24 @@ class AsyncPipeline:
 
         cfg = self.config
         test_freq = int(cfg.trainer.get("test_freq", -1) or -1)
+        self._raise_if_stop_requested("before training")
         if cfg.trainer.get("val_before_train", True):
-            self._validate(step=0)
+            self._validate(step=self.start_step)
             if cfg.trainer.get("val_only", False):  # as verl's trainer: validate the initial policy, train nothing
                 return
         runs = {self.stages[n].run.remote(): n for n in self.stage_names}
+        self._training = True
         last_stats: dict = {}
         self._busy_ratios(last_stats)
-        step, last_progress = 0, time.monotonic()
+        step, last_progress = self.start_step, time.monotonic()
         last_sync: dict = {}  # the newest completed weight sync's timings, logged with each step
-        progress = tqdm(total=self.total_steps, desc="async-rl", unit="step", dynamic_ncols=True)
+        progress = tqdm(total=self.total_steps, initial=self.start_step, desc="async-rl", unit="step",
+                        dynamic_ncols=True)
         pending = list(runs)
         while pending:
+            if self._stop_request.requested:
+                progress.close()
+                self._checkpoint_and_stop()
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
             for ref in done:
                 try:
@@ -393,6 +482,19 @@ class AsyncPipeline:
         if test_freq > 0 or cfg.trainer.get("val_before_train", True):
             self._validate(step)
 
+    def _checkpoint_and_stop(self) -> None:
+        """On a stop signal: the running step finishes, the last completed one is saved; raises PipelinePreempted."""
+        signum = self._stop_request.signum
+        ref = self.stages["actor_train"].checkpoint_and_stop.remote()
+        try:
+            saved = ray.get(ref, timeout=STOP_BUDGET_S)
+        except ray.exceptions.GetTimeoutError:
+            raise PipelinePreempted(signum, None, f"the running step and its checkpoint took over {STOP_BUDGET_S:g} s, "
+                                                  "abandoned; the newest earlier checkpoint stands") from None
+        except ray.exceptions.RayError as exc:
+            raise PipelineError(f"saving the checkpoint on {signal.Signals(signum).name} failed:\n{_cause(exc)}") from exc
+        raise PipelinePreempted(signum, saved)
+
     def shutdown(self) -> None:
         """Kill every stage (their worker groups and servers go with them) and stop Ray if we started it."""
         for handle in list(self.stages.values()):
@@ -422,5 +524,12 @@ def _cause(exc: BaseException) -> str:
 
 
 def run_async_pipeline(config: DictConfig, task_runner_class=None) -> None:
-    """Drop-in for verl's `run_ppo(config, task_runner_class)` when async_pipeline=True."""
-    AsyncPipeline(config).run()
+    """Drop-in for verl's `run_ppo(config, task_runner_class)` when async_pipeline=True.
+
+    A stop signal ends the process with 128 + its number once the checkpoint is saved."""
+    try:
+        AsyncPipeline(config).run()
+    except PipelinePreempted as stopped:
+        logger.warning("%s", stopped)
+        print(f"async_rl: {stopped}", flush=True)
+        raise SystemExit(stopped.exit_code) from None

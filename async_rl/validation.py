@@ -10,6 +10,7 @@ import asyncio
 
 import numpy as np
 
+from async_rl.generation_dumps import GenerationDumps
 from state_machines.dataloader import load_prompt_dataset, tokenize_row
 from state_machines.generate import generate_one, sampling_params_from_config
 from state_machines.reward import call_score_fn, load_score_fn
@@ -28,6 +29,7 @@ class Validator:
         self.score_fn, _ = load_score_fn(config)
         self.sampling_params = sampling_params_from_config(config.actor_rollout_ref.rollout, validate=True)
         self.n = int(config.actor_rollout_ref.rollout.val_kwargs.get("n", 1))
+        self.dumps = GenerationDumps(config.trainer.get("validation_data_dir"))
 
     async def _generate_all(self, timeout_s: float):
         jobs = []
@@ -37,14 +39,17 @@ class Validator:
                 jobs.append(generate_one(server, prompt_ids, self.sampling_params, timeout_s))
         return await asyncio.gather(*jobs)
 
-    def run(self, timeout_s: float) -> dict[str, float]:
+    def run(self, timeout_s: float, step: int = 0) -> dict[str, float]:
+        """Validation metrics of the served policy; with `trainer.validation_data_dir`, also verl's
+        `{step}.jsonl` dump of every generation."""
         from verl.trainer.ppo.metric_utils import process_validation_metrics
 
         outputs = asyncio.run(self._generate_all(timeout_s))
-        sources, uids, scores = [], [], []
+        sources, uids, scores, texts = [], [], [], []
         for j, out in enumerate(outputs):
             prompt_ids, info = self.rows[j // self.n]
             text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+            texts.append(text)
             scores.append(
                 call_score_fn(
                     self.score_fn,
@@ -65,4 +70,14 @@ class Validator:
                     core = name.startswith(("mean", "maj", "best")) and f"@{n_max}" in name
                     metrics[f"{'val-core' if core else 'val-aux'}/{source}/{var}/{name}"] = float(value)
         metrics["val-aux/reward/mean"] = float(np.mean(scores)) if scores else float("nan")
+        self._dump(step, texts, scores)
         return metrics
+
+    def _dump(self, step: int, outputs: list[str], scores: list[float]) -> None:
+        if self.dumps.directory is None:
+            return
+        rows = [self.rows[j // self.n] for j in range(len(outputs))]
+        inputs = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids, _ in rows]
+        gts = [info["reward_model"].get("ground_truth") for _, info in rows]
+        self.dumps.write(step, inputs, outputs, gts, scores)
+        self.dumps.flush()

@@ -10,6 +10,9 @@ backward) plus what the pipeline needs:
   commit, discard: param_update/staging.py). Staging runs in its own concurrency group
   ("weights"), so a logp worker registers buckets of version v while it computes with
   v - 1; loading runs in the default group, never beside a forward.
+- checkpoints written beside training (`snapshot_checkpoint`, async_rl/checkpoint_writer.py):
+  verl's own `save_checkpoint` with its writes deferred to a thread; the wait for that
+  thread runs in its own concurrency group ("checkpoint"). Loading is verl's `load_checkpoint`.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from verl.single_controller.base.decorator import Dispatch, register
 from verl.workers.engine_workers import ActorRolloutRefWorker
 
 WEIGHTS_GROUP = "weights"  # Ray concurrency group of the staging calls
-CONCURRENCY_GROUPS = {WEIGHTS_GROUP: 1}
+CHECKPOINT_GROUP = "checkpoint"  # waits for a checkpoint's background write, beside training
+CONCURRENCY_GROUPS = {WEIGHTS_GROUP: 1, CHECKPOINT_GROUP: 1}
 
 
 class PipelineWorker(ActorRolloutRefWorker):
@@ -34,6 +38,7 @@ class PipelineWorker(ActorRolloutRefWorker):
         super().__init__(config, role, **kwargs)
         self._bucket_sender = None
         self._stager = None
+        self._checkpoint_writer = None
 
     def _engine(self):
         worker = self.actor if self.actor is not None else self.ref
@@ -74,6 +79,34 @@ class PipelineWorker(ActorRolloutRefWorker):
         per_tensor, _ = self._engine().get_per_tensor_param()
         digests = {name: tensor_digest(t) for name, t in per_tensor}
         return digests if torch.distributed.get_rank() == 0 else None
+
+    # ---- checkpoints: snapshot now, files from a background thread -------------------------
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def snapshot_checkpoint(self, local_path: str, global_step: int) -> dict[str, float]:
+        """verl's save_checkpoint into `local_path` (collective), its tensors copied and written in the
+        background (async_rl/checkpoint_writer.py).
+
+        verl's own rotation is off (`max_ckpt_to_keep=None`): the pipeline keeps whole steps
+        (async_rl/checkpoints.py). Returns {"snapshot_s": seconds training waited}.
+        """
+        from async_rl.checkpoint_writer import CheckpointWriter
+        from verl_patches.deferred_checkpoint_write import hold_optimizer_step
+
+        if self._checkpoint_writer is None:
+            self._checkpoint_writer = CheckpointWriter()
+            # the captured state is the live state: the next optimizer step waits for its copy
+            hold_optimizer_step(self._engine(), self._checkpoint_writer.wait_copied)
+        return self._checkpoint_writer.snapshot(
+            lambda: self.actor.save_checkpoint(local_path, None, global_step, None), global_step
+        )
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    @ray.method(concurrency_group=CHECKPOINT_GROUP)
+    def wait_checkpoint_written(self, timeout_s: float) -> dict[str, float]:
+        """Block until this rank's checkpoint files are on disk; {"copy_s", "write_s", "bytes"} (empty: none)."""
+        if self._checkpoint_writer is None:
+            return {}
+        return self._checkpoint_writer.wait(timeout_s)
 
     # ---- receiving side (logp): stage, check, commit ---------------------------------------
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from async_rl.fault_points import hold_at
 from param_update.interface import WeightSync, WeightSyncError
 
 
@@ -169,6 +170,7 @@ class OverlappedWeightSync(WeightSync):
             await asyncio.gather(*staging, return_exceptions=True)
             await asyncio.gather(*(r.discard(version) for r in self.receivers), return_exceptions=True)
             raise
+        hold_at("weight_sync", version)
         loads = await self._on_all("load", version, {r.name: r.commit(version, item.num_buckets) for r in self.receivers})
         await self.generate_stage.set_served_version.remote(version)
         blocked = [loads[r.name]["blocked_s"] for r in self.receivers if r.serves_generation]

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -28,6 +28,8 @@ import torch
 from async_rl import engine_calls
 from async_rl.balance import balance_rows
 from async_rl.decoupled_ppo import add_correction, set_behaviour_as_old, uses_behaviour_as_old
+from async_rl.fault_points import hold_at
+from async_rl.generation_dumps import GenerationDumps
 from async_rl.resources import make_worker_group
 from async_rl.staleness import version_metrics
 from state_machines.base import END_OF_STREAM, StateMachine
@@ -90,9 +92,11 @@ class ActorTrainStage(StateMachine):
     """verl's actor update, one step per batch, in batch order."""
 
     def __init__(self, config, world_size: int, max_staleness: int, weight_sink=None, bucket_bytes: int = 512 << 20,
-                 compute_proximal: bool = False):
+                 compute_proximal: bool = False, start_step: int = 0, checkpointer=None, kl_coef=None):
         """`weight_sink`: the param_update stage handle; `bucket_bytes`: the gather's bucket size;
-        `compute_proximal`: recompute old_log_probs here, before each update (the logp stage does not)."""
+        `compute_proximal`: recompute old_log_probs here, before each update (the logp stage does not);
+        `start_step`: the version a resumed run starts from; `checkpointer`: async_rl.checkpoints.RunCheckpointer
+        (None: no checkpoints); `kl_coef`: the KL-in-reward coefficient to resume with."""
         super().__init__("actor_train", inbox_size=6)
         self.config = config
         self.world_size = world_size
@@ -106,8 +110,15 @@ class ActorTrainStage(StateMachine):
             from verl.trainer.ppo.core_algos import get_kl_controller
 
             self.kl_ctrl_in_reward = get_kl_controller(config.algorithm.kl_ctrl)
+            if kl_coef is not None:
+                self.kl_ctrl_in_reward.value = kl_coef
         self.worker_group = None
-        self.version = 0  # trainer's policy version: number of updates done
+        self.version = start_step  # trainer's policy version: number of updates done
+        self.checkpointer = checkpointer
+        self.dumps = GenerationDumps(config.trainer.get("rollout_data_dir"))
+        self._tokenizer = None
+        self._step_lock = asyncio.Lock()  # held for a whole training step
+        self._stopping = False
         self._parts: dict[int, dict[str, Any]] = {}
         self._metrics: list[dict] = []
         self._last_step_end = None
@@ -119,6 +130,43 @@ class ActorTrainStage(StateMachine):
     def weight_digests(self) -> dict[str, str]:
         """name -> digest of the full weights this stage's workers hold (bit-identity checks)."""
         return self.worker_group.weight_digests()[0]
+
+    def load_checkpoint(self, path: str, del_local_after_load: bool = False) -> int:
+        """verl's load_checkpoint of `path`/actor into the train ranks (model, optimizer, lr scheduler, RNG)."""
+        import os
+
+        self.worker_group.load_checkpoint(os.path.join(path, "actor"), None, del_local_after_load)
+        return self.version
+
+    async def send_weights(self) -> None:
+        """Send the current version to the receivers (a resumed run, before anything generates)."""
+        await asyncio.to_thread(self.worker_group.send_weight_buckets, self.version, self.bucket_bytes,
+                                self.weight_sink)
+
+    async def checkpoint_and_stop(self) -> Optional[int]:
+        """Train no further step: let the running one finish, save the last completed step (if
+        checkpoints are on and it is not saved yet), wait for every write; the newest saved step."""
+        self._stopping = True
+        async with self._step_lock:
+            if self.checkpointer is None:
+                return None
+            if self.checkpointer.last_saved != self.version and self._last_step_end is not None:
+                self.dumps.flush()
+                await self.checkpointer.save(self.version, self.worker_group, self._kl_coef())
+            return await self.checkpointer.wait()
+
+    def _kl_coef(self) -> Optional[float]:
+        return None if self.kl_ctrl_in_reward is None else float(self.kl_ctrl_in_reward.value)
+
+    def _dump_rollouts(self, step: int, batch) -> None:
+        """verl's trainer.rollout_data_dir dump of the rows step `step` trained."""
+        if self.dumps.directory is None:
+            return
+        if self._tokenizer is None:
+            from verl.utils import hf_tokenizer
+
+            self._tokenizer = hf_tokenizer(self.config.actor_rollout_ref.model.path)
+        self.dumps.write_batch(step, batch, self._tokenizer, batch.batch["token_level_scores"].sum(-1).tolist())
 
     def weight_layout(self) -> dict:
         """name -> (dtype, shape) of the weights this stage sends (param_update checks receivers against it)."""
@@ -197,8 +245,16 @@ class ActorTrainStage(StateMachine):
         return result, time.perf_counter() - start
 
     async def process_data(self, parts: dict) -> None:
+        if self._stopping:  # checkpoint_and_stop: the driver stops the run; train nothing more
+            await asyncio.Event().wait()
+        async with self._step_lock:
+            await self._train_step(parts)
+
+    async def _train_step(self, parts: dict) -> None:
         from verl.trainer.ppo.metric_utils import compute_data_metrics
 
+        if self.checkpointer is not None:
+            self.checkpointer.raise_if_failed()
         step_start = time.perf_counter()
         batch = await resolve(parts["logp"].batch_ref)
         old_log_prob_s = None
@@ -225,6 +281,7 @@ class ActorTrainStage(StateMachine):
                 )
             )
         t1 = time.perf_counter()
+        hold_at("train_step", self.version + 1)
         # announce the version first: param_update stages its buckets while the gather still runs
         await self.send_downstream(NewWeights(version=self.version + 1, started_at=time.time()))
         await asyncio.to_thread(
@@ -232,6 +289,12 @@ class ActorTrainStage(StateMachine):
         )
         t2 = time.perf_counter()
         self.version += 1
+        self._dump_rollouts(self.version, train_batch)
+        if self.checkpointer is not None:
+            if self.checkpointer.due(self.version):
+                self.dumps.flush()  # every dump of a saved step is on disk with it
+                metrics.update(await self.checkpointer.save(self.version, self.worker_group, self._kl_coef()))
+            metrics.update(self.checkpointer.pop_written())  # the newest write committed beside training
         metrics.update(compute_data_metrics(batch, use_critic=False))
         now = time.perf_counter()
         metrics.update(
@@ -249,6 +312,12 @@ class ActorTrainStage(StateMachine):
 
     async def send_output_data(self, data) -> bool:
         return await self.send_downstream(data)
+
+    async def on_end(self) -> None:
+        """The last checkpoint and rollout dumps are on disk before the stage ends."""
+        if self.checkpointer is not None:
+            await self.checkpointer.wait()
+        self.dumps.flush()
 
     def pop_metrics(self) -> list[dict]:
         out, self._metrics = self._metrics, []

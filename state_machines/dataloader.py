@@ -1,14 +1,19 @@
 """dataloader stage: reads verl's RL dataset and emits one prompt batch per training step.
 
-Uses verl's `create_rl_dataset` / `create_rl_sampler` (the same files, filters and
-shuffling as verl's trainers) and tokenizes each chat prompt with the model's chat
-template, as verl's rollout does.
+The batches come from the dataloader verl's trainer builds (`create_rl_dataset`,
+`create_rl_sampler`, torchdata's `StatefulDataLoader` with verl's `collate_fn`, drawn as verl's
+trainer draws them, a new epoch on exhaustion), so a run with the same seed trains the same
+prompts at the same steps as verl's trainer, and its state is verl's `data.pt`. The stage
+keeps the loader's state before each batch it emits until a checkpoint takes it
+(`state_before`). Each chat prompt is tokenized with the model's chat template, as verl's
+rollout does.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from state_machines.base import END_OF_STREAM, StateMachine
 
@@ -25,52 +30,76 @@ class PromptBatch:
 
 
 def load_prompt_dataset(data_files, data_config, tokenizer, is_train: bool):
-    """verl's RL dataset for `data_files` (parquet paths)."""
+    """verl's RL dataset for `data_files` (parquet paths), capped at verl's `{train,val}_max_samples`."""
     from verl.trainer.ppo.utils import create_rl_dataset
 
-    return create_rl_dataset(data_files, data_config, tokenizer, None, is_train=is_train)
+    max_samples = data_config.get("train_max_samples" if is_train else "val_max_samples", -1)
+    return create_rl_dataset(data_files, data_config, tokenizer, None, is_train=is_train,
+                             max_samples=-1 if max_samples is None else max_samples)
+
+
+def make_train_dataloader(data_config, dataset):
+    """The training dataloader exactly as verl's trainer builds it (same batches, same state)."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    from verl.trainer.ppo.utils import create_rl_sampler
+    from verl.utils.dataset.rl_dataset import collate_fn
+
+    return StatefulDataLoader(
+        dataset=dataset,
+        batch_size=int(data_config.train_batch_size),
+        num_workers=int(data_config.get("dataloader_num_workers", 0) or 0),
+        drop_last=True,
+        collate_fn=collate_fn,
+        sampler=create_rl_sampler(data_config, dataset),
+    )
 
 
 def tokenize_row(row: dict, tokenizer, max_prompt_length: int) -> tuple[list[int], dict]:
     """Chat-template token ids of one dataset row (left-truncated) and its non-tensor fields."""
-    ids = tokenizer.apply_chat_template(row["raw_prompt"], add_generation_prompt=True, tokenize=True)
+    ids = tokenizer.apply_chat_template(list(row["raw_prompt"]), add_generation_prompt=True, tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
     ids = list(ids)[-max_prompt_length:]
     return ids, {k: row[k] for k in _NON_TENSOR_KEYS if k in row}
 
 
+def batch_rows(batch: dict) -> list[dict]:
+    """verl's collated batch (arrays by key) as one dict per row."""
+    size = len(batch["raw_prompt"])
+    return [{key: values[i] for key, values in batch.items()} for i in range(size)]
+
+
 class DataloaderStage(StateMachine):
-    """Emits `total_steps` PromptBatches of `batch_size` prompts, cycling over epochs
-    (`total_steps=None`: until `stop_producing()`; dynamic sampling draws as many as it needs)."""
+    """Emits PromptBatches `first_index`, `first_index + 1`, ... up to `total_batches` (exclusive),
+    cycling over epochs (`total_batches=None`: until `stop_producing()`; dynamic sampling draws
+    as many as it needs).
 
-    def __init__(self, config, tokenizer, total_steps: int | None, inbox_size: int = 1):
+    Args:
+        resume_state: the loader's state before batch `first_index` (verl's `data.pt`), or None.
+    """
+
+    def __init__(self, config, tokenizer, total_batches: Optional[int], first_index: int = 0,
+                 resume_state: Optional[dict] = None, inbox_size: int = 1):
         super().__init__("dataloader", inbox_size=inbox_size)
-        from verl.trainer.ppo.utils import create_rl_sampler
-
         self.dataset = load_prompt_dataset(config.data.train_files, config.data, tokenizer, is_train=True)
-        self.sampler = create_rl_sampler(config.data, self.dataset)
-        self.tokenizer = tokenizer
         self.batch_size = int(config.data.train_batch_size)
-        self.max_prompt_length = int(config.data.max_prompt_length)
-        self.total_steps = total_steps
         if len(self.dataset) < self.batch_size:
             raise ValueError(
                 f"data.train_batch_size={self.batch_size} is larger than the training set "
                 f"({len(self.dataset)} rows in {config.data.train_files})"
             )
-        self._step = 0
-        self._order = iter(())
-
-    def _next_index(self) -> int:
-        try:
-            return next(self._order)
-        except StopIteration:
-            self._order = iter(list(self.sampler))
-            return next(self._order)
+        self.loader = make_train_dataloader(config.data, self.dataset)
+        if resume_state is not None:
+            self.loader.load_state_dict(resume_state)
+        self.tokenizer = tokenizer
+        self.max_prompt_length = int(config.data.max_prompt_length)
+        self.total_batches = total_batches
+        self._step = first_index
+        self._batches = None  # the loader's iterator (verl's trainer starts a new one on exhaustion)
+        self._states = {first_index: copy.deepcopy(self.loader.state_dict())}  # batch index -> loader state before it
 
     async def get_input_data(self):
-        if self.total_steps is not None and self._step >= self.total_steps:
+        if self.total_batches is not None and self._step >= self.total_batches:
             return END_OF_STREAM
         step = self._step
         self._step += 1
@@ -78,10 +107,29 @@ class DataloaderStage(StateMachine):
 
     def stop_producing(self) -> None:
         """Emit no more batches after those already read (the end of the stream follows)."""
-        self.total_steps = self._step
+        self.total_batches = self._step
+
+    def state_before(self, index: int) -> dict:
+        """The loader's state before batch `index` (what a checkpoint whose oldest untrained batch is
+        `index` saves as verl's data.pt); earlier states are dropped."""
+        if index not in self._states:
+            raise KeyError(f"no dataloader state kept for batch {index} (kept: {sorted(self._states)})")
+        for old in [i for i in self._states if i < index]:
+            del self._states[old]
+        return self._states[index]
+
+    def _next_batch(self) -> dict:
+        try:
+            if self._batches is None:
+                self._batches = iter(self.loader)
+            return next(self._batches)
+        except StopIteration:
+            self._batches = iter(self.loader)
+            return next(self._batches)
 
     async def process_data(self, step: int) -> PromptBatch:
-        rows = [self.dataset[self._next_index()] for _ in range(self.batch_size)]
+        rows = batch_rows(self._next_batch())
+        self._states[step + 1] = copy.deepcopy(self.loader.state_dict())
         tokenized = [tokenize_row(r, self.tokenizer, self.max_prompt_length) for r in rows]
         return PromptBatch(index=step, prompt_ids=[t[0] for t in tokenized], non_tensor=[t[1] for t in tokenized])
 

@@ -13,6 +13,10 @@ j, satisfies j <= served version + eta (`set_steps_formed`), so a filtered-out b
 replaced by drawing more prompts. verl's `max_num_gen_batches` (> 0) bounds the batches drawn
 for one training batch; past it the run fails with a message saying so. The logp stage then
 computes pi_prox for exactly the rows trained (with version j).
+
+Checkpoints (async_rl/checkpoints.py) save, for step N, the pool as it was right after batch
+N - 1 was formed and how many generated batches had been drawn by then (`checkpoint_state`):
+a resume restores the pool and draws again from the batch after those.
 """
 
 from __future__ import annotations
@@ -55,20 +59,24 @@ class DynamicSamplingStage(StateMachine):
         max_staleness: eta.
         total_steps: training batches to form; later input is dropped.
         generate, dataloader: stage handles told of formed steps / asked to stop (None in tests).
+        start_step, generated_batches, pool: where a resumed run starts (`checkpoint_state`).
     """
 
-    def __init__(self, config, max_staleness: int, total_steps: int, generate=None, dataloader=None):
+    def __init__(self, config, max_staleness: int, total_steps: int, generate=None, dataloader=None,
+                 start_step: int = 0, generated_batches: int = 0, pool: Optional[list] = None):
         super().__init__("dynamic_sampling", inbox_size=2)
         self.batch_groups = int(config.data.train_batch_size)
         self.max_gen_batches = int(config.algorithm.filter_groups.get("max_num_gen_batches") or 0)
         self.max_staleness = max_staleness
         self.total_steps = total_steps
         self.generate, self.dataloader = generate, dataloader
-        self.pending: list[_Group] = []
-        self.step = 0  # the next training batch to form
-        self._arrivals = 0
+        self.pending: list[_Group] = [_Group(**g) for g in pool or ()]
+        self.step = start_step  # the next training batch to form
+        self.generated = generated_batches  # generated batches drawn so far
+        self._arrivals = max((g.arrival for g in self.pending), default=-1) + 1
         self._drawn = 0  # generated batches drawn for the batch being formed
         self._counts = {"groups": 0, "kept": 0, "dropped_stale": 0}
+        self._snapshots: dict[int, tuple[int, list[_Group]]] = {}  # steps formed -> (generated, pool)
 
     async def get_input_data(self):
         item = await self.next_from_inbox()
@@ -83,6 +91,7 @@ class DynamicSamplingStage(StateMachine):
         if self.step >= self.total_steps:
             return None  # generated ahead while the last batches trained: not needed
         self._drawn += 1
+        self.generated += 1
         batch = await resolve(scored.batch_ref)
         self._pool(batch, scored)
         self._drop_stale()
@@ -143,11 +152,22 @@ class DynamicSamplingStage(StateMachine):
         out = TrainingBatch(index=self.step, batch_ref=ref, start_version=start, scored=scored)
         self.step += 1
         self._drawn = 0
+        self._snapshots[self.step] = (self.generated, list(self.pending))
         if self.generate is not None:
             await self.generate.set_steps_formed.remote(self.step)
         if self.step == self.total_steps and self.dataloader is not None:
             await self.dataloader.stop_producing.remote()
         return out
+
+    def checkpoint_state(self, step: int) -> tuple[int, list[dict]]:
+        """(generated batches drawn, pool) right after training batch `step - 1` was formed: what a
+        step-`step` checkpoint saves. Earlier snapshots are dropped."""
+        if step not in self._snapshots:
+            raise KeyError(f"no dynamic-sampling snapshot for step {step} (kept: {sorted(self._snapshots)})")
+        for old in [s for s in self._snapshots if s < step]:
+            del self._snapshots[old]
+        generated, pool = self._snapshots[step]
+        return generated, [vars(g) for g in pool]
 
     async def send_output_data(self, data: TrainingBatch) -> bool:
         return await self.send_downstream(data)

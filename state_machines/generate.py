@@ -14,6 +14,7 @@ import uuid
 from dataclasses import dataclass
 
 from async_rl.batch import Sample
+from async_rl.fault_points import hold_at
 from async_rl.staleness import StalenessController
 from state_machines.base import StateMachine
 from state_machines.dataloader import PromptBatch
@@ -95,10 +96,11 @@ class GenerateStage(StateMachine):
     """Samples `n` responses per prompt on the rollout servers, within the staleness bound."""
 
     def __init__(
-        self, servers, rollout_cfg, max_staleness: int, request_timeout_s: float = 600.0, dynamic_sampling: bool = False
+        self, servers, rollout_cfg, max_staleness: int, request_timeout_s: float = 600.0, dynamic_sampling: bool = False,
+        steps_formed: int = 0,
     ):
         """`dynamic_sampling`: batch indices are not training steps; a batch is admitted while the next
-        training batch to form (`set_steps_formed`) is within the staleness bound."""
+        training batch to form (`set_steps_formed`; `steps_formed` at start) is within the staleness bound."""
         super().__init__("generate", inbox_size=max_staleness + 1, max_inflight=max_staleness + 1)
         if not servers:
             raise ValueError("generate stage needs at least one rollout server")
@@ -109,7 +111,7 @@ class GenerateStage(StateMachine):
         self.request_timeout_s = request_timeout_s
         self._next_server = 0
         self.dynamic_sampling = dynamic_sampling
-        self.steps_formed = 0
+        self.steps_formed = steps_formed
 
     async def set_steps_formed(self, steps: int) -> None:
         """Called by the dynamic_sampling stage each time it forms a training batch."""
@@ -148,6 +150,8 @@ class GenerateStage(StateMachine):
                                                self.request_timeout_s, start_version))
                 meta.append((uid, prompt_ids, non_tensor))
         outputs = await asyncio.gather(*jobs)
+        if batch.index > self.staleness.served_version:  # generated ahead of the trainer
+            hold_at("generate_ahead", batch.index + 1)
         samples = []
         for (uid, prompt_ids, non_tensor), out in zip(meta, outputs):
             samples.append(

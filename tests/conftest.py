@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,7 @@ def run_verl(demo_dir: Path, extra, workdir: Path, timeout_s: float = 600) -> tu
     """`python -m verl.trainer.main_ppo <demo overrides + extra>`; returns (exit code, output, JSONL rows)."""
     from async_rl.demo import demo_overrides
 
+    workdir.mkdir(parents=True, exist_ok=True)
     metrics_path = workdir / "metrics.jsonl"
     env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(metrics_path), "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *demo_overrides(demo_dir, extra=extra)]
@@ -60,3 +62,81 @@ def step_rows(rows: list[dict]) -> dict[int, dict]:
 
 def val_rows(rows: list[dict]) -> dict[int, dict]:
     return {r["step"]: r["data"] for r in rows if any(k.startswith("val-core/") for k in r["data"])}
+
+
+def start_verl(demo_dir: Path, extra, workdir: Path, metrics_name: str = "metrics.jsonl", env=None) -> subprocess.Popen:
+    """`python -m verl.trainer.main_ppo <demo overrides + extra>` in its own session (so that
+    `kill_session` reaches every process of the run: the driver, Ray's services, every actor)."""
+    from async_rl.demo import demo_overrides
+
+    env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(workdir / metrics_name), "PYTHONUNBUFFERED": "1", **(env or {})}
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *demo_overrides(demo_dir, extra=extra)]
+    log = open(workdir / f"{metrics_name}.log", "w")
+    return subprocess.Popen(cmd, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def session_processes(sid: int) -> list[int]:
+    out = subprocess.run(["ps", "-eo", "pid=,sid="], capture_output=True, text=True).stdout.split()
+    return [int(p) for p, s in zip(out[::2], out[1::2]) if int(s) == sid]
+
+
+def kill_session(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """SIGKILL every process of `proc`'s session at once (a node lost), and wait until they are gone."""
+    import signal
+    import time
+
+    for pid in session_processes(proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(timeout=grace_s)
+    deadline = time.monotonic() + grace_s
+    while session_processes(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not session_processes(proc.pid), "processes of the killed run survived SIGKILL"
+
+
+def wait_for_file(path: Path, proc: subprocess.Popen, timeout_s: float) -> None:
+    """Until `path` exists; fails if the run exits first or the time runs out."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if proc.poll() is not None:
+            raise AssertionError(f"the run exited ({proc.returncode}) before {path.name}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path.name} did not appear within {timeout_s:g} s")
+        time.sleep(0.1)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def expected_step_inputs(demo_dir: Path, steps: int, extra=None) -> dict[int, Counter]:
+    """Step -> multiset of prompts (decoded as verl's rollout dumps decode them, one per sample) that
+    verl's dataloader gives steps 1..`steps` of the demo: what an uninterrupted run trains."""
+    from transformers import AutoTokenizer
+
+    from async_rl.demo import demo_overrides
+    from state_machines.dataloader import batch_rows, load_prompt_dataset, make_train_dataloader, tokenize_row
+
+    config = compose_ppo(demo_overrides(demo_dir, extra=extra))
+    tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
+    loader = make_train_dataloader(config.data, load_prompt_dataset(config.data.train_files, config.data, tokenizer, True))
+    n, out, batches = int(config.actor_rollout_ref.rollout.n), {}, iter(loader)
+    for step in range(1, steps + 1):
+        try:
+            batch = next(batches)
+        except StopIteration:
+            batches = iter(loader)
+            batch = next(batches)
+        ids = [tokenize_row(row, tokenizer, int(config.data.max_prompt_length))[0] for row in batch_rows(batch)]
+        out[step] = Counter(tokenizer.decode(i, skip_special_tokens=True) for i in ids for _ in range(n))
+    return out
+
+
+def dumped_step_inputs(dump_dir: Path) -> dict[int, Counter]:
+    """Step -> multiset of the `input` field of verl's `{step}.jsonl` rollout dumps."""
+    return {int(p.stem): Counter(r["input"] for r in read_jsonl(p)) for p in dump_dir.glob("*.jsonl")}

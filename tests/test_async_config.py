@@ -261,26 +261,16 @@ def test_configs_that_need_a_critic_are_refused_naming_the_key(demo_dir):
         AsyncPipeline(compose_ppo(demo_overrides(demo_dir, extra={"algorithm.adv_estimator": "gae"})))
 
 
-def test_checkpoint_saving_and_resuming_are_refused_naming_the_key(tmp_path):
-    """The pipeline does not save or resume verl checkpoints: asked to, it says so instead of
-    training without saving, or from scratch where verl would resume."""
-    from async_rl.config import check_no_checkpointing
+def test_verls_checkpoint_keys_are_checked_before_ray_starts(demo_dir, tmp_path):
+    """A checkpoint setting that cannot work fails in the start checks, naming the key
+    (each key's rules: tests/test_checkpoints.py)."""
+    from async_rl.demo import demo_overrides
+    from async_rl.pipeline import AsyncPipeline
     from conftest import compose_ppo
 
-    def refused(*overrides) -> AsyncConfigError:
-        with pytest.raises(AsyncConfigError) as info:
-            check_no_checkpointing(compose_ppo(list(overrides)))
-        return info.value
-
-    assert refused("trainer.save_freq=10").key == "trainer.save_freq"
-    assert refused("trainer.resume_mode=resume_path", "trainer.resume_from_path=x/global_step_3").key == (
-        "trainer.resume_mode")
-    empty = tmp_path / "empty"
-    check_no_checkpointing(compose_ppo([f"trainer.default_local_dir={empty}"]))  # auto, nothing to resume
-    check_no_checkpointing(compose_ppo(["trainer.save_freq=-1", "trainer.resume_mode=disable"]))
-    saved = tmp_path / "saved"
-    (saved / "global_step_3").mkdir(parents=True)
-    (saved / "latest_checkpointed_iteration.txt").write_text("3")
-    error = refused(f"trainer.default_local_dir={saved}")  # resume_mode=auto, verl's default
-    assert error.key == "trainer.resume_mode" and str(saved / "global_step_3") in str(error)
-    check_no_checkpointing(compose_ppo([f"trainer.default_local_dir={saved}", "trainer.resume_mode=disable"]))
+    missing = str(tmp_path / "global_step_3")
+    extra = {"trainer.resume_mode": "resume_path", "trainer.resume_from_path": missing}
+    with pytest.raises(AsyncConfigError, match="trainer.resume_from_path=.*no actor/ in it"):
+        AsyncPipeline(compose_ppo(demo_overrides(demo_dir, extra=extra)))
+    with pytest.raises(AsyncConfigError, match="trainer.default_hdfs_dir"):
+        AsyncPipeline(compose_ppo(demo_overrides(demo_dir, extra={"trainer.default_hdfs_dir": "hdfs://ckpt"})))

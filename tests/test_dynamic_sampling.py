@@ -90,3 +90,40 @@ def test_input_after_the_last_step_is_dropped():
     stage = DynamicSamplingStage(config(batch_groups=1), max_staleness=1, total_steps=1)
     outs = run(stage, generated(0, [[0, 1]], version=0), generated(1, [[0, 1]], version=1))
     assert isinstance(outs[0], TrainingBatch) and outs[1] is None
+
+
+def test_a_stage_restored_from_a_checkpoint_forms_what_the_original_forms():
+    """checkpoint_state(step): the pool right after batch step - 1 was formed and the generated batches
+    drawn by then; a stage built from it, fed the batches after those, forms the same training batches."""
+    import torch as th
+
+    inputs = [generated(0, [[0, 1], [1, 0], [0, 1]], version=0), generated(1, [[1, 1], [0, 1]], version=1),
+              generated(2, [[0, 1]], version=2), generated(3, [[1, 0], [0, 1]], version=3)]
+    original = DynamicSamplingStage(config(batch_groups=2), max_staleness=2, total_steps=4)
+    outs = run(original, *inputs)
+    formed = [o for o in outs if o is not None]
+    assert [o.index for o in formed] == [0, 1, 2]
+    generated_by_then, pool = original.checkpoint_state(1)  # a step-1 checkpoint: batch 0 trained
+    assert generated_by_then == 1 and [g["uid"] for g in pool] == ["b0g2"]  # the leftover of batch 0
+    pool = th.load(_round_trip(pool), weights_only=False)  # as async_rl_state.pt holds it
+    restored = DynamicSamplingStage(config(batch_groups=2), max_staleness=2, total_steps=4, start_step=1,
+                                    generated_batches=generated_by_then, pool=pool)
+    again = [o for o in run(restored, *inputs[generated_by_then:]) if o is not None]
+    assert [o.index for o in again] == [1, 2]
+    for a, b in zip(again, formed[1:]):
+        assert list(a.batch_ref.non_tensor_batch["uid"]) == list(b.batch_ref.non_tensor_batch["uid"])
+        assert a.scored.scores.tolist() == b.scored.scores.tolist()
+    assert restored.generated == original.generated == 4
+    with pytest.raises(KeyError, match="no dynamic-sampling snapshot for step 1"):
+        original.checkpoint_state(1) if original.checkpoint_state(2) else None
+
+
+def _round_trip(obj):
+    import io
+
+    import torch as th
+
+    buffer = io.BytesIO()
+    th.save(obj, buffer)
+    buffer.seek(0)
+    return buffer

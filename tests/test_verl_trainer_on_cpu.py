@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from omegaconf import OmegaConf
 
-from conftest import compose_ppo, run_verl, step_rows, val_rows
+from conftest import (
+    compose_ppo,
+    dumped_step_inputs,
+    expected_step_inputs,
+    read_jsonl,
+    run_verl,
+    step_rows,
+    val_rows,
+)
 from verl_patches.verl_trainer_on_cpu import WORKER_ENV, prepare, wants_cpu_rollout
 
 FLAG_OFF = {"+actor_rollout_ref.async_pipeline": False}
@@ -33,15 +41,60 @@ def test_prepare_sets_up_ray_for_cpu_workers(demo_dir, monkeypatch):
     assert dict(ray_init.runtime_env.env_vars) == WORKER_ENV
 
 
-def test_verls_sync_trainer_trains_with_the_cpu_backend(demo_dir, tmp_path):
-    """The demo command with the flag off: verl's trainer, our replicas, weights synced every step."""
-    extra = {**FLAG_OFF, "trainer.total_training_steps": 2, "trainer.test_freq": 2}
-    code, out, rows = run_verl(demo_dir, extra, tmp_path, timeout_s=900)
+def test_checkpoints_round_trip_between_the_pipeline_and_verls_sync_trainer(demo_dir, tmp_path):
+    """Pipeline steps 1-2 -> verl's synchronous trainer (flag off, our CPU replicas) resumes them for
+    steps 3-4 -> the pipeline resumes verl's checkpoint for step 5. verl's own trainer reads the
+    pipeline's checkpoint and the other way round; every step trains verl's dataloader's prompts."""
+    ckpt, dumps = tmp_path / "ckpt", tmp_path / "dumps"
+    common = {"trainer.save_freq": 2, "trainer.default_local_dir": str(ckpt), "trainer.rollout_data_dir": str(dumps),
+              "trainer.resume_mode": "auto", "trainer.test_freq": -1, "trainer.val_before_train": False}
+    pipeline = {**common, "+trainer.use_nodes_ratios": [1.0, 0.5, 0.5, 0.5]}  # 2 train ranks, as verl's trainer has
+
+    contents = {"actor_rollout_ref.actor.checkpoint.save_contents": ["model", "optimizer", "extra", "hf_model"]}
+    code, out, rows = run_verl(demo_dir, {**pipeline, **contents, "trainer.total_training_steps": 2}, tmp_path / "first")
+    assert code == 0, out[-4000:]
+    assert sorted(step_rows(rows)) == [1, 2] and (ckpt / "global_step_2" / "async_rl_state.pt").exists()
+    assert_verls_merger_reads(ckpt / "global_step_2" / "actor", tmp_path / "merged")
+
+    extra = {**common, **FLAG_OFF, "trainer.total_training_steps": 4, "trainer.test_freq": 4}
+    code, out, rows = run_verl(demo_dir, extra, tmp_path / "verl", timeout_s=900)
     assert code == 0, out[-4000:]
     assert "async-rl" not in out  # not the pipeline's progress bar: verl's trainer ran
     steps = step_rows(rows)
-    assert sorted(steps) == [1, 2]
+    assert sorted(steps) == [3, 4]  # verl resumed the pipeline's step 2
     for metrics in steps.values():
-        # the server's log-probs equal the trainer's: it holds the weights of the step (synced each update)
+        # the server's log-probs equal the trainer's: it holds the resumed weights, synced each update
         assert metrics["training/rollout_probs_diff_max"] < 1e-3, metrics["training/rollout_probs_diff_max"]
-    assert 2 in val_rows(rows)
+    assert 4 in val_rows(rows)
+    assert (ckpt / "global_step_4" / "data.pt").exists() and not (ckpt / "global_step_4" / "async_rl_state.pt").exists()
+
+    last = {**pipeline, "trainer.total_training_steps": 5, "trainer.test_freq": 5, "trainer.validation_data_dir": str(tmp_path / "val"),
+            "trainer.del_local_ckpt_after_load": True}
+    code, out, rows = run_verl(demo_dir, last, tmp_path / "last")
+    assert code == 0, out[-4000:]
+    assert f"resuming from {ckpt}/global_step_4 (step 4, written by verl)" in out
+    assert sorted(step_rows(rows)) == [5]
+    assert dumped_step_inputs(dumps) == expected_step_inputs(demo_dir, 5)
+    assert (ckpt / "global_step_4" / "actor" / "model_world_size_2_rank_0.pt").exists()  # verl deletes remote copies only
+    val = read_jsonl(tmp_path / "val" / "5.jsonl")  # the final validation, in verl's dump format
+    assert len(val) == 32 and set(val[0]) == {"input", "output", "gts", "score", "step"} and val[0]["step"] == 5
+
+
+def assert_verls_merger_reads(actor_dir, target):
+    """`python -m verl.model_merger merge` turns the pipeline's shards into an HF model equal to the
+    `hf_model` the checkpoint holds (save_contents): two of verl's own readers of the shards agree."""
+    import subprocess
+    import sys
+
+    import torch
+    from safetensors.torch import load_file
+
+    proc = subprocess.run([sys.executable, "-m", "verl.model_merger", "merge", "--backend", "fsdp", "--local_dir",
+                           str(actor_dir), "--target_dir", str(target)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    merged = load_file(str(next(target.glob("*.safetensors"))))
+    saved = load_file(str(next((actor_dir / "huggingface").glob("*.safetensors"))))
+    shared = set(merged) & set(saved)
+    assert len(shared) >= 20, (sorted(merged)[:5], sorted(saved)[:5])
+    for name in shared:  # the merger writes bf16 (verl's default); the checkpoint's hf_model keeps the trainer's fp32
+        assert torch.equal(merged[name], saved[name].to(merged[name].dtype)), name

@@ -1,0 +1,34 @@
+"""Named points where a test or bench may hold a process, to kill the run exactly there.
+
+With `ASYNC_RL_HOLD_AT="<point>@<step>"` (several: comma-separated) and `ASYNC_RL_HOLD_DIR`
+in the environment, the process that reaches `<point>` at `<step>` writes the file
+`<dir>/<point>@<step>` and waits there, so the caller can SIGKILL every process of the run
+while that work is in progress, or let it go on by creating `<dir>/<point>@<step>.release`.
+Unset (always, outside tests and `bench/`), `hold_at` returns at once. The points:
+
+- `train_step@N`: actor_train, training step N updated the weights, nothing of it sent or saved;
+- `weight_sync@N`: param_update, version N staged on every receiver, not yet loaded;
+- `generate_ahead@N`: generate, the batch of step N generated ahead of the trainer, not yet passed on;
+- `checkpoint_copy@N`: a train rank's writer thread, checkpoint N captured, its tensors not yet copied;
+- `checkpoint_write@N`: a train rank's writer thread, checkpoint N copied, none of its big files written.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+HOLD_AT_ENV = "ASYNC_RL_HOLD_AT"
+HOLD_DIR_ENV = "ASYNC_RL_HOLD_DIR"
+
+
+def hold_at(point: str, step: int) -> None:
+    """Hold the calling thread (until killed or released) if the environment asks for `point@step`."""
+    wanted = os.environ.get(HOLD_AT_ENV)
+    if not wanted or f"{point}@{step}" not in wanted.split(","):
+        return
+    marker = os.path.join(os.environ.get(HOLD_DIR_ENV) or ".", f"{point}@{step}")
+    with open(marker, "w") as f:
+        f.write(str(os.getpid()))
+    while not os.path.exists(marker + ".release"):
+        time.sleep(0.05)
