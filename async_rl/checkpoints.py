@@ -141,9 +141,9 @@ def _step_of(path: str) -> int:
     return int(match.group(1))
 
 
-def checkpoint_world_size(path: str) -> Optional[int]:
-    """Train ranks that wrote the checkpoint at `path` (verl's actor/fsdp_config.json), None if unknown."""
-    meta = os.path.join(path, "actor", "fsdp_config.json")
+def checkpoint_world_size(path: str, role: str = "actor") -> Optional[int]:
+    """Ranks that wrote `role`'s part of the checkpoint at `path` (verl's <role>/fsdp_config.json), None if unknown."""
+    meta = os.path.join(path, role, "fsdp_config.json")
     if not os.path.exists(meta):
         return None
     with open(meta) as f:
@@ -157,9 +157,10 @@ def dataloader_workers_in_state(state: dict) -> int:
 
 
 def find_resume_point(cfg: CheckpointConfig, train_world_size: int, dataloader_workers: int,
-                      dynamic_sampling: bool) -> Optional[ResumePoint]:
+                      dynamic_sampling: bool, critic_world_size: Optional[int] = None) -> Optional[ResumePoint]:
     """The checkpoint verl's rules pick (`auto`: the tracker's, `resume_path`: the one named),
-    checked against this run; None to train from scratch. AsyncConfigError names what does not fit."""
+    checked against this run (`critic_world_size`: the run has a critic on that many ranks, so the
+    checkpoint must hold one); None to train from scratch. AsyncConfigError names what does not fit."""
     from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 
     if cfg.resume_mode == "disable":
@@ -176,6 +177,8 @@ def find_resume_point(cfg: CheckpointConfig, train_world_size: int, dataloader_w
             "shard per rank (set the train share of trainer.nnodes x n_gpus_per_node to match, or "
             "trainer.resume_mode=disable)",
         )
+    if critic_world_size is not None:
+        _check_critic_part(path, key, critic_world_size)
     step = _step_of(path)
     data_path, state_path = os.path.join(path, DATA_FILE), os.path.join(path, STATE_FILE)
     dataloader_state = torch.load(data_path, weights_only=False) if os.path.exists(data_path) else None
@@ -195,6 +198,22 @@ def find_resume_point(cfg: CheckpointConfig, train_world_size: int, dataloader_w
             "at a time, so its dataloader position does not carry over",
         )
     return ResumePoint(path, RunState(step, step, dataloader_state), "verl")
+
+
+def _check_critic_part(path: str, key: str, world_size: int) -> None:
+    if not os.path.isdir(os.path.join(path, "critic")):
+        raise AsyncConfigError(
+            key, os.path.dirname(path),
+            f"a checkpoint with a critic: {path}/critic is missing (saved by a run without one); resume it "
+            "with the algorithm.adv_estimator / critic.enable it was saved with, or trainer.resume_mode=disable",
+        )
+    saved = checkpoint_world_size(path, "critic")
+    if saved is not None and saved != world_size:
+        raise AsyncConfigError(
+            "trainer.use_nodes_ratios", f"{world_size} critic ranks",
+            f"{saved} critic ranks, as in the checkpoint {path} (the critic's share is the 5th number, "
+            "by default the train share)",
+        )
 
 
 def _fsync_tree(root: str) -> None:
@@ -302,14 +321,18 @@ class RunCheckpointer:
         total_steps: the run's last step (always saved).
         dataloader: the dataloader stage (`state_before(batch_index)`).
         sampling: the dynamic_sampling stage (`checkpoint_state(step)`), or None.
+        critic: the critic_train stage (`save_checkpoint(path, step)`: `critic/`, saved once the
+            critic has made update `step`, beside training), or None.
     """
 
-    def __init__(self, cfg: CheckpointConfig, total_steps: int, dataloader: Any, sampling: Any = None):
+    def __init__(self, cfg: CheckpointConfig, total_steps: int, dataloader: Any, sampling: Any = None,
+                 critic: Any = None):
         self.cfg = cfg
         self.total_steps = total_steps
         self.dir = CheckpointDir(cfg.root)
         self.dataloader = dataloader
         self.sampling = sampling
+        self.critic = critic
         self.last_saved: Optional[int] = None
         self._pending: Optional[asyncio.Task] = None
         self._written: dict[str, float] = {}
@@ -333,15 +356,18 @@ class RunCheckpointer:
         state = await self._run_state(step, kl_coef)
         partial = self.dir.begin(step)
         per_rank = await asyncio.to_thread(worker_group.snapshot_checkpoint, os.path.join(partial, "actor"), step)
-        self._pending = asyncio.ensure_future(self._finish(step, worker_group, state, partial))
+        critic = None if self.critic is None else self.critic.save_checkpoint.remote(os.path.join(partial, "critic"), step)
+        self._pending = asyncio.ensure_future(self._finish(step, worker_group, state, partial, critic))
         metrics = {"timing_s/save_checkpoint": time.perf_counter() - start,
                    "async/checkpoint/snapshot_s": max(r["snapshot_s"] for r in per_rank)}
         metrics.update(self.pop_written())
         return metrics
 
-    async def _finish(self, step: int, worker_group, state: RunState, partial: str) -> None:
+    async def _finish(self, step: int, worker_group, state: RunState, partial: str, critic=None) -> None:
         start = time.perf_counter()
         per_rank = await asyncio.to_thread(worker_group.wait_checkpoint_written, WRITE_TIMEOUT_S)
+        if critic is not None:
+            await asyncio.wait_for(critic, WRITE_TIMEOUT_S)
         write_durably(state.dataloader_state, os.path.join(partial, DATA_FILE))
         write_durably(vars(state), os.path.join(partial, STATE_FILE))
         self.dir.commit(step)

@@ -5,7 +5,7 @@ Every key is added to a verl command with `+` (verl's schema does not know them)
 | key | default | allowed |
 |---|---|---|
 | actor_rollout_ref.async_pipeline | False | bool |
-| trainer.use_nodes_ratios | [0.5, 0.5, 0.5, 0.5] | 4 numbers in (0, 1]: train, logp, ref_logp, generate |
+| trainer.use_nodes_ratios | [0.5, 0.5, 0.5, 0.5] | 4 numbers in (0, 1]: train, logp, ref_logp, generate; a 5th: critic (default: train's) |
 | actor_rollout_ref.rollout.enable_dual_buffer | True | bool |
 | actor_rollout_ref.rollout.param_update_preduce_bucket_size_mb | 512 | number > 0 (MB) |
 | actor_rollout_ref.rollout.param_update_consume_bucket_size_mb | 128 | number > 0 (MB) |
@@ -20,9 +20,8 @@ Every key is added to a verl command with `+` (verl's schema does not know them)
 
 Validation runs in the driver before any Ray actor starts and raises
 `AsyncConfigError` with one message naming the key, the value and what is allowed.
-verl settings the pipeline cannot serve are refused the same way: a critic
-(`critic.enable=True`, or verl's default `algorithm.adv_estimator=gae`). verl's checkpoint
-keys are read and checked by async_rl/checkpoints.py.
+verl's checkpoint keys are read and checked by async_rl/checkpoints.py; whether a run has a
+critic is verl's own rule (`critic_enabled`).
 """
 
 from __future__ import annotations
@@ -33,6 +32,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 USE_NODES_ROLES = ("train", "logp", "ref_logp", "generate")
+CRITIC_ROLE = "critic"  # the optional 5th number of use_nodes_ratios (default: the train ratio)
 
 
 class AsyncConfigError(ValueError):
@@ -48,7 +48,7 @@ class AsyncPipelineConfig:
     """The pipeline's own settings, validated."""
 
     enabled: bool = False
-    use_nodes_ratios: tuple[float, float, float, float] = (0.5, 0.5, 0.5, 0.5)
+    use_nodes_ratios: tuple[float, ...] = (0.5, 0.5, 0.5, 0.5)
     enable_dual_buffer: bool = True
     preduce_bucket_size_mb: float = 512.0
     consume_bucket_size_mb: float = 128.0
@@ -112,8 +112,9 @@ def _as_positive_number(key: str, value) -> float:
 
 
 def _as_ratios(key: str, value) -> tuple[float, ...]:
-    allowed = f"a list of {len(USE_NODES_ROLES)} numbers in (0, 1] for {list(USE_NODES_ROLES)}"
-    if not isinstance(value, (list, tuple)) or len(value) != len(USE_NODES_ROLES):
+    allowed = (f"a list of {len(USE_NODES_ROLES)} numbers in (0, 1] for {list(USE_NODES_ROLES)}, "
+               f"or 5 with the {CRITIC_ROLE}'s last")
+    if not isinstance(value, (list, tuple)) or len(value) not in (len(USE_NODES_ROLES), len(USE_NODES_ROLES) + 1):
         raise AsyncConfigError(key, value, allowed)
     for v in value:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
@@ -153,21 +154,20 @@ def _check_decoupled(config, enabled: bool) -> None:
         )
 
 
-def check_no_critic(config) -> None:
-    """The pipeline has no critic-train stage: refuse `critic.enable=True`, and the estimator that
-    needs a value model (`gae`, verl's default, whatever `critic.enable` says), naming the key."""
+def critic_enabled(config) -> bool:
+    """verl's rule (`verl.trainer.ppo.utils.need_critic`): `critic.enable` when set, else whether the
+    estimator is gae. gae with `critic.enable=False` is refused naming both keys (verl's step would
+    find no values)."""
     from verl.trainer.ppo.core_algos import AdvantageEstimator
 
-    if select_value(config, "critic.enable", None) is True:
-        raise AsyncConfigError("critic.enable", True, "null or False: the async pipeline has no critic-train stage")
+    enable = select_value(config, "critic.enable", None)
     estimator = select_value(config, "algorithm.adv_estimator", None)
-    if estimator == AdvantageEstimator.GAE.value:
-        critic_free = ", ".join(e.value for e in AdvantageEstimator if e != AdvantageEstimator.GAE)
-        raise AsyncConfigError(
-            "algorithm.adv_estimator", estimator,
-            f"an estimator without a critic ({critic_free}): gae needs a value model, and the async pipeline "
-            "has no critic-train stage",
-        )
+    if enable is False and estimator == AdvantageEstimator.GAE.value:
+        raise AsyncConfigError("critic.enable", False, "null or True with algorithm.adv_estimator=gae "
+                               "(gae needs the critic's values)")
+    if enable is not None:
+        return bool(enable)
+    return estimator == AdvantageEstimator.GAE.value
 
 
 FILTER_GROUPS_METRICS = ("reward", "acc", "score", "seq_reward", "seq_final_reward")  # one sequence score here
@@ -208,7 +208,7 @@ def read_async_config(config) -> AsyncPipelineConfig:
         generate_ahead_steps=_as_ahead_steps(keys["generate_ahead_steps"], raw["generate_ahead_steps"]),
         stall_timeout_s=_as_positive_number(keys["stall_timeout_s"], raw["stall_timeout_s"]),
         reward_timeout_s=_as_positive_number(keys["reward_timeout_s"], raw["reward_timeout_s"]),
-        ratios_by_role=dict(zip(USE_NODES_ROLES, ratios)),
+        ratios_by_role={**dict(zip(USE_NODES_ROLES, ratios)), CRITIC_ROLE: ratios[4] if len(ratios) > 4 else ratios[0]},
         user_stages=user_stages,
         decoupled_ppo=_as_bool(keys["decoupled_ppo"], raw["decoupled_ppo"]),
         behav_imp_weight_cap=_as_cap(keys["behav_imp_weight_cap"], raw["behav_imp_weight_cap"]),

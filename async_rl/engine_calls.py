@@ -69,3 +69,40 @@ def update_actor(worker_group, batch: DataProto, actor_rollout_ref: DictConfig) 
             value = sum(value) / max(len(value), 1)
         out[name] = float(value)
     return out
+
+
+# Tensors verl's critic reads: the engine keys, the values it predicted, GAE's returns.
+_CRITIC_TRAIN_KEYS = _ENGINE_KEYS + ("values", "returns")
+
+
+def compute_values(worker_group, batch: DataProto, temperature: float) -> torch.Tensor:
+    """The critic's values of every response token, (bs, resp_len) (verl's `_compute_values`; the
+    engine reads the rollout's `temperature`, which verl's batch carries in its meta_info)."""
+    td = _to_no_padding(batch, _ENGINE_KEYS)
+    tu.assign_non_tensor(td, compute_loss=False, temperature=temperature)
+    output = worker_group.infer_batch(td).get()
+    return no_padding_2_padding(tu.get(output, "values"), td).float()
+
+
+def update_critic(worker_group, batch: DataProto, config: DictConfig) -> dict[str, float]:
+    """verl's critic update over `batch` (`critic.ppo_mini_batch_size` x n rows per mini-batch,
+    `critic.ppo_epochs`; verl's `_update_critic`); returns verl's metrics (`critic/*`, `perf/mfu/critic`)."""
+    critic = config.critic
+    td = _to_no_padding(batch, _CRITIC_TRAIN_KEYS)
+    mini_batch = min(int(critic.ppo_mini_batch_size) * int(config.actor_rollout_ref.rollout.n), len(batch))
+    tu.assign_non_tensor(
+        td,
+        global_batch_size=mini_batch,
+        mini_batch_size=mini_batch,
+        epochs=critic.ppo_epochs,
+        seed=critic.data_loader_seed,
+        dataloader_kwargs={"shuffle": critic.shuffle},
+        temperature=config.actor_rollout_ref.rollout.temperature,
+    )
+    from verl.utils.metric import reduce_metrics
+    from verl.utils.py_functional import rename_dict
+
+    metrics = rename_dict(tu.get(worker_group.train_mini_batch(td).get(), "metrics"), "critic/")
+    if "critic/mfu" in metrics:
+        metrics["perf/mfu/critic"] = metrics.pop("critic/mfu")
+    return {key: float(value) for key, value in reduce_metrics(metrics).items()}

@@ -3,6 +3,7 @@
     dataloader -> generate -> rollout -> reward ---\
                                       -> logp ------> actor_train -> param_update
                                       -> ref_logp --/       (weights -> rollout servers, logp)
+                                      -> values ---/  \-> critic_train (with a critic: PPO with GAE)
 
 The driver validates the pipeline's keys before Ray starts, starts every stage's
 `run()`, logs each training step through verl's `Tracking`, validates every
@@ -26,7 +27,7 @@ from async_rl.checkpoints import read_checkpoint_config
 from async_rl.config import (
     AsyncConfigError,
     AsyncPipelineConfig,
-    check_no_critic,
+    critic_enabled,
     read_async_config,
     strip_async_keys,
 )
@@ -50,7 +51,7 @@ def validate_pipeline_config(config: DictConfig) -> AsyncPipelineConfig:
     from state_machines.reward import overlong_shaping
 
     async_cfg = read_async_config(config)
-    check_no_critic(config)
+    critic_enabled(config)
     read_checkpoint_config(config)
     for spec in async_cfg.user_stages:
         spec.load_class()
@@ -159,7 +160,10 @@ class AsyncPipeline:
         self.tracking = None
         self.validator = None
         self.history: list[dict] = []  # every logged step's metrics (tests and benches read it)
-        self.edges = build_edges(self.async_cfg.user_stages, self.async_cfg.dynamic_sampling)
+        self._unlogged: list[dict] = []  # steps waiting for their critic update's metrics
+        self._critic_metrics: dict[int, dict] = {}
+        self.critic = critic_enabled(self.config)
+        self.edges = build_edges(self.async_cfg.user_stages, self.async_cfg.dynamic_sampling, self.critic)
         self.stage_names = tuple(self.edges)
 
     # ---- build ----------------------------------------------------------------------
@@ -211,7 +215,7 @@ class AsyncPipeline:
         on_cpu = str(cfg.trainer.device) == "cpu"
         proximal = self.proximal_logp_workers()
         needed = devices_needed(sizes, len(replicas), 1 if on_cpu else replicas[0].world_size,
-                                need_reference_policy(cfg), proximal == "logp")
+                                need_reference_policy(cfg), proximal == "logp", self.critic)
         check_cluster_fits(needed, on_cpu, ray.cluster_resources())
         self.replicas = launch_rollout_replicas(replicas, cfg.actor_rollout_ref.rollout.name, timeout_s=SETUP_TIMEOUT_S)
         servers = [r.server_handle for r in self.replicas]
@@ -246,19 +250,26 @@ class AsyncPipeline:
         self._stage("ref_logp", RefLogpStage, cfg, sizes["ref_logp"], need_reference_policy(cfg))
         receivers = self._weight_receivers(logp if proximal == "logp" else None)
         param_update = self._stage("param_update", ParamUpdateStage, receivers, generate)
+        critic = None
+        if self.critic:
+            from state_machines.critic_train import CriticTrainStage
+            from state_machines.values import ValuesStage
+
+            critic = self._stage("critic_train", CriticTrainStage, cfg, sizes["critic"], self.start_step)
+            self._stage("values", ValuesStage, critic)
         checkpointer = None
         if self.checkpoint_cfg.save_freq > 0:
             CheckpointDir(self.checkpoint_cfg.root).remove_partials()
-            checkpointer = RunCheckpointer(self.checkpoint_cfg, steps, dataloader, sampling)
+            checkpointer = RunCheckpointer(self.checkpoint_cfg, steps, dataloader, sampling, critic)
         self._stage("actor_train", ActorTrainStage, cfg, sizes["train"], eta, param_update, bucket_bytes["preduce"],
                     compute_proximal=proximal == "train", start_step=self.start_step, checkpointer=checkpointer,
-                    kl_coef=state.kl_coef if state else None)
+                    kl_coef=state.kl_coef if state else None, critic_sink=critic)
         for spec in self.async_cfg.user_stages:
             self._stage(spec.name, spec.load_class(), config=cfg, name=spec.name, **spec.kwargs)
 
         # engines start in parallel; each has its own timeout-bounded wait
-        self._wait({n: self.stages[n].setup.remote() for n in ("actor_train", "logp", "ref_logp")}, SETUP_TIMEOUT_S,
-                   "start verl worker groups")
+        groups = ("actor_train", "logp", "ref_logp") + (("critic_train",) if self.critic else ())
+        self._wait({n: self.stages[n].setup.remote() for n in groups}, SETUP_TIMEOUT_S, "start verl worker groups")
         self._configure_receivers(dual, bucket_bytes["consume"])
         self._wire()
         if resume is not None:
@@ -269,7 +280,8 @@ class AsyncPipeline:
         from async_rl.checkpoints import find_resume_point
 
         workers = int(self.config.data.get("dataloader_num_workers", 0) or 0)
-        return find_resume_point(self.checkpoint_cfg, train_world_size, workers, self.async_cfg.dynamic_sampling)
+        return find_resume_point(self.checkpoint_cfg, train_world_size, workers, self.async_cfg.dynamic_sampling,
+                                 self.world_sizes["critic"] if self.critic else None)
 
     def _load_resume_point(self, resume) -> None:
         """Load the checkpoint into the train ranks and serve its weights before anything generates."""
@@ -277,8 +289,12 @@ class AsyncPipeline:
 
         step = resume.state.global_step
         logger.warning("resuming from %s (step %d, written by %s)", resume.path, step, resume.written_by)
-        self._wait({"actor_train": self.stages["actor_train"].load_checkpoint.remote(
-            resume.path, self.checkpoint_cfg.del_local_after_load)}, SETUP_TIMEOUT_S, f"load the checkpoint {resume.path}")
+        loads = {"actor_train": self.stages["actor_train"].load_checkpoint.remote(
+            resume.path, self.checkpoint_cfg.del_local_after_load)}
+        if self.critic:
+            loads["critic_train"] = self.stages["critic_train"].load_checkpoint.remote(
+                resume.path, self.checkpoint_cfg.del_local_after_load)
+        self._wait(loads, SETUP_TIMEOUT_S, f"load the checkpoint {resume.path}")
         self._wait({"param_update": self.stages["param_update"].process_data.remote(NewWeights(step, time.time())),
                     "actor_train": self.stages["actor_train"].send_weights.remote()},
                    SETUP_TIMEOUT_S, f"send the weights of step {step} to the rollout servers")
@@ -453,7 +469,7 @@ class AsyncPipeline:
                     ray.get(ref, timeout=CALL_TIMEOUT_S)
                 except ray.exceptions.RayError as exc:
                     raise PipelineError(f"pipeline stopped because stage '{runs[ref]}' failed:\n{_cause(exc)}") from exc
-            new_steps = ray.get(self.stages["actor_train"].pop_metrics.remote(), timeout=CALL_TIMEOUT_S)
+            new_steps = self._completed_steps(final=not pending)
             if new_steps:
                 sync_timings = ray.get(self.stages["param_update"].pop_timings.remote(), timeout=CALL_TIMEOUT_S)
                 if sync_timings:
@@ -481,6 +497,21 @@ class AsyncPipeline:
         progress.close()
         if test_freq > 0 or cfg.trainer.get("val_before_train", True):
             self._validate(step)
+
+    def _completed_steps(self, final: bool = False) -> list[dict]:
+        """Metrics of the steps done since the last call, in order. With a critic a step is done once
+        its critic update is too (its `critic/*` metrics join the actor's); `final`: every step left."""
+        steps = ray.get(self.stages["actor_train"].pop_metrics.remote(), timeout=CALL_TIMEOUT_S)
+        if not self.critic:
+            return steps
+        self._unlogged.extend(steps)
+        self._critic_metrics.update(ray.get(self.stages["critic_train"].pop_metrics.remote(), timeout=CALL_TIMEOUT_S))
+        done = []
+        while self._unlogged and (final or int(self._unlogged[0]["training/global_step"]) in self._critic_metrics):
+            metrics = self._unlogged.pop(0)
+            metrics.update(self._critic_metrics.pop(int(metrics["training/global_step"]), {}))
+            done.append(metrics)
+        return done
 
     def _checkpoint_and_stop(self) -> None:
         """On a stop signal: the running step finishes, the last completed one is saved; raises PipelinePreempted."""

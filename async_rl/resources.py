@@ -7,7 +7,7 @@ import math
 import ray
 from omegaconf import DictConfig
 
-from async_rl.config import USE_NODES_ROLES, AsyncPipelineConfig
+from async_rl.config import AsyncPipelineConfig
 
 
 def total_device_slots(config: DictConfig) -> int:
@@ -20,9 +20,9 @@ def split_world_sizes(total_slots: int, async_cfg: AsyncPipelineConfig) -> dict[
 
     Ratios may sum above 1: roles that share a fraction are placed on the same devices
     (the proposal's [0.5, 0.5, 0.5, 0.5]: train, logp and ref_logp on one half,
-    generate on the other).
+    generate on the other). `critic` (values and critic_train) is the optional 5th ratio.
     """
-    return {role: max(1, math.floor(async_cfg.ratios_by_role[role] * total_slots)) for role in USE_NODES_ROLES}
+    return {role: max(1, math.floor(ratio * total_slots)) for role, ratio in async_cfg.ratios_by_role.items()}
 
 
 def make_worker_group(config: DictConfig, role: str, world_size: int, name: str):
@@ -49,14 +49,60 @@ def make_worker_group(config: DictConfig, role: str, world_size: int, name: str)
     return group
 
 
+def critic_worker_config(config: DictConfig):
+    """verl's critic config -> the `TrainingWorkerConfig` verl's trainer builds from it (value model,
+    engine with the critic's token budgets, optimizer, checkpoint contents), and the `CriticConfig`
+    (its loss settings)."""
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.engine_workers import TrainingWorkerConfig
+
+    critic_cfg = omega_conf_to_dataclass(config.critic)
+    engine = critic_cfg.engine
+    engine.infer_max_token_len_per_gpu = critic_cfg.ppo_infer_max_token_len_per_gpu
+    engine.max_token_len_per_gpu = critic_cfg.ppo_max_token_len_per_gpu
+    worker_cfg = TrainingWorkerConfig(
+        model_type="value_model",
+        model_config=critic_cfg.model,
+        engine_config=engine,
+        optimizer_config=critic_cfg.optim,
+        checkpoint_config=critic_cfg.checkpoint,
+    )
+    return worker_cfg, critic_cfg
+
+
+def make_critic_worker_group(config: DictConfig, world_size: int):
+    """verl `RayWorkerGroup` of the critic (`async_rl.workers.CriticWorker`), engine built and its
+    loss verl's `value_loss`, as verl's trainer sets it up."""
+    from functools import partial
+
+    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+    from verl.workers.utils.losses import value_loss
+
+    from async_rl.workers import CriticWorker
+
+    on_cpu = str(config.trainer.device) == "cpu"
+    if on_cpu:
+        from verl_patches.cpu_patches import set_engine_device_env, use_cpu_platform
+
+        use_cpu_platform()
+        set_engine_device_env()
+    worker_cfg, critic_cfg = critic_worker_config(config)
+    pool = RayResourcePool([world_size], use_gpu=not on_cpu, max_colocate_count=1, name_prefix="critic")
+    worker_cls = RayClassWithInitArgs(cls=ray.remote(CriticWorker), config=worker_cfg, on_cpu=on_cpu)
+    group = RayWorkerGroup(pool, worker_cls, name_prefix="critic", device_name="cpu" if on_cpu else "cuda")
+    group.reset()
+    group.set_loss_fn(partial(value_loss, config=critic_cfg))
+    return group
+
+
 def devices_needed(world_sizes: dict[str, int], num_replicas: int, replica_devices: int, ref_enabled: bool,
-                   logp_enabled: bool = True) -> int:
+                   logp_enabled: bool = True, critic_enabled: bool = False) -> int:
     """Devices the pipeline's pools take: one worker group per role in use plus the rollout replicas.
 
     Each role gets its own pool (no sharing between pools), so this is a plain sum.
     """
     groups = (world_sizes["train"] + (world_sizes["logp"] if logp_enabled else 0)
-              + (world_sizes["ref_logp"] if ref_enabled else 0))
+              + (world_sizes["ref_logp"] if ref_enabled else 0) + (world_sizes["critic"] if critic_enabled else 0))
     return groups + num_replicas * replica_devices
 
 

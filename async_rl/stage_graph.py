@@ -93,20 +93,31 @@ def parse_user_stages(raw: Any) -> tuple[UserStageSpec, ...]:
 
 
 DYNAMIC_SAMPLING = "dynamic_sampling"
+# With a critic (PPO with GAE): values runs beside logp and ref_logp, and actor_train hands each
+# step's rows to critic_train directly (it sends weights, not batches, down its graph edge).
+VALUES, CRITIC_TRAIN = "values", "critic_train"
+SIDE_EDGES = {CRITIC_TRAIN: "actor_train"}  # stage -> its upstream outside the graph's edges
 
 
-def build_edges(user_stages: tuple[UserStageSpec, ...] = (), dynamic_sampling: bool = False) -> dict[str, tuple[str, ...]]:
+def build_edges(user_stages: tuple[UserStageSpec, ...] = (), dynamic_sampling: bool = False,
+                critic: bool = False) -> dict[str, tuple[str, ...]]:
     """The stage graph (name -> downstream names) with each user stage on the edge after its `after`.
 
     `dynamic_sampling` (verl's `algorithm.filter_groups.enable`): training batches are formed
     after reward, so reward feeds the dynamic_sampling stage, which feeds logp, ref_logp and
-    actor_train (state_machines/dynamic_sampling.py).
+    actor_train (state_machines/dynamic_sampling.py). `critic`: the values stage sits beside
+    logp and ref_logp, and critic_train is fed by actor_train (`SIDE_EDGES`).
     """
     edges = dict(BUILTIN_EDGES)
     if dynamic_sampling:
         edges["rollout"] = ("reward",)
         edges["reward"] = (DYNAMIC_SAMPLING,)
         edges[DYNAMIC_SAMPLING] = ("logp", "ref_logp", "actor_train")
+    if critic:
+        fan_out = DYNAMIC_SAMPLING if dynamic_sampling else "rollout"
+        edges[fan_out] = (*edges[fan_out], VALUES)
+        edges[VALUES] = ("actor_train",)
+        edges[CRITIC_TRAIN] = ()
     for spec in user_stages:
         edges[spec.name] = edges[spec.after]
         edges[spec.after] = (spec.name,)
@@ -114,9 +125,12 @@ def build_edges(user_stages: tuple[UserStageSpec, ...] = (), dynamic_sampling: b
 
 
 def upstream_counts(edges: dict[str, tuple[str, ...]]) -> dict[str, int]:
-    """How many upstreams each stage waits on for END_OF_STREAM."""
+    """How many upstreams each stage waits on for END_OF_STREAM (graph edges and `SIDE_EDGES`)."""
     counts = {name: 0 for name in edges}
     for downstream in edges.values():
         for name in downstream:
+            counts[name] += 1
+    for name in SIDE_EDGES:
+        if name in counts:
             counts[name] += 1
     return counts

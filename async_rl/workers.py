@@ -20,7 +20,7 @@ from __future__ import annotations
 import ray
 import torch
 from verl.single_controller.base.decorator import Dispatch, register
-from verl.workers.engine_workers import ActorRolloutRefWorker
+from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
 WEIGHTS_GROUP = "weights"  # Ray concurrency group of the staging calls
 CHECKPOINT_GROUP = "checkpoint"  # waits for a checkpoint's background write, beside training
@@ -165,3 +165,15 @@ class PipelineWorker(ActorRolloutRefWorker):
             loaded += len(group)
         self._stager.reset()
         return loaded
+
+
+class CriticWorker(TrainingWorker):
+    """verl's critic: the engine `TrainingWorker` verl 0.9.1's trainer builds for `critic`
+    (a value model), with the CPU patches applied in its process first."""
+
+    def __init__(self, config, on_cpu: bool = False):
+        if on_cpu:
+            from verl_patches.cpu_patches import apply_cpu_worker_patches
+
+            apply_cpu_worker_patches()
+        super().__init__(config)

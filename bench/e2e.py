@@ -15,6 +15,9 @@ prompts x 8 samples), learning rate, steps, cores and validation schedule:
   receives every version (the default computes it on the train rank before each update).
 - `async-pipeline k=K naive PPO` (`--naive-ks`): the same with AReaL's naive PPO, which
   recomputes no pi_prox at all.
+- `--ppo-ks K,...`: the PPO pair, verl's PPO with GAE and a critic (the demo's
+  `overrides_ppo.txt`): `verl-sync PPO` and `async-pipeline k=K PPO` (the critic on its own
+  rank, `use_nodes_ratios` 5th number = the train share).
 
 Settings (the demo's overrides, `DIR/overrides.txt`, for every system): the same 2 cores
 and `trainer.n_gpus_per_node=2` (CPU devices), fp32 FSDP2, GRPO, the demo's lr, dynamic
@@ -56,9 +59,11 @@ VAL_KEYS = ("val-core/async_rl/copy_digits/reward/mean@1", "val-aux/async_rl/cop
 # AReaL's naive PPO: pi_old = the behaviour policy, logp recomputes nothing (README "Algorithms")
 NAIVE_PPO = {"+algorithm.decoupled_ppo": False, "algorithm.rollout_correction.bypass_mode": True}
 LOGP_STAGE = {"+algorithm.proximal_logp_workers": "logp"}  # pi_prox on the logp stage's own rank
-STAGES = ("dataloader", "generate", "rollout", "reward", "logp", "ref_logp", "actor_train", "param_update")
+STAGES = ("dataloader", "generate", "rollout", "reward", "logp", "ref_logp", "actor_train", "param_update",
+          "values", "critic_train")
 # verl's synchronous step runs these one after another on the same processes (timing_s/<name>)
-VERL_SYNC_PARTS = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "update_weights")
+VERL_SYNC_PARTS = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor",
+                   "update_weights")
 FULLY_ASYNC_NOT_RUN = (
     "verl's fully_async_policy (verl/experimental/fully_async_policy) needs a checkpoint-engine backend that "
     "moves weights without GPUs (its default, nccl, needs cupy and CUDA; no CPU backend ships with verl 0.9.1) "
@@ -75,13 +80,14 @@ def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def run_system(name: str, demo_dir: Path, workdir: Path, metrics_dir: Path, extra: dict, timeout_s: float) -> list[dict]:
-    """One training run by the plain verl command; returns its JSONL metric rows."""
+def run_system(name: str, demo_dir: Path, workdir: Path, metrics_dir: Path, extra: dict, timeout_s: float,
+               critic: bool = False) -> list[dict]:
+    """One training run by the plain verl command (`critic`: the demo's PPO with GAE); returns its JSONL rows."""
     from async_rl.demo import demo_overrides
 
     metrics_path = metrics_file(metrics_dir, name)
     env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(metrics_path), "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *demo_overrides(demo_dir, extra=extra)]
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *demo_overrides(demo_dir, extra=extra, critic=critic)]
     start = time.monotonic()
     proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout_s)
     if proc.returncode != 0:
@@ -171,6 +177,8 @@ def main(argv=None) -> list[dict]:
                         help="also run the pipeline with naive PPO (no logp recompute) at these generate_ahead_steps")
     parser.add_argument("--logp-stage-ks", default="",
                         help="also run the pipeline with pi_prox on the logp stage's rank at these generate_ahead_steps")
+    parser.add_argument("--ppo-ks", default="",
+                        help="generate_ahead_steps of pipeline runs of PPO with a critic (adds verl-sync PPO too)")
     parser.add_argument("--skip-verl", action="store_true", help="pipeline runs only")
     parser.add_argument("--demo-dir")
     parser.add_argument("--json")
@@ -193,12 +201,20 @@ def main(argv=None) -> list[dict]:
         "trainer.test_freq": args.test_freq,
         "trainer.val_before_train": True,
     }
-    systems = [] if args.skip_verl else [("verl-sync", None, {"+actor_rollout_ref.async_pipeline": False})]
-    systems += [(f"async-pipeline k={k}", k, {"+trainer.generate_ahead_steps": k}) for k in map(int, args.ks.split(","))]
-    systems += [(f"async-pipeline k={k} logp stage", k, {"+trainer.generate_ahead_steps": k, **LOGP_STAGE})
+    flag_off = {"+actor_rollout_ref.async_pipeline": False}
+    systems = [(f"async-pipeline k={k}", k, {"+trainer.generate_ahead_steps": k}, False)
+               for k in map(int, filter(None, args.ks.split(",")))]
+    systems += [(f"async-pipeline k={k} logp stage", k, {"+trainer.generate_ahead_steps": k, **LOGP_STAGE}, False)
                 for k in map(int, filter(None, args.logp_stage_ks.split(",")))]
-    systems += [(f"async-pipeline k={k} naive PPO", k, {"+trainer.generate_ahead_steps": k, **NAIVE_PPO})
+    systems += [(f"async-pipeline k={k} naive PPO", k, {"+trainer.generate_ahead_steps": k, **NAIVE_PPO}, False)
                 for k in map(int, filter(None, args.naive_ks.split(",")))]
+    ppo_ks = list(map(int, filter(None, args.ppo_ks.split(","))))
+    grpo_verl = not args.skip_verl and (systems or not ppo_ks)  # verl's GRPO run: the baseline of the GRPO rows
+    if grpo_verl:
+        systems.insert(0, ("verl-sync", None, flag_off, False))
+    if ppo_ks and not args.skip_verl:
+        systems.append(("verl-sync PPO", None, flag_off, True))
+    systems += [(f"async-pipeline k={k} PPO", k, {"+trainer.generate_ahead_steps": k}, True) for k in ppo_ks]
     rows, curves = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         demo_dir = Path(args.demo_dir) if args.demo_dir else Path(tmp) / "demo"
@@ -208,16 +224,17 @@ def main(argv=None) -> list[dict]:
             prepare(demo_dir, seed=0)
         metrics_dir = Path(args.metrics_dir or tmp)
         metrics_dir.mkdir(parents=True, exist_ok=True)
-        for name, k, extra in systems:
+        for name, k, extra, critic in systems:
             if args.summarize_only or (args.reuse and metrics_file(metrics_dir, name).exists()):
                 metrics = read_metrics(metrics_file(metrics_dir, name))
             else:
-                metrics = run_system(name, demo_dir, Path(tmp), metrics_dir, {**common, **extra}, args.timeout_s)
+                metrics = run_system(name, demo_dir, Path(tmp), metrics_dir, {**common, **extra}, args.timeout_s,
+                                     critic)
             row, curve = summarize(name, k, metrics, TRAIN_BATCH_SIZE * GROUP_SIZE, args.target)
             rows.append(row)
             curves[name] = curve
             print(f"done: {json.dumps(row)}", flush=True)
-    if not args.skip_verl:
+    if grpo_verl:
         rows.insert(1, {"system": "verl-fully-async", "generate_ahead_steps": None, "wall_s_per_sample": None,
                         "time_to_target_s": None, "final_val_reward": None, "bubble_ratio": None,
                         "not_run": FULLY_ASYNC_NOT_RUN})
@@ -235,13 +252,14 @@ def main(argv=None) -> list[dict]:
         print(f"{r['system']:>20} | {r['wall_s_per_sample']:>9.4f} {fmt(r['time_to_target_s'], '>11.1f')} "
               f"{fmt(r['final_val_reward'], '>9.3f')} {r['bubble_ratio']:>7.2f} {r['busiest_stage']:>13} "
               f"{r['mean_step_s']:>7.2f} {r['mean_response_length']:>8.1f}")
-    base = next((r for r in rows if r["system"] == "verl-sync"), None)
     for r in rows:
+        base = next((b for b in rows if b["system"] == ("verl-sync PPO" if r["system"].endswith(" PPO")
+                                                         and "naive" not in r["system"] else "verl-sync")), None)
         if base and r.get("generate_ahead_steps"):
             speed = base["wall_s_per_sample"] / r["wall_s_per_sample"]
             to_target = (base["time_to_target_s"] / r["time_to_target_s"]
                          if base["time_to_target_s"] and r["time_to_target_s"] else None)
-            print(f"{r['system']}: {speed:.2f}x verl-sync per sample, "
+            print(f"{r['system']}: {speed:.2f}x {base['system']} per sample, "
                   f"{'-' if to_target is None else f'{to_target:.2f}x'} to target; bubble {r['bubble_ratio']:.2f}, "
                   f"busiest stage {r['busiest_stage']} (busy ratios: "
                   + ", ".join(f"{s} {b:.2f}" for s, b in sorted(r["busy_ratio"].items(), key=lambda x: -x[1]))

@@ -7,7 +7,8 @@ AReaL's trainer do), builds verl's training batch as verl's trainer does (token-
 scores on the last response token, less verl's KL penalty with `algorithm.use_kl_in_reward`;
 verl's rollout correction, which under decoupled PPO weights each token by pi_prox /
 pi_behav (async_rl/decoupled_ppo.py); advantages through verl's `compute_advantage`: GRPO
-and every other estimator verl has that needs no critic), balances it over the
+and every other estimator verl has; GAE with the values stage's values, and the rows with their
+`returns` go to critic_train before the actor's own update), balances it over the
 data-parallel ranks (`trainer.balance_batch`), runs verl's `update_actor` on the train
 worker group, then gathers version j + 1 into buckets that the workers' send thread
 streams to param_update (param_update/sender.py); the next step starts as soon as the
@@ -32,14 +33,16 @@ from async_rl.fault_points import hold_at
 from async_rl.generation_dumps import GenerationDumps
 from async_rl.resources import make_worker_group
 from async_rl.staleness import version_metrics
-from state_machines.base import END_OF_STREAM, StateMachine
+from state_machines.base import END_OF_STREAM, StateMachine, call_put
+from state_machines.critic_train import CriticBatch
 from state_machines.logp import LogpResult
 from state_machines.param_update import NewWeights
 from state_machines.ref_logp import RefLogpResult
 from state_machines.reward import ScoredBatch
 from state_machines.rollout import resolve
+from state_machines.values import ValuesResult
 
-_PARTS = {ScoredBatch: "reward", LogpResult: "logp", RefLogpResult: "ref_logp"}
+_PARTS = {ScoredBatch: "reward", LogpResult: "logp", RefLogpResult: "ref_logp", ValuesResult: "values"}
 
 
 def step_part(item) -> tuple[str, Any]:
@@ -92,11 +95,13 @@ class ActorTrainStage(StateMachine):
     """verl's actor update, one step per batch, in batch order."""
 
     def __init__(self, config, world_size: int, max_staleness: int, weight_sink=None, bucket_bytes: int = 512 << 20,
-                 compute_proximal: bool = False, start_step: int = 0, checkpointer=None, kl_coef=None):
+                 compute_proximal: bool = False, start_step: int = 0, checkpointer=None, kl_coef=None,
+                 critic_sink=None):
         """`weight_sink`: the param_update stage handle; `bucket_bytes`: the gather's bucket size;
         `compute_proximal`: recompute old_log_probs here, before each update (the logp stage does not);
         `start_step`: the version a resumed run starts from; `checkpointer`: async_rl.checkpoints.RunCheckpointer
-        (None: no checkpoints); `kl_coef`: the KL-in-reward coefficient to resume with."""
+        (None: no checkpoints); `kl_coef`: the KL-in-reward coefficient to resume with; `critic_sink`:
+        the critic_train stage (None: no critic; with one, each step also waits for the values stage)."""
         super().__init__("actor_train", inbox_size=6)
         self.config = config
         self.world_size = world_size
@@ -115,6 +120,9 @@ class ActorTrainStage(StateMachine):
         self.worker_group = None
         self.version = start_step  # trainer's policy version: number of updates done
         self.checkpointer = checkpointer
+        self.critic_sink = critic_sink
+        self.parts_needed = len(_PARTS) if critic_sink is not None else len(_PARTS) - 1
+        self.critic_warmup = int(config.trainer.get("critic_warmup", 0) or 0) if critic_sink is not None else 0
         self.dumps = GenerationDumps(config.trainer.get("rollout_data_dir"))
         self._tokenizer = None
         self._step_lock = asyncio.Lock()  # held for a whole training step
@@ -174,7 +182,7 @@ class ActorTrainStage(StateMachine):
 
     async def get_input_data(self):
         want = self.version  # batch j is trained at trainer version j
-        while len(self._parts.get(want, {})) < len(_PARTS):
+        while len(self._parts.get(want, {})) < self.parts_needed:
             item = await self.next_from_inbox()
             if item is END_OF_STREAM:
                 if self._parts:
@@ -195,6 +203,8 @@ class ActorTrainStage(StateMachine):
             batch.batch["old_log_probs"] = parts["logp"].old_log_probs
         if parts["ref_logp"].ref_log_prob is not None:
             batch.batch["ref_log_prob"] = parts["ref_logp"].ref_log_prob
+        if "values" in parts:
+            batch.batch["values"] = parts["values"].values
         set_behaviour_as_old(batch, self.config)
         kl_metrics = add_token_level_rewards(batch, self.kl_ctrl_in_reward, algo.get("kl_penalty", "kl"))
         batch, correction_metrics = add_correction(batch, self.config)
@@ -273,8 +283,12 @@ class ActorTrainStage(StateMachine):
         metrics["async/trained_rows"] = float(len(rows))
         if old_log_prob_s is not None:
             metrics["timing_s/old_log_prob"] = old_log_prob_s  # verl's name for this forward
+        if self.critic_sink is not None:
+            await self._send_to_critic(train_batch, len(rows), parts["values"], metrics)
         t0 = time.perf_counter()
-        if len(rows):  # a step whose rows were all filtered out makes no update; its version carries the same weights
+        # a step whose rows were all filtered out makes no update, nor does one in verl's critic warmup
+        # (global step version + 1 < trainer.critic_warmup); its version carries the same weights
+        if len(rows) and self.version + 1 >= self.critic_warmup:
             metrics.update(
                 await asyncio.to_thread(
                     engine_calls.update_actor, self.worker_group, train_batch, self.config.actor_rollout_ref
@@ -295,7 +309,7 @@ class ActorTrainStage(StateMachine):
                 self.dumps.flush()  # every dump of a saved step is on disk with it
                 metrics.update(await self.checkpointer.save(self.version, self.worker_group, self._kl_coef()))
             metrics.update(self.checkpointer.pop_written())  # the newest write committed beside training
-        metrics.update(compute_data_metrics(batch, use_critic=False))
+        metrics.update(compute_data_metrics(batch, use_critic=self.critic_sink is not None))
         now = time.perf_counter()
         metrics.update(
             {
@@ -310,11 +324,26 @@ class ActorTrainStage(StateMachine):
         self._metrics.append(metrics)
         return None  # NewWeights already went downstream
 
+    async def _send_to_critic(self, train_batch, num_rows: int, values: ValuesResult, metrics: dict) -> None:
+        """Hand the step's rows, with their values and returns, to critic_train (it trains beside the
+        actor's update); a step with no rows sends an empty batch, so the critic's version still counts steps."""
+        import ray
+
+        if values.critic_version != self.version:
+            raise RuntimeError(f"step {self.version}: values from critic version {values.critic_version}")
+        metrics["async/critic_version"] = float(values.critic_version)
+        metrics["timing_s/values"] = values.seconds  # verl's name for the critic's forward
+        rows = train_batch if num_rows else None
+        ref = ray.put(rows) if ray.is_initialized() else rows
+        await call_put(self.critic_sink, CriticBatch(index=self.version, batch_ref=ref))
+
     async def send_output_data(self, data) -> bool:
         return await self.send_downstream(data)
 
     async def on_end(self) -> None:
         """The last checkpoint and rollout dumps are on disk before the stage ends."""
+        if self.critic_sink is not None:
+            await call_put(self.critic_sink, END_OF_STREAM)
         if self.checkpointer is not None:
             await self.checkpointer.wait()
         self.dumps.flush()

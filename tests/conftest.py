@@ -42,14 +42,16 @@ def compose_ppo(overrides):
         return compose("ppo_trainer", overrides=list(overrides))
 
 
-def run_verl(demo_dir: Path, extra, workdir: Path, timeout_s: float = 600) -> tuple[int, str, list[dict]]:
-    """`python -m verl.trainer.main_ppo <demo overrides + extra>`; returns (exit code, output, JSONL rows)."""
+def run_verl(demo_dir: Path, extra, workdir: Path, timeout_s: float = 600, critic: bool = False
+             ) -> tuple[int, str, list[dict]]:
+    """`python -m verl.trainer.main_ppo <demo overrides + extra>` (`critic`: the demo's PPO with GAE);
+    returns (exit code, output, JSONL rows)."""
     from async_rl.demo import demo_overrides
 
     workdir.mkdir(parents=True, exist_ok=True)
     metrics_path = workdir / "metrics.jsonl"
     env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(metrics_path), "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *demo_overrides(demo_dir, extra=extra)]
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *demo_overrides(demo_dir, extra=extra, critic=critic)]
     proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout_s)
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
     return proc.returncode, proc.stdout + proc.stderr, rows

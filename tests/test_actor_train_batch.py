@@ -87,3 +87,31 @@ def test_without_kl_in_reward_the_rewards_are_the_scores():
     trained, metrics = stage("algorithm.use_kl_in_reward=False")._training_batch(batch, parts)
     torch.testing.assert_close(trained.batch["token_level_rewards"], last_token_scores)
     assert not any(key.startswith("actor/reward_kl") for key in metrics)
+
+
+def test_gae_advantages_and_returns_equal_verls_compute_advantage_with_the_values_stages_values():
+    """With a critic, the values stage's values enter the batch and verl's compute_advantage (gae,
+    gamma, lam from the config) makes advantages and returns from them, as in verl's trainer."""
+    from verl import DataProto
+    from verl.trainer.ppo.ray_trainer import compute_advantage
+
+    from state_machines.values import ValuesResult
+
+    batch, parts, last_token_scores, (_, _, _, mask) = batch_and_parts()
+    values = torch.randn(ROWS, RESPONSE_LEN, generator=torch.Generator().manual_seed(3))
+    parts["values"] = ValuesResult(index=0, values=values, critic_version=0, seconds=0.0)
+    train = stage("algorithm.adv_estimator=gae", "algorithm.gamma=0.9", "algorithm.lam=0.8",
+                  "algorithm.use_kl_in_reward=False", "algorithm.rollout_correction.bypass_mode=True")
+    trained, _ = train._training_batch(batch, parts)
+
+    expected = DataProto.from_dict(tensors={"response_mask": mask, "values": values,
+                                            "token_level_rewards": last_token_scores})
+    expected = compute_advantage(expected, adv_estimator="gae", gamma=0.9, lam=0.8, config=train.config.algorithm)
+    torch.testing.assert_close(trained.batch["advantages"], expected.batch["advantages"])
+    torch.testing.assert_close(trained.batch["returns"], expected.batch["returns"])
+    torch.testing.assert_close(trained.batch["values"], values)
+    # not the GRPO advantages of the same scores, nor gae with verl's default gamma = lam = 1
+    default = compute_advantage(DataProto.from_dict(tensors={"response_mask": mask, "values": values,
+                                                             "token_level_rewards": last_token_scores}),
+                                adv_estimator="gae", gamma=1.0, lam=1.0, config=train.config.algorithm)
+    assert not torch.allclose(trained.batch["advantages"], default.batch["advantages"])

@@ -69,10 +69,10 @@ def test_defaults_when_no_key_present(make):
     assert c.generate_ahead_steps == 2 and c.max_staleness == 1
     assert c.stall_timeout_s == 600.0
     assert c.reward_timeout_s == 60.0
-    assert c.ratios_by_role == {"train": 0.5, "logp": 0.5, "ref_logp": 0.5, "generate": 0.5}
+    assert c.ratios_by_role == {"train": 0.5, "logp": 0.5, "ref_logp": 0.5, "generate": 0.5, "critic": 0.5}
     assert c.decoupled_ppo is True and c.behav_imp_weight_cap == 5.0 and c.partial_rollout is True
     assert c.proximal_logp_workers == "train"
-    assert c == AsyncPipelineConfig(ratios_by_role=dict(zip(USE_NODES_ROLES, (0.5,) * 4)))
+    assert c == AsyncPipelineConfig(ratios_by_role=dict(zip(USE_NODES_ROLES + ("critic",), (0.5,) * 5)))
 
 
 def test_config_keys_listed():
@@ -104,11 +104,18 @@ def test_every_key_is_read():
     assert c.enabled is True and c.enable_dual_buffer is False
     assert c.use_nodes_ratios == (1.0, 0.25, 0.75, 1.0)
     assert all(isinstance(r, float) for r in c.use_nodes_ratios)
-    assert c.ratios_by_role == {"train": 1.0, "logp": 0.25, "ref_logp": 0.75, "generate": 1.0}
+    assert c.ratios_by_role == {"train": 1.0, "logp": 0.25, "ref_logp": 0.75, "generate": 1.0, "critic": 1.0}
+
     assert c.preduce_bucket_size_mb == 64.0 and isinstance(c.preduce_bucket_size_mb, float)
     assert c.consume_bucket_size_mb == 0.5
     assert c.generate_ahead_steps == 4 and c.max_staleness == 3
     assert c.stall_timeout_s == 30.0 and c.reward_timeout_s == 2.5
+
+
+def test_a_fifth_ratio_is_the_critics():
+    c = read_async_config(cfg({RATIOS: [0.5, 0.25, 0.25, 0.5, 0.125]}))
+    assert c.use_nodes_ratios == (0.5, 0.25, 0.25, 0.5, 0.125)
+    assert c.ratios_by_role == {"train": 0.5, "logp": 0.25, "ref_logp": 0.25, "generate": 0.5, "critic": 0.125}
 
 
 def test_ratios_as_tuple_and_interpolation_are_read():
@@ -130,7 +137,8 @@ def test_max_staleness_is_k_minus_one(k):
     "value",
     [
         [0.5, 0.5, 0.5],  # too short
-        [0.5, 0.5, 0.5, 0.5, 0.5],  # too long
+        [0.5, 0.5, 0.5, 0.5, 0.5, 0.5],  # too long (a 5th is the critic's, a 6th nothing)
+        [0.5, 0.5, 0.5, 0.5, 0],  # the critic's, outside (0, 1]
         [],
         0.5,  # not a list
         "0.5,0.5,0.5,0.5",
@@ -147,7 +155,7 @@ def test_bad_ratios_rejected(value):
     err = rejected(RATIOS, value)
     msg = str(err)
     assert RATIOS in msg and repr(value) in msg
-    assert "(0, 1]" in msg and "4 numbers" in msg
+    assert "(0, 1]" in msg and "4 numbers" in msg and "or 5 with the critic's last" in msg
     for role in USE_NODES_ROLES:
         assert role in msg
 
@@ -237,28 +245,27 @@ def test_async_pipeline_enabled_default_off():
 # ---- verl keys the pipeline cannot serve ------------------------------------------------
 
 
-def test_configs_that_need_a_critic_are_refused_naming_the_key(demo_dir):
-    """gae (verl's default estimator) needs a critic's values and critic.enable=True asks for one; the
-    pipeline has no critic-train stage, so it refuses both before Ray starts instead of failing at step 1."""
-    from async_rl.config import check_no_critic
+def test_critic_follows_verls_rule_and_gae_without_one_is_refused(demo_dir):
+    """verl's need_critic: critic.enable when set, else adv_estimator == gae (verl's default). gae with
+    critic.enable=False would find no values at step 1: refused at start naming the key."""
+    from async_rl.config import critic_enabled
     from async_rl.demo import demo_overrides
     from async_rl.pipeline import AsyncPipeline
     from conftest import compose_ppo
+    from verl.trainer.ppo.utils import need_critic
 
+    for overrides in ([], ["algorithm.adv_estimator=grpo"], ["algorithm.adv_estimator=grpo", "critic.enable=True"],
+                      ["algorithm.adv_estimator=rloo", "critic.enable=False"], ["critic.enable=True"]):
+        config = compose_ppo(overrides)
+        assert critic_enabled(config) == need_critic(config), overrides
+    assert critic_enabled(compose_ppo([])) is True
+    assert critic_enabled(compose_ppo(["algorithm.adv_estimator=grpo"])) is False
     with pytest.raises(AsyncConfigError) as info:
-        check_no_critic(compose_ppo([]))  # verl's defaults: adv_estimator=gae
-    assert info.value.key == "algorithm.adv_estimator" and "'gae'" in str(info.value) and "grpo" in str(info.value)
-    with pytest.raises(AsyncConfigError) as info:  # verl would skip the critic, then find no values
-        check_no_critic(compose_ppo(["critic.enable=False"]))
-    assert info.value.key == "algorithm.adv_estimator"
-    with pytest.raises(AsyncConfigError) as info:
-        check_no_critic(compose_ppo(["algorithm.adv_estimator=grpo", "critic.enable=True"]))
-    assert info.value.key == "critic.enable"
-    for estimator in ("grpo", "rloo", "reinforce_plus_plus"):
-        check_no_critic(compose_ppo([f"algorithm.adv_estimator={estimator}"]))
-    check_no_critic(compose_ppo(["algorithm.adv_estimator=grpo", "critic.enable=False"]))
-    with pytest.raises(AsyncConfigError, match="algorithm.adv_estimator='gae'"):  # wired into the start checks
-        AsyncPipeline(compose_ppo(demo_overrides(demo_dir, extra={"algorithm.adv_estimator": "gae"})))
+        critic_enabled(compose_ppo(["critic.enable=False"]))
+    assert info.value.key == "critic.enable" and "gae" in str(info.value)
+    with pytest.raises(AsyncConfigError, match="critic.enable=False"):  # wired into the start checks
+        AsyncPipeline(compose_ppo(demo_overrides(demo_dir, extra={"algorithm.adv_estimator": "gae",
+                                                                  "critic.enable": False})))
 
 
 def test_verls_checkpoint_keys_are_checked_before_ray_starts(demo_dir, tmp_path):

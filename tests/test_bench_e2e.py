@@ -49,3 +49,11 @@ def test_bottleneck_names_the_cause_only_above_the_goal():
     assert "synchronous" in e2e.bottleneck(summarized(1, actor_train=0.6, generate=0.35))
     waits = e2e.bottleneck(summarized(2, actor_train=0.7, generate=0.6, reward=0.1))
     assert waits.startswith("bottleneck: actor_train (busy 0.70)") and "generate 0.60" in waits
+
+
+def test_ppo_summaries_count_the_critics_parts_and_stages():
+    verl_parts = {"timing_s/gen": 0.5, "timing_s/values": 0.2, "timing_s/update_critic": 0.9, "timing_s/update_actor": 0.3}
+    row, _ = e2e.summarize("verl-sync PPO", None, rows_for(2.0, e2e.VAL_KEYS[1], {0: 0.0}, **verl_parts), 8, 0.4)
+    assert row["busiest_stage"] == "update_critic" and row["busy_ratio"]["values"] == pytest.approx(0.1)
+    pipeline = summarized(2, actor_train=0.5, critic_train=0.8, values=0.3)
+    assert pipeline["busiest_stage"] == "critic_train" and pipeline["bubble_ratio"] == pytest.approx(1 / 0.8)

@@ -146,6 +146,21 @@ def test_a_checkpoint_that_does_not_fit_this_run_is_refused_at_start(tmp_path):
         find_resume_point(cfg, train_world_size=2, dataloader_workers=8, dynamic_sampling=False)
 
 
+def test_a_ppo_run_needs_the_critic_part_of_its_checkpoint(tmp_path):
+    """A run with a critic refuses a checkpoint without one (a GRPO run's) or with another critic rank count."""
+    path = fake_checkpoint(tmp_path / "ckpt", 1)
+    cfg = read_checkpoint_config(trainer_config(tmp_path))
+    with pytest.raises(AsyncConfigError, match=f"trainer.default_local_dir=.*{path}/critic is missing \\(saved by a run without one\\)"):
+        find_resume_point(cfg, 1, 0, False, critic_world_size=1)
+    assert find_resume_point(cfg, 1, 0, False).path == path  # a run without a critic ignores it
+    os.makedirs(os.path.join(path, "critic"))
+    with open(os.path.join(path, "critic", "fsdp_config.json"), "w") as f:
+        json.dump({"FSDP_version": 2, "world_size": 2}, f)
+    with pytest.raises(AsyncConfigError, match="trainer.use_nodes_ratios=.1 critic ranks.*2 critic ranks.*5th number"):
+        find_resume_point(cfg, 1, 0, False, critic_world_size=1)
+    assert find_resume_point(cfg, 1, 0, False, critic_world_size=2).path == path
+
+
 def test_stage_checkpointer_commits_after_the_ranks_and_names_a_failed_write(tmp_path):
     """RunCheckpointer: training waits for the snapshot only; data.pt and the run state go in with the
     ranks' files; a write that fails surfaces at the next step."""

@@ -309,7 +309,7 @@ def test_server_defaults_and_abort_gate(model_dir):
 
 
 def test_cpu_replica_is_registered():
-    from verl.workers.rollout.replica import RolloutReplicaRegistry, get_rollout_replica_class
+    from verl.workers.rollout.replica import get_rollout_replica_class
 
     register_cpu_rollout()
     register_cpu_rollout()  # idempotent

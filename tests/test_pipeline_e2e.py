@@ -74,31 +74,6 @@ def test_pipeline_trains_with_bounded_staleness(demo_dir, tmp_path, k, steps, ex
     assert "val-core/async_rl/copy_digits/reward/mean@1" in vals[steps]
 
 
-def test_user_stage_inserted_with_two_config_lines(demo_dir, tmp_path):
-    """examples/group_filter_stage.py between reward and actor_train, from the verl command line."""
-    from async_rl.demo.task import GROUP_SIZE, TRAIN_BATCH_SIZE
-    from state_machines.actor_train import trainable_rows
-
-    extra = {
-        **_short_run(2, 3),
-        "trainer.test_freq": -1,
-        "trainer.val_before_train": False,
-        "+trainer.async_stages.group_filter.cls": "examples.group_filter_stage.GroupFilterStage",
-        "+trainer.async_stages.group_filter.after": "reward",
-    }
-    code, out, rows = run_verl(demo_dir, extra, tmp_path)
-    assert code == 0, out[-4000:]
-    by_step = step_rows(rows)
-    assert sorted(by_step) == [1, 2, 3]
-    for metrics in by_step.values():
-        assert "async/group_filter/busy_ratio" in metrics
-        kept_groups = metrics["async/group_filter/kept_groups"]
-        assert metrics["async/group_filter/kept_ratio"] == kept_groups / TRAIN_BATCH_SIZE
-        # the filter's decision reached the update: only rows of kept groups were trained
-        expected = trainable_rows(int(kept_groups) * GROUP_SIZE, TRAIN_BATCH_SIZE * GROUP_SIZE, 1, GROUP_SIZE)
-        assert metrics["async/trained_rows"] == expected
-
-
 def test_dynamic_sampling_from_verls_filter_groups_key(demo_dir, tmp_path):
     """`algorithm.filter_groups.enable=True`: every training batch is full of groups whose rewards differ,
     drawn from as many generated batches as it takes, pi_prox still from the pre-update version."""

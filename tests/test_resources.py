@@ -14,8 +14,10 @@ def sizes(ratios, slots):
 
 
 def test_split_floors_and_keeps_one_device_per_role():
-    assert sizes([0.5, 0.5, 0.5, 0.5], 8) == {"train": 4, "logp": 4, "ref_logp": 4, "generate": 4}
-    assert sizes([0.5, 0.25, 0.1, 0.5], 4) == {"train": 2, "logp": 1, "ref_logp": 1, "generate": 2}
+    # 4 numbers: the critic (PPO's 5th role) shares the train fraction
+    assert sizes([0.5, 0.5, 0.5, 0.5], 8) == {"train": 4, "logp": 4, "ref_logp": 4, "generate": 4, "critic": 4}
+    assert sizes([0.5, 0.25, 0.1, 0.5], 4) == {"train": 2, "logp": 1, "ref_logp": 1, "generate": 2, "critic": 2}
+    assert sizes([0.5, 0.25, 0.1, 0.5, 0.25], 8)["critic"] == 2
 
 
 def test_devices_needed_counts_every_pool():
@@ -24,6 +26,9 @@ def test_devices_needed_counts_every_pool():
     assert devices_needed(world, num_replicas=2, replica_devices=2, ref_enabled=False) == 2 + 1 + 4
     # pi_prox on the train ranks: no logp worker group
     assert devices_needed(world, num_replicas=2, replica_devices=2, ref_enabled=True, logp_enabled=False) == 2 + 3 + 4
+    world["critic"] = 5  # counted only for a run with a critic
+    assert devices_needed(world, num_replicas=2, replica_devices=2, ref_enabled=True) == 2 + 1 + 3 + 4
+    assert devices_needed(world, num_replicas=2, replica_devices=2, ref_enabled=True, critic_enabled=True) == 2 + 1 + 3 + 5 + 4
 
 
 def test_cluster_check_names_the_keys_to_change():

@@ -4,7 +4,9 @@ The demo, killed (SIGKILL of every process of the run, as a lost node) during a 
 write, a weight sync, a training step and generation ahead, then stopped by SIGTERM, and
 resumed with `trainer.resume_mode=auto` each time: every step trains the prompts the
 uninterrupted run trains at that step, no step is skipped or trained twice in the
-checkpointed lineage, staleness stays within the bound, and it still learns.
+checkpointed lineage, staleness stays within the bound, and it still learns. 16 steps, not the
+demo's 300: each of the six starts costs ~70 s on 2 cores (the run to the demo's 0.9 bar across
+the same kills took 14.8 min; README "Checkpoints and resume").
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ from async_rl.checkpoints import CheckpointDir
 from async_rl.fault_points import HOLD_AT_ENV, HOLD_DIR_ENV
 
 VAL_KEY = "val-core/async_rl/copy_digits/reward/mean@1"
-SAVE_FREQ = 5
+SAVE_FREQ = 2
+TOTAL_STEPS = 16
 # where each killed segment is held, then SIGKILLed (async_rl/fault_points.py)
-KILLS = ["checkpoint_write@10", "weight_sync@13", "train_step@17", "generate_ahead@22"]
+KILLS = ["checkpoint_write@4", "weight_sync@5", "train_step@7", "generate_ahead@10"]
 
 
 def segment_steps(workdir, name) -> list[int]:
@@ -43,7 +46,8 @@ def test_demo_learns_across_sigkills_and_a_sigterm(demo_dir, tmp_path):
     ckpt, dumps, holds = tmp_path / "ckpt", tmp_path / "dumps", tmp_path / "holds"
     holds.mkdir()
     extra = {"trainer.save_freq": SAVE_FREQ, "trainer.default_local_dir": str(ckpt), "trainer.max_actor_ckpt_to_keep": 2,
-             "trainer.rollout_data_dir": str(dumps), "trainer.resume_mode": "auto"}
+             "trainer.rollout_data_dir": str(dumps), "trainer.resume_mode": "auto",
+             "trainer.total_training_steps": TOTAL_STEPS}
     directory = CheckpointDir(str(ckpt))
     resumed_from = 0
     segments = []  # (metrics file, step it resumed from)
@@ -56,8 +60,9 @@ def test_demo_learns_across_sigkills_and_a_sigterm(demo_dir, tmp_path):
         saved, held_step = directory.tracked_step(), int(point.split("@")[1])
         # the newest checkpoint committed before the kill: never a later one, never one half written
         assert saved % SAVE_FREQ == 0 and resumed_from <= saved < held_step, (point, saved)
-        if point == "checkpoint_write@10":
-            assert saved == 5 and (ckpt / "global_step_10.partial").exists() and not (ckpt / "global_step_10").exists()
+        if point.startswith("checkpoint_write@"):
+            assert saved == held_step - SAVE_FREQ and (ckpt / f"global_step_{held_step}.partial").exists()
+            assert not (ckpt / f"global_step_{held_step}").exists()
         resumed_from = saved
 
     # SIGTERM to the driver, as a scheduler preempting the job: the running step finishes and is saved
@@ -82,7 +87,7 @@ def test_demo_learns_across_sigkills_and_a_sigterm(demo_dir, tmp_path):
     proc = start_verl(demo_dir, extra, tmp_path, name)
     assert proc.wait(timeout=15 * 60) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
     segments.append((name, resumed_from))
-    total = 300  # the demo's trainer.total_training_steps
+    total = TOTAL_STEPS
 
     # each segment trained on from its checkpoint, in order; the lineage covers every step once
     for (name, start), (_, next_start) in zip(segments, segments[1:] + [(None, total)]):
@@ -93,12 +98,11 @@ def test_demo_learns_across_sigkills_and_a_sigterm(demo_dir, tmp_path):
         assert next_start <= steps[-1] + 1
         for metrics in step_rows(read_jsonl(tmp_path / name)).values():
             assert metrics["async/staleness/max"] <= 1  # default k = 2, across every resume
-    assert directory.complete_steps() == [295, 300] and directory.tracked_step() == 300  # max_actor_ckpt_to_keep
+    assert directory.complete_steps() == [total - SAVE_FREQ, total] and directory.tracked_step() == total  # max_actor_ckpt_to_keep
     # every step trained the uninterrupted run's prompts (verl's rollout dumps against verl's dataloader)
     assert dumped_step_inputs(dumps) == expected_step_inputs(demo_dir, total)
 
     curve = {}
     for name, _ in segments:
         curve.update({step: m[VAL_KEY] for step, m in val_rows(read_jsonl(tmp_path / name)).items()})
-    assert curve[0] <= 0.2, curve
-    assert max(curve.values()) >= 0.9, curve
+    assert curve[0] <= 0.2 and curve[total] >= curve[0] + 0.1, curve  # the demo's bar, 0.9, needs ~300 steps

@@ -107,3 +107,28 @@ def test_unpinned_offload_patch(monkeypatch):
     assert fsdp_impl.CPUOffloadPolicy(pin_memory=True).pin_memory is True
     cpu_patches.patch_unpinned_cpu_offload()
     assert fsdp_impl.CPUOffloadPolicy(pin_memory=True).pin_memory is False
+
+
+def test_value_model_patch_loads_verls_critic_with_the_configured_attention(monkeypatch, demo_dir):
+    """verl loads its critic's value model with flash_attention_2 hard-coded, which fails on CPU; the
+    patch loads it with the attention the critic's config names (sdpa by default)."""
+    import verl.utils.model as model_utils
+    from transformers import AutoConfig
+
+    from verl_patches import cpu_patches
+
+    monkeypatch.setattr(cpu_patches, "_APPLIED", set())
+    monkeypatch.setattr(model_utils, "load_valuehead_model", model_utils.load_valuehead_model)
+    path = str(demo_dir / "model")
+
+    def config(attention=None):
+        hf_config = AutoConfig.from_pretrained(path, num_labels=1, **({"attn_implementation": attention} if attention else {}))
+        return hf_config
+
+    with pytest.raises(RuntimeError, match="not a value head model"):  # verl alone, on this machine
+        model_utils.load_valuehead_model(path, torch.float32, config(), False)
+    cpu_patches.patch_value_model_attention()
+    for asked, used in ((None, "sdpa"), ("eager", "eager"), ("flash_attention_2", "sdpa")):
+        model = model_utils.load_valuehead_model(path, torch.float32, config(asked), False)
+        assert type(model).__name__ == "Qwen2ForTokenClassification" and model.config._attn_implementation == used
+        assert model.score.out_features == 1  # one value per token

@@ -42,22 +42,26 @@ def test_prepare_sets_up_ray_for_cpu_workers(demo_dir, monkeypatch):
 
 
 def test_checkpoints_round_trip_between_the_pipeline_and_verls_sync_trainer(demo_dir, tmp_path):
-    """Pipeline steps 1-2 -> verl's synchronous trainer (flag off, our CPU replicas) resumes them for
-    steps 3-4 -> the pipeline resumes verl's checkpoint for step 5. verl's own trainer reads the
-    pipeline's checkpoint and the other way round; every step trains verl's dataloader's prompts."""
+    """PPO with a critic: pipeline steps 1-2 -> verl's synchronous trainer (flag off, our CPU replicas)
+    resumes actor and critic for steps 3-4 -> the pipeline resumes verl's checkpoint for step 5 (critic
+    version 4). verl's own trainer reads the pipeline's checkpoint and the other way round; every step
+    trains verl's dataloader's prompts."""
     ckpt, dumps = tmp_path / "ckpt", tmp_path / "dumps"
     common = {"trainer.save_freq": 2, "trainer.default_local_dir": str(ckpt), "trainer.rollout_data_dir": str(dumps),
               "trainer.resume_mode": "auto", "trainer.test_freq": -1, "trainer.val_before_train": False}
-    pipeline = {**common, "+trainer.use_nodes_ratios": [1.0, 0.5, 0.5, 0.5]}  # 2 train ranks, as verl's trainer has
+    pipeline = {**common, "+trainer.use_nodes_ratios": [1.0, 0.5, 0.5, 0.5, 1.0]}  # 2 train/critic ranks, as verl has
 
     contents = {"actor_rollout_ref.actor.checkpoint.save_contents": ["model", "optimizer", "extra", "hf_model"]}
-    code, out, rows = run_verl(demo_dir, {**pipeline, **contents, "trainer.total_training_steps": 2}, tmp_path / "first")
+    code, out, rows = run_verl(demo_dir, {**pipeline, **contents, "trainer.total_training_steps": 2}, tmp_path / "first",
+                                 critic=True)
     assert code == 0, out[-4000:]
     assert sorted(step_rows(rows)) == [1, 2] and (ckpt / "global_step_2" / "async_rl_state.pt").exists()
+    critic_dir = ckpt / "global_step_2" / "critic"
+    assert (critic_dir / "model_world_size_2_rank_0.pt").exists() and (critic_dir / "optim_world_size_2_rank_1.pt").exists()
     assert_verls_merger_reads(ckpt / "global_step_2" / "actor", tmp_path / "merged")
 
     extra = {**common, **FLAG_OFF, "trainer.total_training_steps": 4, "trainer.test_freq": 4}
-    code, out, rows = run_verl(demo_dir, extra, tmp_path / "verl", timeout_s=900)
+    code, out, rows = run_verl(demo_dir, extra, tmp_path / "verl", timeout_s=900, critic=True)
     assert code == 0, out[-4000:]
     assert "async-rl" not in out  # not the pipeline's progress bar: verl's trainer ran
     steps = step_rows(rows)
@@ -65,15 +69,17 @@ def test_checkpoints_round_trip_between_the_pipeline_and_verls_sync_trainer(demo
     for metrics in steps.values():
         # the server's log-probs equal the trainer's: it holds the resumed weights, synced each update
         assert metrics["training/rollout_probs_diff_max"] < 1e-3, metrics["training/rollout_probs_diff_max"]
+        assert "critic/vf_loss" in metrics
     assert 4 in val_rows(rows)
+    assert (ckpt / "global_step_4" / "critic").is_dir()
     assert (ckpt / "global_step_4" / "data.pt").exists() and not (ckpt / "global_step_4" / "async_rl_state.pt").exists()
 
     last = {**pipeline, "trainer.total_training_steps": 5, "trainer.test_freq": 5, "trainer.validation_data_dir": str(tmp_path / "val"),
             "trainer.del_local_ckpt_after_load": True}
-    code, out, rows = run_verl(demo_dir, last, tmp_path / "last")
+    code, out, rows = run_verl(demo_dir, last, tmp_path / "last", critic=True)
     assert code == 0, out[-4000:]
     assert f"resuming from {ckpt}/global_step_4 (step 4, written by verl)" in out
-    assert sorted(step_rows(rows)) == [5]
+    assert sorted(step_rows(rows)) == [5] and step_rows(rows)[5]["async/critic_version"] == 4
     assert dumped_step_inputs(dumps) == expected_step_inputs(demo_dir, 5)
     assert (ckpt / "global_step_4" / "actor" / "model_world_size_2_rank_0.pt").exists()  # verl deletes remote copies only
     val = read_jsonl(tmp_path / "val" / "5.jsonl")  # the final validation, in verl's dump format

@@ -11,6 +11,10 @@ Each is applied only inside the pipeline's own worker processes on a CPU run
    `CPUOffloadPolicy(pin_memory=True)`; pinning needs an accelerator.
 3. `engine_device`: verl registers its FSDP engine for cuda/npu only; the env var
    `VERL_ENGINE_DEVICE=cuda` selects that (device-agnostic) engine class.
+4. `value_model_attention`: verl's critic loads its value model with
+   `attn_implementation="flash_attention_2"` hard-coded (`verl.utils.model.load_valuehead_model`),
+   which needs CUDA; load it with the attention the critic's config asks for
+   (`critic.model.override_config.attn_implementation`), sdpa by default.
 """
 
 from __future__ import annotations
@@ -55,6 +59,31 @@ def patch_unpinned_cpu_offload() -> None:
     _APPLIED.add("unpinned_cpu_offload")
 
 
+def patch_value_model_attention() -> None:
+    """Load verl's value model (critic) with the configured attention instead of flash_attention_2."""
+    if "value_model_attention" in _APPLIED:
+        return
+    import verl.utils.model as model_utils
+
+    original = model_utils.load_valuehead_model
+
+    @functools.wraps(original)
+    def load_with_configured_attention(local_path, torch_dtype, model_config, trust_remote_code):
+        from transformers import AutoModelForTokenClassification
+
+        attention = getattr(model_config, "_attn_implementation", None)
+        return AutoModelForTokenClassification.from_pretrained(
+            pretrained_model_name_or_path=local_path,
+            torch_dtype=torch_dtype,
+            config=model_config,
+            attn_implementation=attention if attention and attention != "flash_attention_2" else "sdpa",
+            trust_remote_code=trust_remote_code,
+        )
+
+    model_utils.load_valuehead_model = load_with_configured_attention
+    _APPLIED.add("value_model_attention")
+
+
 def set_engine_device_env() -> None:
     """Select verl's FSDP engine class (registered for cuda/npu) on CPU."""
     os.environ.setdefault("VERL_ENGINE_DEVICE", "cuda")
@@ -78,6 +107,7 @@ def apply_cpu_worker_patches() -> None:
     set_engine_device_env()
     patch_gloo_process_group()
     patch_unpinned_cpu_offload()
+    patch_value_model_attention()
 
 
 def applied_patches() -> frozenset[str]:

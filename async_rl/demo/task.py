@@ -151,11 +151,28 @@ CPU_PIPELINE_OVERRIDES: dict[str, str] = {
 }
 
 
-def demo_overrides(output_dir: str | Path, extra: Mapping[str, Any] | Iterable[str] | None = None) -> list[str]:
+# PPO with a critic (verl's default estimator, gae): the critic is a value model built from the
+# demo's model (verl's critic keys; fp32, sdpa and no torch.compile on CPU, as for the actor).
+PPO_OVERRIDES: dict[str, str] = {
+    "algorithm.adv_estimator": "gae",
+    "critic.strategy": "fsdp2",
+    "critic.optim.lr": "1e-3",
+    "critic.ppo_mini_batch_size": str(TRAIN_BATCH_SIZE),
+    "critic.use_dynamic_bsz": "True",
+    "critic.ppo_max_token_len_per_gpu": "8192",
+    "critic.fsdp.use_torch_compile": "False",
+    "+critic.model.override_config.attn_implementation": "sdpa",
+    "+critic.fsdp.mixed_precision": "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
+}
+
+
+def demo_overrides(output_dir: str | Path, extra: Mapping[str, Any] | Iterable[str] | None = None,
+                   critic: bool = False) -> list[str]:
     """verl hydra overrides (``key=value``) for the demo prepared in ``output_dir``.
 
     ``extra`` (a mapping, or ``key=value`` strings) is merged last: a key that is
-    already present is replaced in place, new keys are appended.
+    already present is replaced in place, new keys are appended. ``critic``: PPO with GAE and a
+    critic (``PPO_OVERRIDES``) instead of GRPO.
     """
     root = Path(output_dir).resolve()
     overrides: dict[str, str] = {
@@ -172,6 +189,8 @@ def demo_overrides(output_dir: str | Path, extra: Mapping[str, Any] | Iterable[s
         "actor_rollout_ref.actor.optim.lr": _format_value(LEARNING_RATE),
         **CPU_PIPELINE_OVERRIDES,
     }
+    if critic:
+        overrides.update({**PPO_OVERRIDES, "critic.model.path": _format_value(str(root / "model"))})
     if isinstance(extra, Mapping):
         overrides.update({key: _format_value(value) for key, value in extra.items()})
     elif extra is not None:
@@ -189,7 +208,8 @@ def prepare(
     train_size: int = DEFAULT_TRAIN_SIZE,
     val_size: int = DEFAULT_VAL_SIZE,
 ) -> dict[str, Path]:
-    """Write model + tokenizer, train/val parquet, reward.py and overrides.txt under ``output_dir``."""
+    """Write model + tokenizer, train/val parquet, reward.py, overrides.txt (GRPO) and
+    overrides_ppo.txt (PPO with a critic) under ``output_dir``."""
     from async_rl.demo.tokenizer import build_tokenizer
 
     root = Path(output_dir).resolve()
@@ -209,9 +229,11 @@ def prepare(
         "val": data_dir / "val.parquet",
         "reward": root / "reward.py",
         "overrides": root / "overrides.txt",
+        "ppo_overrides": root / "overrides_ppo.txt",
     }
     make_rows(train, "train").to_parquet(paths["train"], index=False)
     make_rows(val, "test").to_parquet(paths["val"], index=False)
     shutil.copyfile(reward_module.__file__, paths["reward"])
     paths["overrides"].write_text("\n".join(demo_overrides(root)) + "\n")
+    paths["ppo_overrides"].write_text("\n".join(demo_overrides(root, critic=True)) + "\n")
     return paths

@@ -1,0 +1,43 @@
+"""values stage: the critic's values of each batch, beside logp and ref_logp (PPO with GAE).
+
+It hands each batch to critic_train, which owns the critic's workers and computes the values
+with critic version j for batch j (state_machines/critic_train.py states the rule), and sends
+them on to actor_train, where verl's `compute_advantage` turns them into GAE's advantages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from state_machines.base import StateMachine
+from state_machines.rollout import RolloutBatch
+
+
+@dataclass
+class ValuesResult:
+    index: int
+    values: torch.Tensor  # (bs, response_len), fp32
+    critic_version: int  # the critic version that computed them
+    seconds: float  # the critic's forward (verl's timing_s/values)
+
+
+class ValuesStage(StateMachine):
+    """verl's `_compute_values` for every batch, in batch order, on the critic's workers."""
+
+    def __init__(self, critic_train: Any):
+        super().__init__("values")
+        self.critic_train = critic_train
+
+    async def get_input_data(self):
+        return await self.next_from_inbox()
+
+    async def process_data(self, data: RolloutBatch) -> ValuesResult:
+        with self.waiting():  # the critic's previous update, then its forward, on critic_train's workers
+            values, version, seconds = await self.critic_train.compute_values.remote(data.index, data.batch_ref)
+        return ValuesResult(index=data.index, values=values, critic_version=version, seconds=seconds)
+
+    async def send_output_data(self, data: ValuesResult) -> bool:
+        return await self.send_downstream(data)
