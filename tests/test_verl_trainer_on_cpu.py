@@ -49,13 +49,16 @@ def test_checkpoints_round_trip_between_the_pipeline_and_verls_sync_trainer(demo
     ckpt, dumps = tmp_path / "ckpt", tmp_path / "dumps"
     common = {"trainer.save_freq": 2, "trainer.default_local_dir": str(ckpt), "trainer.rollout_data_dir": str(dumps),
               "trainer.resume_mode": "auto", "trainer.test_freq": -1, "trainer.val_before_train": False}
-    pipeline = {**common, "+trainer.use_nodes_ratios": [1.0, 0.5, 0.5, 0.5, 1.0]}  # 2 train/critic ranks, as verl has
+    # 2 train/critic ranks, as verl has; k=1 (on-policy PPO; test_critic_e2e runs k=3)
+    pipeline = {**common, "+trainer.use_nodes_ratios": [1.0, 0.5, 0.5, 0.5, 1.0], "+trainer.generate_ahead_steps": 1}
 
     contents = {"actor_rollout_ref.actor.checkpoint.save_contents": ["model", "optimizer", "extra", "hf_model"]}
     code, out, rows = run_verl(demo_dir, {**pipeline, **contents, "trainer.total_training_steps": 2}, tmp_path / "first",
                                  critic=True)
     assert code == 0, out[-4000:]
     assert sorted(step_rows(rows)) == [1, 2] and (ckpt / "global_step_2" / "async_rl_state.pt").exists()
+    for step, metrics in step_rows(rows).items():  # on-policy, and each batch's values from critic version step - 1
+        assert metrics["async/staleness/max"] == 0 and metrics["async/critic_version"] == step - 1, metrics
     critic_dir = ckpt / "global_step_2" / "critic"
     assert (critic_dir / "model_world_size_2_rank_0.pt").exists() and (critic_dir / "optim_world_size_2_rank_1.pt").exists()
     assert_verls_merger_reads(ckpt / "global_step_2" / "actor", tmp_path / "merged")
