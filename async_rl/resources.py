@@ -25,26 +25,34 @@ def split_world_sizes(total_slots: int, async_cfg: AsyncPipelineConfig) -> dict[
     return {role: max(1, math.floor(ratio * total_slots)) for role, ratio in async_cfg.ratios_by_role.items()}
 
 
-def make_worker_group(config: DictConfig, role: str, world_size: int, name: str):
-    """verl `RayWorkerGroup` of `PipelineWorker` (role `actor` or `ref`), models initialised."""
-    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
-
-    from async_rl.workers import CONCURRENCY_GROUPS, PipelineWorker
-
+def _prepare_platform(config: DictConfig) -> bool:
+    """Whether the run is on CPU (`trainer.device`); if so, verl's CPU platform and engine class
+    are selected in the driver before any worker group is built."""
     on_cpu = str(config.trainer.device) == "cpu"
     if on_cpu:
         from verl_patches.cpu_patches import set_engine_device_env, use_cpu_platform
 
         use_cpu_platform()
         set_engine_device_env()
+    return on_cpu
+
+
+def _worker_group(on_cpu: bool, world_size: int, name: str, remote_cls, **init_args):
+    """verl `RayWorkerGroup` of `remote_cls(on_cpu=..., **init_args)` on its own pool of `world_size` devices."""
+    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+
     pool = RayResourcePool([world_size], use_gpu=not on_cpu, max_colocate_count=1, name_prefix=name)
-    worker_cls = RayClassWithInitArgs(
-        cls=ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(PipelineWorker),
-        config=config.actor_rollout_ref,
-        role=role,
-        on_cpu=on_cpu,
-    )
-    group = RayWorkerGroup(pool, worker_cls, name_prefix=name, device_name="cpu" if on_cpu else "cuda")
+    worker_cls = RayClassWithInitArgs(cls=remote_cls, on_cpu=on_cpu, **init_args)
+    return RayWorkerGroup(pool, worker_cls, name_prefix=name, device_name="cpu" if on_cpu else "cuda")
+
+
+def make_worker_group(config: DictConfig, role: str, world_size: int, name: str):
+    """verl `RayWorkerGroup` of `PipelineWorker` (role `actor` or `ref`), models initialised."""
+    from async_rl.workers import CONCURRENCY_GROUPS, PipelineWorker
+
+    on_cpu = _prepare_platform(config)
+    group = _worker_group(on_cpu, world_size, name, ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(PipelineWorker),
+                          config=config.actor_rollout_ref, role=role)
     group.init_model()
     return group
 
@@ -75,21 +83,13 @@ def make_critic_worker_group(config: DictConfig, world_size: int):
     loss verl's `value_loss`, as verl's trainer sets it up."""
     from functools import partial
 
-    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
     from verl.workers.utils.losses import value_loss
 
     from async_rl.workers import CriticWorker
 
-    on_cpu = str(config.trainer.device) == "cpu"
-    if on_cpu:
-        from verl_patches.cpu_patches import set_engine_device_env, use_cpu_platform
-
-        use_cpu_platform()
-        set_engine_device_env()
+    on_cpu = _prepare_platform(config)
     worker_cfg, critic_cfg = critic_worker_config(config)
-    pool = RayResourcePool([world_size], use_gpu=not on_cpu, max_colocate_count=1, name_prefix="critic")
-    worker_cls = RayClassWithInitArgs(cls=ray.remote(CriticWorker), config=worker_cfg, on_cpu=on_cpu)
-    group = RayWorkerGroup(pool, worker_cls, name_prefix="critic", device_name="cpu" if on_cpu else "cuda")
+    group = _worker_group(on_cpu, world_size, "critic", ray.remote(CriticWorker), config=worker_cfg)
     group.reset()
     group.set_loss_fn(partial(value_loss, config=critic_cfg))
     return group
