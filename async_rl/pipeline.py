@@ -24,13 +24,8 @@ import ray
 from omegaconf import DictConfig, OmegaConf
 
 from async_rl.checkpoints import read_checkpoint_config
-from async_rl.config import (
-    AsyncConfigError,
-    AsyncPipelineConfig,
-    critic_enabled,
-    read_async_config,
-    strip_async_keys,
-)
+from async_rl.config import AsyncPipelineConfig, critic_enabled, read_async_config, strip_async_keys
+from async_rl.config_error import AsyncConfigError
 from async_rl.resources import check_cluster_fits, devices_needed, split_world_sizes, total_device_slots
 from async_rl.stage_graph import build_edges, upstream_counts
 from async_rl.stop_signals import STOP_BUDGET_S, PipelinePreempted, stop_signals_caught

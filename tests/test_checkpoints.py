@@ -20,7 +20,7 @@ from async_rl.checkpoints import (
     find_resume_point,
     read_checkpoint_config,
 )
-from async_rl.config import AsyncConfigError
+from async_rl.config_error import AsyncConfigError
 from async_rl.fault_points import HOLD_AT_ENV, HOLD_DIR_ENV
 
 
