@@ -36,7 +36,8 @@ from typing import Any, Optional
 import torch
 
 from async_rl.checkpoint_writer import write_durably
-from async_rl.config import AsyncConfigError, select_value
+from async_rl.config import select_value
+from async_rl.config_error import AsyncConfigError
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"  # verl's name (checkpoint_manager.get_checkpoint_tracker_filename)
 DATA_FILE = "data.pt"  # verl's name for the dataloader state

@@ -27,20 +27,14 @@ critic is verl's own rule (`critic_enabled`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
+from async_rl.config_error import AsyncConfigError
+from async_rl.stage_graph import STAGES_KEY, parse_user_stages
+
 USE_NODES_ROLES = ("train", "logp", "ref_logp", "generate")
 CRITIC_ROLE = "critic"  # the optional 5th number of use_nodes_ratios (default: the train ratio)
-
-
-class AsyncConfigError(ValueError):
-    """A pipeline config key has a value that cannot work."""
-
-    def __init__(self, key: str, value: Any, allowed: str):
-        self.key = key
-        super().__init__(f"invalid config: {key}={value!r}; allowed: {allowed}")
 
 
 @dataclass(frozen=True)
@@ -88,7 +82,6 @@ _KEYS = (
 # before their update (no weight hop, logp and train cannot take turns), "logp" on the logp
 # stage's own worker group, which then receives every version through the weight sync.
 PROXIMAL_LOGP_WORKERS = ("train", "logp")
-STAGES_KEY = "trainer.async_stages"
 CONFIG_KEYS = tuple(k for k, _, _ in _KEYS) + (STAGES_KEY,)
 
 
@@ -188,8 +181,6 @@ def dynamic_sampling_enabled(config) -> bool:
 
 def read_async_config(config) -> AsyncPipelineConfig:
     """Read and validate the pipeline keys from a verl config; raises AsyncConfigError."""
-    from async_rl.stage_graph import parse_user_stages
-
     raw = {fld: select_value(config, key, default) for key, fld, default in _KEYS}
     keys = {fld: key for key, fld, _ in _KEYS}
     _check_decoupled(config, raw["decoupled_ppo"] is True)

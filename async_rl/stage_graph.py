@@ -17,8 +17,9 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from async_rl.config import STAGES_KEY, AsyncConfigError
+from async_rl.config_error import AsyncConfigError
 
+STAGES_KEY = "trainer.async_stages"  # the config key of the user stages
 BUILTIN_STAGES = ("dataloader", "generate", "rollout", "reward", "logp", "ref_logp", "actor_train", "param_update")
 BUILTIN_EDGES: dict[str, tuple[str, ...]] = {
     "dataloader": ("generate",),

@@ -88,8 +88,8 @@ def bench_save(size: str, demo_dir: Path, work: Path, repeats: int) -> dict:
     import ray
 
     from async_rl import engine_calls
-    from async_rl.pipeline import ray_init_kwargs
     from async_rl.resources import make_worker_group
+    from async_rl.run_config import ray_init_kwargs
 
     path = model_dir(size, work)
     config = verl_config(demo_dir, path)

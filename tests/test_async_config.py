@@ -6,11 +6,11 @@ from omegaconf import OmegaConf
 from async_rl.config import (
     CONFIG_KEYS,
     USE_NODES_ROLES,
-    AsyncConfigError,
     AsyncPipelineConfig,
     async_pipeline_enabled,
     read_async_config,
 )
+from async_rl.config_error import AsyncConfigError
 
 RATIOS = "trainer.use_nodes_ratios"
 AHEAD = "trainer.generate_ahead_steps"

@@ -69,8 +69,8 @@ GRADIENT_SCRIPT = textwrap.dedent(
     from async_rl import engine_calls
     from async_rl.balance import balance_rows
     from async_rl.demo import demo_overrides
-    from async_rl.pipeline import ray_init_kwargs
     from async_rl.resources import make_worker_group
+    from async_rl.run_config import ray_init_kwargs
     sys.path.insert(0, sys.argv[3])
     from test_balance import skewed_batch
 

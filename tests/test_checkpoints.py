@@ -20,7 +20,7 @@ from async_rl.checkpoints import (
     find_resume_point,
     read_checkpoint_config,
 )
-from async_rl.config import AsyncConfigError
+from async_rl.config_error import AsyncConfigError
 from async_rl.fault_points import HOLD_AT_ENV, HOLD_DIR_ENV
 
 
@@ -221,8 +221,8 @@ from hydra import compose, initialize_config_dir
 from async_rl import engine_calls
 from async_rl.config import strip_async_keys
 from async_rl.demo import demo_overrides
-from async_rl.pipeline import ray_init_kwargs
 from async_rl.resources import make_worker_group
+from async_rl.run_config import ray_init_kwargs
 sys.path.insert(0, sys.argv[3])
 from test_balance import skewed_batch
 demo_dir, out_dir = sys.argv[1], sys.argv[2]

@@ -18,8 +18,8 @@ from hydra import compose, initialize_config_dir
 from async_rl import engine_calls
 from async_rl.config import strip_async_keys
 from async_rl.demo import demo_overrides
-from async_rl.pipeline import ray_init_kwargs
 from async_rl.resources import make_critic_worker_group
+from async_rl.run_config import ray_init_kwargs
 from verl.trainer.ppo.core_algos import compute_value_loss
 sys.path.insert(0, sys.argv[3])
 from test_balance import skewed_batch

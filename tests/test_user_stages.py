@@ -9,7 +9,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from async_rl.config import AsyncConfigError, read_async_config, strip_async_keys
+from async_rl.config import read_async_config, strip_async_keys
+from async_rl.config_error import AsyncConfigError
 from async_rl.stage_graph import BUILTIN_EDGES, UserStageSpec, build_edges, parse_user_stages, upstream_counts
 from examples.group_filter_stage import GroupFilterStage, groups_with_distinct_rewards
 from state_machines.actor_train import trainable_rows
@@ -187,7 +188,8 @@ def test_filter_stage_runs_in_a_pipeline_and_marks_rows():
 def test_verls_filter_groups_key_turns_on_dynamic_sampling_after_reward():
     from omegaconf import OmegaConf
 
-    from async_rl.config import AsyncConfigError, read_async_config
+    from async_rl.config import read_async_config
+    from async_rl.config_error import AsyncConfigError
 
     on = OmegaConf.create({"algorithm": {"filter_groups": {"enable": True, "metric": "acc", "max_num_gen_batches": 4}}})
     assert read_async_config(on).dynamic_sampling is True

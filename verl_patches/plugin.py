@@ -24,7 +24,8 @@ _WRAPPED_MARK = "_async_rl_wrapped"
 
 def enter_async_pipeline(config, caller_globals: dict) -> None:
     """Validate the pipeline keys and redirect the caller's `run_ppo` to the pipeline."""
-    from async_rl.pipeline import run_async_pipeline, validate_pipeline_config
+    from async_rl.pipeline import run_async_pipeline
+    from async_rl.run_config import validate_pipeline_config
 
     validate_pipeline_config(config)
     if "run_ppo" not in caller_globals:

@@ -21,7 +21,8 @@ from verl.utils.tokenizer.tokenizer import normalize_token_ids
 from verl.workers.config import HFModelConfig, RolloutConfig
 from verl.workers.rollout.replica import RolloutMode, TokenOutput
 
-from async_rl.rollout.cpu_engine import STOP_ABORTED, ContinuousBatchingEngine
+from async_rl.rollout.cpu_engine import ContinuousBatchingEngine
+from async_rl.rollout.cpu_requests import STOP_ABORTED
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ class CPURolloutServer:
         ``max_new_tokens`` (or ``max_tokens``) defaults to
         ``min(response_length, prompt_length + response_length - len(prompt_ids))`` and is clamped to
         ``max_model_len - len(prompt_ids)``. ``log_probs`` are always returned (see
-        ``cpu_engine``); ``extra_fields`` carries ``token_versions`` (weight version per token),
+        ``cpu_sampling``); ``extra_fields`` carries ``token_versions`` (weight version per token),
         ``param_version`` (engine version at return), and verl's ``global_steps`` /
         ``min_global_steps`` / ``max_global_steps`` derived from them. ``stop_reason`` is
         "completed" (eos, stop token or length) or "aborted".
