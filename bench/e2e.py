@@ -1,10 +1,15 @@
 """Side by side: verl's own trainers and this pipeline on one workload, one machine, one run.
 
-Workload: the copy-digits demo with responses of up to `--response-length` tokens (the
-reward reads the first 4 digits; an untrained policy stops only when it samples EOS, so
-lengths are geometric with a long tail cut at the limit, as with reasoning models: most
-responses short, some far longer). Every system gets the same model, data, batch (32
-prompts x 8 samples), learning rate, steps, cores and validation schedule:
+Workload (default): the copy-digits demo as `python -m async_rl.demo prepare` writes it
+(responses of up to 4 tokens), where verl's synchronous trainer and the pipeline all reach a
+validation reward of 0.9 (`TARGET`, fixed here before any run). Each system runs once per
+seed (`--seeds`, default two; the seed draws the demo's model init and data), the seeds
+interleaved (seed 0 of every system, then seed 1), and a run stops at its first validation
+>= `TARGET` (`--no-stop-at-target`: all `--steps`). Every system gets the same model, data,
+batch (32 prompts x 8 samples), learning rate, cores and validation schedule.
+`--response-length N` makes responses longer (the reward reads the first 4 digits; an
+untrained policy stops only when it samples EOS, so lengths are geometric with a long tail
+cut at the limit, as with reasoning models).
 
 - `verl-sync`: verl's synchronous trainer (`main_ppo`, V1 `sync` mode, its default), flag
   off, with this package's CPU rollout backend as a hybrid replica (weights synced each step).
@@ -29,13 +34,17 @@ train rank and 1 rollout server (no ref_logp group: no KL term; no logp group un
 `proximal_logp_workers=logp`, then 1 logp rank).
 
 Per run: wall time per trained sample (s; training steps only, start-up and validation
-excluded, the same for every system), time to the validation target (training seconds until
-a validation at or above `--target`), final validation reward, busy ratio per stage and the
-bubble ratio (step time / the busiest stage's time per step; 1.0 is bubble-free). Prints a
-table and the command, writes a PNG of reward against training time (`--png`) and with
-`--json PATH` one row per run.
+excluded, the same for every system), time to `TARGET` (training seconds until a validation
+at or above it), final validation reward, busy ratio per stage and the bubble ratio (step
+time / the busiest stage's time per step; 1.0 is bubble-free), and where a step's time goes
+(`step_breakdown`: generation, log-prob passes, update, weight sync, waiting, and the rest as
+fixed per-step overhead; for the pipeline, the train ranks' step, with what runs beside it).
+Prints the tables, one line per pipeline run explaining its speed-up over verl's trainer
+part by part, the goal (time to `TARGET` >= 3x sooner) and, where it is missed, what bounds
+it; writes a PNG of reward against training time (`--png`) and with `--json PATH` one row
+per run.
 
-    python bench/e2e.py [--steps 120] [--target 0.6] [--json PATH] [--png PATH]
+    python bench/e2e.py [--seeds 0,1] [--steps 400] [--json PATH] [--png PATH]
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -64,6 +74,8 @@ STAGES = ("dataloader", "generate", "rollout", "reward", "logp", "ref_logp", "ac
 # verl's synchronous step runs these one after another on the same processes (timing_s/<name>)
 VERL_SYNC_PARTS = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor",
                    "update_weights")
+TARGET = 0.9  # the validation reward every system is timed to; fixed before the runs
+GOAL_SPEEDUP = 3.0  # time to TARGET: the pipeline at least this many times sooner than verl-sync
 FULLY_ASYNC_NOT_RUN = (
     "verl's fully_async_policy (verl/experimental/fully_async_policy) needs a checkpoint-engine backend that "
     "moves weights without GPUs (its default, nccl, needs cupy and CUDA; no CPU backend ships with verl 0.9.1) "
@@ -72,27 +84,112 @@ FULLY_ASYNC_NOT_RUN = (
 )
 
 
-def metrics_file(metrics_dir: Path, name: str) -> Path:
-    return metrics_dir / f"{name.replace(' ', '_').replace('=', '')}.jsonl"
+def metrics_file(metrics_dir: Path, name: str, seed: int = 0) -> Path:
+    return metrics_dir / f"{name.replace(' ', '_').replace('=', '')}_seed{seed}.jsonl"
 
 
 def read_metrics(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def run_system(name: str, demo_dir: Path, workdir: Path, metrics_dir: Path, extra: dict, timeout_s: float,
-               critic: bool = False) -> list[dict]:
-    """One training run by the plain verl command (`critic`: the demo's PPO with GAE); returns its JSONL rows."""
+def reached_target(path: Path, target: float) -> bool:
+    """Whether the run logging to ``path`` has had a validation at or above ``target``."""
+    if not path.exists():
+        return False
+    return any(row["data"].get(key, -1.0) >= target for row in read_metrics(path) for key in VAL_KEYS)
+
+
+def stop_process_group(proc: subprocess.Popen, grace_s: float = 60.0) -> None:
+    """SIGTERM to the run's process group (its driver and the Ray it started), SIGKILL after ``grace_s``."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 30.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_system(name: str, demo_dir: Path, workdir: Path, metrics_path: Path, extra: dict, timeout_s: float,
+               critic: bool = False, stop_at: float | None = None) -> list[dict]:
+    """One training run by the plain verl command (`critic`: the demo's PPO with GAE); returns its JSONL rows.
+
+    ``stop_at``: end the run at its first validation reward >= this (the rows up to it are kept).
+    """
     from async_rl.demo import demo_overrides
 
-    metrics_path = metrics_file(metrics_dir, name)
     env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(metrics_path), "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *demo_overrides(demo_dir, extra=extra, critic=critic)]
     start = time.monotonic()
-    proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout_s)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{name} failed after {time.monotonic() - start:.0f} s:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    log_path = metrics_path.with_suffix(".log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        stopped_at_target = False
+        try:
+            while proc.poll() is None:
+                if time.monotonic() - start > timeout_s:
+                    raise RuntimeError(f"{name} ran past --timeout-s {timeout_s:.0f} s (log: {log_path})")
+                if stop_at is not None and reached_target(metrics_path, stop_at):
+                    stopped_at_target = True
+                    break
+                time.sleep(5.0)
+        finally:
+            if proc.poll() is None:
+                stop_process_group(proc)
+    if proc.returncode != 0 and not stopped_at_target:
+        tail = log_path.read_text()[-3000:]
+        raise RuntimeError(f"{name} failed after {time.monotonic() - start:.0f} s (log: {log_path}):\n{tail}")
     return read_metrics(metrics_path)
+
+
+def step_breakdown(k, later: list[dict]) -> tuple[dict[str, float], dict[str, float]]:
+    """Where a step's time goes (mean s per step): the parts on the step's path, and what runs beside it.
+
+    verl's trainer (``k`` None) runs its parts one after another, so its step is their sum.
+    The pipeline's step is paced by its train ranks: their update, the pi_prox pass they make
+    before it, the weight gather they wait for, and the time they wait for their next batch;
+    generation and the other stages run beside it (second dict, busy s per step). In both,
+    "fixed overhead" is the step's time the named parts do not cover (dispatch, data movement,
+    batch assembly, metrics): a per-step cost that does not shrink with the model.
+    """
+    def mean(key: str) -> float:
+        return sum(m.get(key, 0.0) for m in later) / len(later)
+
+    step = mean("timing_s/step")
+    beside: dict[str, float] = {}
+    if k is None:
+        path = {
+            "generation": mean("timing_s/gen"),
+            "log-prob passes": mean("timing_s/old_log_prob") + mean("timing_s/ref") + mean("timing_s/values"),
+            "reward": mean("timing_s/reward"),
+            "update": mean("timing_s/update_actor") + mean("timing_s/update_critic"),
+            "weight sync": mean("timing_s/update_weights"),
+            "waiting": 0.0,
+        }
+    else:
+        train_busy = mean("async/actor_train/busy_ratio") * step
+        path = {
+            "generation": 0.0,
+            "log-prob passes": mean("timing_s/old_log_prob") if "logp" not in _busy_stages(later) else 0.0,
+            "reward": 0.0,
+            "update": mean("timing_s/update_actor"),
+            "weight sync": mean("timing_s/gather_weights"),
+            "waiting": max(step - train_busy, 0.0),
+        }
+        beside = {s: mean(f"async/{s}/busy_ratio") * step for s in STAGES if s != "actor_train"}
+        beside = {s: v for s, v in beside.items() if v >= 0.005}
+    path["fixed overhead"] = max(step - sum(path.values()), 0.0)
+    return path, beside
+
+
+def _busy_stages(later: list[dict], floor: float = 0.05) -> set[str]:
+    """Stages whose mean busy ratio is at least ``floor`` (the logp stage is busy only when it holds workers)."""
+    return {s for s in STAGES
+            if sum(m.get(f"async/{s}/busy_ratio", 0.0) for m in later) / len(later) >= floor}
 
 
 def summarize(name: str, k, rows: list[dict], samples_per_step: int, target: float) -> tuple[dict, list]:
@@ -128,6 +225,7 @@ def summarize(name: str, k, rows: list[dict], samples_per_step: int, target: flo
         "max_response_length": max(m.get("response_length/max", 0.0) for m in later),
         "steps": len(steps),
     }
+    row["breakdown"], row["beside"] = step_breakdown(k, later)
     return row, curve
 
 
@@ -166,35 +264,74 @@ def plot(curves: dict, path: str, target: float) -> None:
     fig.savefig(path, dpi=120)
 
 
+def explain(row: dict, base: dict) -> str:
+    """One line: the pipeline's speed-up over verl's trainer, part by part (mean s per step)."""
+    def parts(path: dict) -> str:
+        return " + ".join(f"{name} {s:.2f}" for name, s in path.items() if s >= 0.005)
+
+    speed = base["wall_s_per_sample"] / row["wall_s_per_sample"]
+    line = (f"{row['system']} seed {row['seed']}: {speed:.2f}x per sample; {base['system']}'s step "
+            f"{base['mean_step_s']:.2f} s = {parts(base['breakdown'])}; the pipeline's {row['mean_step_s']:.2f} s = "
+            f"{parts(row['breakdown'])}")
+    if row["beside"]:
+        line += "; beside it: " + ", ".join(f"{s} {v:.2f}" for s, v in sorted(row["beside"].items(), key=lambda x: -x[1]))
+    verl_gen, own_gen = base["breakdown"]["generation"], row["beside"].get("generate", 0.0)
+    if verl_gen > 2 * own_gen > 0:
+        line += (f". Generating the same tokens takes verl's step {verl_gen:.2f} s and the pipeline's generate stage "
+                 f"{own_gen:.2f} s busy: the difference is the per-step cost of verl's rollout path (agent loop, "
+                 "the hybrid replica's switch), not overlap")
+    return line
+
+
+def why_short_of_goal(row: dict, base: dict) -> str:
+    """What bounds a pipeline run that reaches TARGET less than GOAL_SPEEDUP times sooner than verl-sync."""
+    path = row["breakdown"]
+    largest = max(path, key=path.get)
+    reasons = [f"its step ({row['mean_step_s']:.2f} s) is bounded by the train ranks' {largest} "
+               f"({path[largest]:.2f} s)"]
+    fixed_share = path["fixed overhead"] / row["mean_step_s"]
+    if fixed_share > 0.25:
+        reasons.append(f"{fixed_share:.0%} of it is fixed per-step overhead, which overlap cannot hide")
+    if base["time_to_target_s"] and row["time_to_target_s"] and base["steps"] and row["steps"]:
+        steps_ratio = row["steps"] / base["steps"]
+        if steps_ratio > 1.2:
+            reasons.append(f"it needed {steps_ratio:.2f}x verl's steps to reach {TARGET}")
+    cause = bottleneck(row)
+    if cause:
+        reasons.append(cause)
+    return "; ".join(reasons)
+
+
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=120)
-    parser.add_argument("--target", type=float, default=0.6, help="validation reward target")
-    parser.add_argument("--response-length", type=int, default=40, help="max response tokens")
+    parser.add_argument("--steps", type=int, default=400, help="most steps a run takes (it stops at TARGET)")
+    parser.add_argument("--seeds", default="0,1", help="demo seeds (model init and data), runs interleaved")
+    parser.add_argument("--no-stop-at-target", action="store_true", help="run all --steps")
+    parser.add_argument("--response-length", type=int, default=4, help="max response tokens (the demo's: 4)")
     parser.add_argument("--ks", default="1,2,5", help="generate_ahead_steps of the pipeline runs")
     parser.add_argument("--test-freq", type=int, default=10)
     parser.add_argument("--naive-ks", default="",
-                        help="also run the pipeline with naive PPO (no logp recompute) at these generate_ahead_steps")
+                        help="pipeline runs with AReaL's naive PPO (no pi_prox) at these generate_ahead_steps")
     parser.add_argument("--logp-stage-ks", default="",
-                        help="also run the pipeline with pi_prox on the logp stage's rank at these generate_ahead_steps")
+                        help="pipeline runs with pi_prox on the logp stage (proximal_logp_workers=logp)")
     parser.add_argument("--ppo-ks", default="",
-                        help="generate_ahead_steps of pipeline runs of PPO with a critic (adds verl-sync PPO too)")
+                        help="PPO with GAE and a critic: verl-sync PPO and the pipeline at these generate_ahead_steps")
     parser.add_argument("--skip-verl", action="store_true", help="pipeline runs only")
-    parser.add_argument("--demo-dir")
     parser.add_argument("--json")
     parser.add_argument("--png", default="bench/results/e2e.png")
-    parser.add_argument("--timeout-s", type=float, default=3600)
+    parser.add_argument("--timeout-s", type=float, default=3600, help="most seconds a run takes")
     parser.add_argument("--metrics-dir", help="keep each run's metric JSONL here (default: a temporary folder)")
     parser.add_argument("--summarize-only", action="store_true",
                         help="no runs: summarize the JSONL files already in --metrics-dir")
     parser.add_argument("--reuse", action="store_true",
-                        help="run only the systems without a JSONL file in --metrics-dir; summarize all")
+                        help="run only the runs without a JSONL file in --metrics-dir; summarize all")
     args = parser.parse_args(argv)
     if (args.summarize_only or args.reuse) and not args.metrics_dir:
         parser.error("--summarize-only and --reuse read the JSONL files in --metrics-dir: give it")
     command = " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv])
     from async_rl.demo.task import GROUP_SIZE, TRAIN_BATCH_SIZE
 
+    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     common = {
         "data.max_response_length": args.response_length,
         "trainer.total_training_steps": args.steps,
@@ -215,69 +352,70 @@ def main(argv=None) -> list[dict]:
     if ppo_ks and not args.skip_verl:
         systems.append(("verl-sync PPO", None, flag_off, True))
     systems += [(f"async-pipeline k={k} PPO", k, {"+trainer.generate_ahead_steps": k}, True) for k in ppo_ks]
+    stop_at = None if args.no_stop_at_target else TARGET
     rows, curves = [], {}
     with tempfile.TemporaryDirectory() as tmp:
-        demo_dir = Path(args.demo_dir) if args.demo_dir else Path(tmp) / "demo"
-        if not args.demo_dir and not args.summarize_only:
-            from async_rl.demo import prepare
-
-            prepare(demo_dir, seed=0)
         metrics_dir = Path(args.metrics_dir or tmp)
         metrics_dir.mkdir(parents=True, exist_ok=True)
-        for name, k, extra, critic in systems:
-            if args.summarize_only or (args.reuse and metrics_file(metrics_dir, name).exists()):
-                metrics = read_metrics(metrics_file(metrics_dir, name))
-            else:
-                metrics = run_system(name, demo_dir, Path(tmp), metrics_dir, {**common, **extra}, args.timeout_s,
-                                     critic)
-            row, curve = summarize(name, k, metrics, TRAIN_BATCH_SIZE * GROUP_SIZE, args.target)
-            rows.append(row)
-            curves[name] = curve
-            print(f"done: {json.dumps(row)}", flush=True)
+        for seed in seeds:  # interleaved: every system on seed 0, then every system on seed 1, ...
+            demo_dir = Path(tmp) / f"demo_seed{seed}"
+            for name, k, extra, critic in systems:
+                path = metrics_file(metrics_dir, name, seed)
+                if args.summarize_only or (args.reuse and path.exists()):
+                    metrics = read_metrics(path)
+                else:
+                    if not demo_dir.exists():
+                        from async_rl.demo import prepare
+
+                        prepare(demo_dir, seed=seed)
+                    metrics = run_system(name, demo_dir, Path(tmp), path, {**common, **extra}, args.timeout_s,
+                                         critic, stop_at)
+                row, curve = summarize(name, k, metrics, TRAIN_BATCH_SIZE * GROUP_SIZE, TARGET)
+                row["seed"] = seed
+                rows.append(row)
+                curves[f"{name} seed {seed}"] = curve
+                print(f"done: {json.dumps(row)}", flush=True)
+    print(f"\ncommand: {command}\ncpus: {os.cpu_count()}; up to {args.steps} steps of {TRAIN_BATCH_SIZE} prompts x "
+          f"{GROUP_SIZE} samples; responses up to {args.response_length} tokens; target {TARGET} (fixed); "
+          f"seeds {seeds}; " + ("each run stops at the target" if stop_at else "all steps"))
     if grpo_verl:
-        rows.insert(1, {"system": "verl-fully-async", "generate_ahead_steps": None, "wall_s_per_sample": None,
-                        "time_to_target_s": None, "final_val_reward": None, "bubble_ratio": None,
-                        "not_run": FULLY_ASYNC_NOT_RUN})
-    print(f"\ncommand: {command}\ncpus: {os.cpu_count()}; {args.steps} steps of {TRAIN_BATCH_SIZE} prompts x "
-          f"{GROUP_SIZE} samples; responses up to {args.response_length} tokens; target {args.target}")
-    header = (f"{'system':>20} | {'s/sample':>9} {'to target s':>11} {'final val':>9} {'bubble':>7} "
-              f"{'busiest':>13} {'s/step':>7} {'resp len':>8}")
+        print(f"verl-fully-async: not run: {FULLY_ASYNC_NOT_RUN}")
+    header = (f"{'system':>24} {'seed':>4} | {'s/sample':>9} {'to target s':>11} {'steps':>5} {'final val':>9} "
+              f"{'bubble':>7} {'busiest':>13} {'s/step':>7} {'resp len':>8}")
     print(header)
     print("-" * len(header))
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     for r in rows:
-        if "not_run" in r:
-            print(f"{r['system']:>20} | not run: {r['not_run']}")
+        print(f"{r['system']:>24} {r['seed']:>4} | {r['wall_s_per_sample']:>9.4f} {fmt(r['time_to_target_s'], '>11.1f')} "
+              f"{r['steps']:>5} {fmt(r['final_val_reward'], '>9.3f')} {r['bubble_ratio']:>7.2f} "
+              f"{r['busiest_stage']:>13} {r['mean_step_s']:>7.2f} {r['mean_response_length']:>8.1f}")
+    parts = list(rows[0]["breakdown"]) if rows else []
+    print("\nwhere a step's time goes (mean s per step; the pipeline: its train ranks' step)")
+    print(f"{'system':>24} {'seed':>4} | " + " ".join(f"{p:>15}" for p in parts))
+    for r in rows:
+        print(f"{r['system']:>24} {r['seed']:>4} | " + " ".join(f"{r['breakdown'][p]:>15.3f}" for p in parts))
+    print(f"\ngoal: time to {TARGET} at least {GOAL_SPEEDUP:.0f}x sooner than verl-sync, bubble ratio <= 1.15")
+    for r in rows:
+        base_name = "verl-sync PPO" if r["system"].endswith(" PPO") and "naive" not in r["system"] else "verl-sync"
+        base = next((b for b in rows if b["system"] == base_name and b["seed"] == r["seed"]), None)
+        if not base or not r.get("generate_ahead_steps"):
             continue
-        print(f"{r['system']:>20} | {r['wall_s_per_sample']:>9.4f} {fmt(r['time_to_target_s'], '>11.1f')} "
-              f"{fmt(r['final_val_reward'], '>9.3f')} {r['bubble_ratio']:>7.2f} {r['busiest_stage']:>13} "
-              f"{r['mean_step_s']:>7.2f} {r['mean_response_length']:>8.1f}")
-    for r in rows:
-        base = next((b for b in rows if b["system"] == ("verl-sync PPO" if r["system"].endswith(" PPO")
-                                                         and "naive" not in r["system"] else "verl-sync")), None)
-        if base and r.get("generate_ahead_steps"):
-            speed = base["wall_s_per_sample"] / r["wall_s_per_sample"]
-            to_target = (base["time_to_target_s"] / r["time_to_target_s"]
-                         if base["time_to_target_s"] and r["time_to_target_s"] else None)
-            print(f"{r['system']}: {speed:.2f}x {base['system']} per sample, "
-                  f"{'-' if to_target is None else f'{to_target:.2f}x'} to target; bubble {r['bubble_ratio']:.2f}, "
-                  f"busiest stage {r['busiest_stage']} (busy ratios: "
-                  + ", ".join(f"{s} {b:.2f}" for s, b in sorted(r["busy_ratio"].items(), key=lambda x: -x[1]))
-                  + f"); actor_train + logp: busy {r['train_chain_busy']:.2f}")
-    print("goal: the pipeline >= 2x faster than verl-sync to the same reward, bubble ratio <= 1.15")
-    for r in rows:
-        line = bottleneck(r)
-        if line:
-            print(f"{r['system']}: {line}")
+        print(explain(r, base))
+        ratio = (base["time_to_target_s"] / r["time_to_target_s"]
+                 if base["time_to_target_s"] and r["time_to_target_s"] else None)
+        verdict = ("met" if ratio is not None and ratio >= GOAL_SPEEDUP else "missed")
+        print(f"  time to {TARGET}: {fmt(r['time_to_target_s'], '.0f')} s against {fmt(base['time_to_target_s'], '.0f')} s"
+              f" ({'-' if ratio is None else f'{ratio:.2f}x'}): goal {verdict}"
+              + ("" if verdict == "met" else f"; {why_short_of_goal(r, base)}"))
     if args.png:
-        plot(curves, args.png, args.target)
+        plot(curves, args.png, TARGET)
         print(f"plot: {args.png}")
     if args.json:
-        keys = ("system", "generate_ahead_steps", "wall_s_per_sample", "time_to_target_s", "final_val_reward",
-                "bubble_ratio", "busiest_stage", "busy_ratio", "train_chain_busy", "mean_step_s")
+        keys = ("system", "seed", "generate_ahead_steps", "wall_s_per_sample", "time_to_target_s", "steps",
+                "final_val_reward", "bubble_ratio", "busiest_stage", "busy_ratio", "train_chain_busy", "mean_step_s",
+                "breakdown", "beside")
         with open(args.json, "w") as f:
-            json.dump([{k: r.get(k) for k in keys} | ({"not_run": r["not_run"]} if "not_run" in r else {})
-                       for r in rows], f, indent=1)
+            json.dump([{k: r.get(k) for k in keys} for r in rows], f, indent=1)
     return rows
 
 
