@@ -12,6 +12,7 @@ Every key is added to a verl command with `+` (verl's schema does not know them)
 | trainer.generate_ahead_steps | 2 | int >= 1 (k; staleness bound eta = k - 1) |
 | trainer.async_stall_timeout_s | 600 | number > 0: no step for this long fails the run |
 | reward.async_timeout_s | 60 | number > 0: one reward call may take this long |
+| reward.on_error | stop | stop or zero: a reward function that raises or hangs stops the run, or scores that sample 0 |
 | trainer.async_stages | {} | name -> {cls, after, kwargs}: user stages (async_rl/stage_graph.py) |
 | algorithm.decoupled_ppo | True | bool: AReaL's decoupled PPO via verl's rollout correction (async_rl/decoupled_ppo.py) |
 | algorithm.behav_imp_weight_cap | 5.0 | number > 1: tokens with pi_prox / pi_behav above it get weight 0 |
@@ -49,6 +50,7 @@ class AsyncPipelineConfig:
     generate_ahead_steps: int = 2
     stall_timeout_s: float = 600.0
     reward_timeout_s: float = 60.0
+    reward_on_error: str = "stop"  # REWARD_ON_ERROR
     ratios_by_role: dict = field(default_factory=dict)
     user_stages: tuple = ()  # async_rl.stage_graph.UserStageSpec, in insertion order
     decoupled_ppo: bool = True
@@ -73,6 +75,7 @@ _KEYS = (
     ("trainer.generate_ahead_steps", "generate_ahead_steps", 2),
     ("trainer.async_stall_timeout_s", "stall_timeout_s", 600),
     ("reward.async_timeout_s", "reward_timeout_s", 60),
+    ("reward.on_error", "reward_on_error", "stop"),
     ("algorithm.decoupled_ppo", "decoupled_ppo", True),
     ("algorithm.behav_imp_weight_cap", "behav_imp_weight_cap", 5.0),
     ("actor_rollout_ref.rollout.partial_rollout", "partial_rollout", True),
@@ -82,6 +85,7 @@ _KEYS = (
 # before their update (no weight hop, logp and train cannot take turns), "logp" on the logp
 # stage's own worker group, which then receives every version through the weight sync.
 PROXIMAL_LOGP_WORKERS = ("train", "logp")
+REWARD_ON_ERROR = ("stop", "zero")  # a raising / hanging reward function: fail the run, or score 0 and count
 CONFIG_KEYS = tuple(k for k, _, _ in _KEYS) + (STAGES_KEY,)
 
 
@@ -199,6 +203,7 @@ def read_async_config(config) -> AsyncPipelineConfig:
         generate_ahead_steps=_as_ahead_steps(keys["generate_ahead_steps"], raw["generate_ahead_steps"]),
         stall_timeout_s=_as_positive_number(keys["stall_timeout_s"], raw["stall_timeout_s"]),
         reward_timeout_s=_as_positive_number(keys["reward_timeout_s"], raw["reward_timeout_s"]),
+        reward_on_error=_as_choice(keys["reward_on_error"], raw["reward_on_error"], REWARD_ON_ERROR),
         ratios_by_role={**dict(zip(USE_NODES_ROLES, ratios)), CRITIC_ROLE: ratios[4] if len(ratios) > 4 else ratios[0]},
         user_stages=user_stages,
         decoupled_ppo=_as_bool(keys["decoupled_ppo"], raw["decoupled_ppo"]),

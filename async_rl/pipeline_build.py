@@ -107,7 +107,8 @@ class PipelineBuild:
             "rollout", RolloutStage, int(cfg.data.max_prompt_length), int(rollout_cfg.response_length),
             tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
         )
-        self._stage("reward", RewardStage, cfg, tokenizer, self.async_cfg.reward_timeout_s)
+        self._stage("reward", RewardStage, cfg, tokenizer, self.async_cfg.reward_timeout_s,
+                    self.async_cfg.reward_on_error)
         if refill:
             from state_machines.dynamic_sampling import DynamicSamplingStage
 

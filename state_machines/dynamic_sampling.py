@@ -75,6 +75,7 @@ class DynamicSamplingStage(StateMachine):
         self.generated = generated_batches  # generated batches drawn so far
         self._arrivals = max((g.arrival for g in self.pending), default=-1) + 1
         self._drawn = 0  # generated batches drawn for the batch being formed
+        self._reward_errors = 0.0  # samples the reward stage scored 0 (reward.on_error=zero) in those batches
         self._counts = {"groups": 0, "kept": 0, "dropped_stale": 0}
         self._snapshots: dict[int, tuple[int, list[_Group]]] = {}  # steps formed -> (generated, pool)
 
@@ -92,6 +93,7 @@ class DynamicSamplingStage(StateMachine):
             return None  # generated ahead while the last batches trained: not needed
         self._drawn += 1
         self.generated += 1
+        self._reward_errors += scored.metrics.get("async/faults/reward_errors", 0.0)
         batch = await resolve(scored.batch_ref)
         self._pool(batch, scored)
         self._drop_stale()
@@ -140,6 +142,7 @@ class DynamicSamplingStage(StateMachine):
             "async/dynamic_sampling/kept_ratio": self._counts["kept"] / max(self._counts["groups"], 1),
             "async/dynamic_sampling/dropped_stale_groups": float(self._counts["dropped_stale"]),
             "async/dynamic_sampling/pending_groups": float(len(self.pending)),
+            "async/faults/reward_errors": self._reward_errors,
         }
         scored = ScoredBatch(
             index=self.step,
@@ -151,7 +154,7 @@ class DynamicSamplingStage(StateMachine):
         start = min(int(v) for v in batch.non_tensor_batch["start_version"])
         out = TrainingBatch(index=self.step, batch_ref=ref, start_version=start, scored=scored)
         self.step += 1
-        self._drawn = 0
+        self._drawn, self._reward_errors = 0, 0.0
         self._snapshots[self.step] = (self.generated, list(self.pending))
         if self.generate is not None:
             await self.generate.set_steps_formed.remote(self.step)
