@@ -14,6 +14,7 @@ from async_rl.config_error import AsyncConfigError
 
 def validate_pipeline_config(config: DictConfig) -> AsyncPipelineConfig:
     """Everything checkable before Ray starts; raises AsyncConfigError / ValueError naming the key."""
+    from async_rl.data_checks import check_rl_files
     from async_rl.rollout_backends import check_rollout_name
     from state_machines.reward import overlong_shaping
 
@@ -36,6 +37,9 @@ def validate_pipeline_config(config: DictConfig) -> AsyncPipelineConfig:
         for path in paths:
             if not path or (not str(path).startswith(("hdfs://", "s3://")) and not os.path.exists(str(path))):
                 raise FileNotFoundError(f"{key}={path!r}: no such file or directory")
+    prompt_key = str(config.data.get("prompt_key", "prompt"))
+    for key in ("data.train_files", "data.val_files"):
+        check_rl_files(OmegaConf.select(config, key), prompt_key, key)
     if int(config.trainer.get("total_training_steps") or 0) <= 0 and int(config.trainer.total_epochs) <= 0:
         raise ValueError("set trainer.total_training_steps or trainer.total_epochs to a positive number")
     return async_cfg

@@ -25,7 +25,9 @@ class Validator:
         self.servers = list(servers)
         dataset = load_prompt_dataset(config.data.val_files, config.data, tokenizer, is_train=False)
         max_len = int(config.data.max_prompt_length)
-        self.rows = [tokenize_row(dataset[i], tokenizer, max_len) for i in range(len(dataset))]
+        truncation, prompt_key = str(config.data.get("truncation", "error")), str(config.data.get("prompt_key", "prompt"))
+        self.rows = [tokenize_row(dataset[i], tokenizer, max_len, truncation, config.data.val_files, prompt_key)
+                     for i in range(len(dataset))]
         self.score_fn, _ = load_score_fn(config)
         self.sampling_params = sampling_params_from_config(config.actor_rollout_ref.rollout, validate=True)
         self.n = int(config.actor_rollout_ref.rollout.val_kwargs.get("n", 1))

@@ -54,13 +54,23 @@ def make_train_dataloader(data_config, dataset):
     )
 
 
-def tokenize_row(row: dict, tokenizer, max_prompt_length: int) -> tuple[list[int], dict]:
-    """Chat-template token ids of one dataset row (left-truncated) and its non-tensor fields."""
+def tokenize_row(row: dict, tokenizer, max_prompt_length: int, truncation: str = "left", files=None,
+                 prompt_key: str = "prompt") -> tuple[list[int], dict]:
+    """Chat-template token ids of one dataset row and its non-tensor fields.
+
+    A prompt over ``max_prompt_length`` tokens is left-truncated, as verl 0.9.1's agent loop
+    does, unless ``truncation`` is "error" (verl's `data.truncation` default): then a BadDataError
+    names the row of ``files`` it came from.
+    """
     ids = tokenizer.apply_chat_template(list(row["raw_prompt"]), add_generation_prompt=True, tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
-    ids = list(ids)[-max_prompt_length:]
-    return ids, {k: row[k] for k in _NON_TENSOR_KEYS if k in row}
+    ids = list(ids)
+    if len(ids) > max_prompt_length and truncation == "error":
+        from async_rl.data_checks import prompt_too_long_error
+
+        raise prompt_too_long_error(files, prompt_key, row["raw_prompt"], len(ids), max_prompt_length)
+    return ids[-max_prompt_length:], {k: row[k] for k in _NON_TENSOR_KEYS if k in row}
 
 
 def batch_rows(batch: dict) -> list[dict]:
@@ -93,6 +103,8 @@ class DataloaderStage(StateMachine):
             self.loader.load_state_dict(resume_state)
         self.tokenizer = tokenizer
         self.max_prompt_length = int(config.data.max_prompt_length)
+        self.truncation = str(config.data.get("truncation", "error"))
+        self.files, self.prompt_key = config.data.train_files, str(config.data.get("prompt_key", "prompt"))
         self.total_batches = total_batches
         self._step = first_index
         self._batches = None  # the loader's iterator (verl's trainer starts a new one on exhaustion)
@@ -130,7 +142,8 @@ class DataloaderStage(StateMachine):
     async def process_data(self, step: int) -> PromptBatch:
         rows = batch_rows(self._next_batch())
         self._states[step + 1] = copy.deepcopy(self.loader.state_dict())
-        tokenized = [tokenize_row(r, self.tokenizer, self.max_prompt_length) for r in rows]
+        tokenized = [tokenize_row(r, self.tokenizer, self.max_prompt_length, self.truncation, self.files,
+                                  self.prompt_key) for r in rows]
         return PromptBatch(index=step, prompt_ids=[t[0] for t in tokenized], non_tensor=[t[1] for t in tokenized])
 
     async def send_output_data(self, data: PromptBatch) -> bool:
