@@ -12,6 +12,7 @@ Every key is added to a verl command with `+` (verl's schema does not know them)
 | trainer.generate_ahead_steps | 2 | int >= 1 (k; staleness bound eta = k - 1) |
 | trainer.async_stall_timeout_s | 600 | number > 0: no step for this long fails the run |
 | reward.async_timeout_s | 60 | number > 0: one reward call may take this long |
+| trainer.max_restarts | 0 | int >= 0: a stage failing mid-run restarts the whole pipeline from the newest checkpoint, up to N times |
 | reward.on_error | stop | stop or zero: a reward function that raises or hangs stops the run, or scores that sample 0 |
 | trainer.async_stages | {} | name -> {cls, after, kwargs}: user stages (async_rl/stage_graph.py) |
 | algorithm.decoupled_ppo | True | bool: AReaL's decoupled PPO via verl's rollout correction (async_rl/decoupled_ppo.py) |
@@ -51,6 +52,7 @@ class AsyncPipelineConfig:
     stall_timeout_s: float = 600.0
     reward_timeout_s: float = 60.0
     reward_on_error: str = "stop"  # REWARD_ON_ERROR
+    max_restarts: int = 0  # whole-pipeline restarts from the newest checkpoint after a stage fails mid-run
     ratios_by_role: dict = field(default_factory=dict)
     user_stages: tuple = ()  # async_rl.stage_graph.UserStageSpec, in insertion order
     decoupled_ppo: bool = True
@@ -76,6 +78,7 @@ _KEYS = (
     ("trainer.async_stall_timeout_s", "stall_timeout_s", 600),
     ("reward.async_timeout_s", "reward_timeout_s", 60),
     ("reward.on_error", "reward_on_error", "stop"),
+    ("trainer.max_restarts", "max_restarts", 0),
     ("algorithm.decoupled_ppo", "decoupled_ppo", True),
     ("algorithm.behav_imp_weight_cap", "behav_imp_weight_cap", 5.0),
     ("actor_rollout_ref.rollout.partial_rollout", "partial_rollout", True),
@@ -122,6 +125,12 @@ def _as_ratios(key: str, value) -> tuple[float, ...]:
 def _as_ahead_steps(key: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise AsyncConfigError(key, value, "an integer >= 1 (1 = synchronous on-policy, 2 = one-step-off)")
+    return value
+
+
+def _as_count(key: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise AsyncConfigError(key, value, "an integer >= 0")
     return value
 
 
@@ -203,6 +212,7 @@ def read_async_config(config) -> AsyncPipelineConfig:
         generate_ahead_steps=_as_ahead_steps(keys["generate_ahead_steps"], raw["generate_ahead_steps"]),
         stall_timeout_s=_as_positive_number(keys["stall_timeout_s"], raw["stall_timeout_s"]),
         reward_timeout_s=_as_positive_number(keys["reward_timeout_s"], raw["reward_timeout_s"]),
+        max_restarts=_as_count(keys["max_restarts"], raw["max_restarts"]),
         reward_on_error=_as_choice(keys["reward_on_error"], raw["reward_on_error"], REWARD_ON_ERROR),
         ratios_by_role={**dict(zip(USE_NODES_ROLES, ratios)), CRITIC_ROLE: ratios[4] if len(ratios) > 4 else ratios[0]},
         user_stages=user_stages,

@@ -1,4 +1,4 @@
-"""The pipeline driver: runs the built stages, watches them, tears everything down.
+r"""The pipeline driver: runs the built stages, watches them, tears everything down.
 
     dataloader -> generate -> rollout -> reward ---\
                                       -> logp ------> actor_train -> param_update
@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 import ray
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from async_rl.checkpoints import read_checkpoint_config
 from async_rl.config import critic_enabled, strip_async_keys
@@ -41,7 +41,9 @@ logger = logging.getLogger(__name__)
 class AsyncPipeline(PipelineBuild):
     """Builds and runs the async pipeline for one verl config."""
 
-    def __init__(self, config: DictConfig):
+    def __init__(self, config: DictConfig, tracking=None, restarts: int = 0, finish_tracking: bool = True):
+        """``tracking``: verl's Tracking to log to, else one of its own; ``finish_tracking``: finish it
+        at shutdown (never one passed in). ``restarts``: the driver's restarts before this run (logged)."""
         self.async_cfg = validate_pipeline_config(config)
         self.config = config.copy()
         strip_async_keys(self.config)
@@ -66,7 +68,9 @@ class AsyncPipeline(PipelineBuild):
         self.stages: dict[str, Any] = {}
         self.replicas: list = []
         self.receivers: list = []  # weight receivers (param_update/overlapped.py)
-        self.tracking = None
+        self.tracking = tracking
+        self._finish_tracking = finish_tracking and tracking is None
+        self.restarts = restarts
         self.validator = None
         self.history: list[dict] = []  # every logged step's metrics (tests and benches read it)
         self._unlogged: list[dict] = []  # steps waiting for their critic update's metrics
@@ -87,6 +91,8 @@ class AsyncPipeline(PipelineBuild):
         )
 
     def _log(self, metrics: dict, step: int) -> None:
+        if self.restarts:
+            metrics["async/faults/pipeline_restarts"] = float(self.restarts)
         self.history.append({"step": step, **metrics})
         self.tracking.log(data=metrics, step=step)
 
@@ -117,7 +123,8 @@ class AsyncPipeline(PipelineBuild):
             with stop_signals_caught() as stop:  # after ray.init, which installs its own SIGTERM handler
                 self._stop_request = stop
                 self.build()
-                self.tracking = self._make_tracking()
+                if self.tracking is None:
+                    self.tracking = self._make_tracking()
                 self._loop()
                 if after_training is not None:
                     after_training(self)
@@ -235,7 +242,7 @@ class AsyncPipeline(PipelineBuild):
                     ray.kill(server, no_restart=True)
                 except Exception:  # noqa: BLE001
                     pass
-        if self.tracking is not None:
+        if self.tracking is not None and self._finish_tracking:
             try:
                 self.tracking.finish() if hasattr(self.tracking, "finish") else None
             except Exception:  # noqa: BLE001
@@ -253,10 +260,43 @@ def _cause(exc: BaseException) -> str:
 def run_async_pipeline(config: DictConfig, task_runner_class=None) -> None:
     """Drop-in for verl's `run_ppo(config, task_runner_class)` when async_pipeline=True.
 
+    A stage failing mid-run (after training started) restarts the whole pipeline from the newest
+    checkpoint in `trainer.default_local_dir` (from the start if there is none), up to
+    `trainer.max_restarts` times, each logged with its cause; the metrics go on in one Tracking.
     A stop signal ends the process with 128 + its number once the checkpoint is saved."""
+    from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
+
+    max_restarts = validate_pipeline_config(config).max_restarts
+    pipeline, restarts = None, 0
     try:
-        AsyncPipeline(config).run()
+        while True:
+            # with restarts allowed, one Tracking (one metrics file) spans the runs; finished below
+            pipeline = AsyncPipeline(config, tracking=pipeline.tracking if pipeline else None, restarts=restarts,
+                                     finish_tracking=not max_restarts)
+            try:
+                pipeline.run()
+                return
+            except PipelineError as failure:
+                if not pipeline._training or restarts >= max_restarts:
+                    if max_restarts and pipeline._training:
+                        raise PipelineError(f"{failure}\n(after {restarts} restarts: trainer.max_restarts="
+                                            f"{max_restarts} used up)") from failure
+                    raise
+                restarts += 1
+                newest = find_latest_ckpt_path(pipeline.checkpoint_cfg.root)
+                if newest:  # else the run starts over as it first did (its own resume settings)
+                    config = config.copy()
+                    with open_dict(config.trainer):
+                        config.trainer.resume_mode = "auto"  # the newest checkpoint this run wrote
+                why = " ".join(str(failure).split())[:500]
+                message = (f"async_rl: restart {restarts} of {max_restarts} (trainer.max_restarts) from "
+                           f"{newest or 'where the run started (no checkpoint written yet)'} after: {why}")
+                logger.warning("%s\n%s", message, failure)
+                print(message, flush=True)
     except PipelinePreempted as stopped:
         logger.warning("%s", stopped)
         print(f"async_rl: {stopped}", flush=True)
         raise SystemExit(stopped.exit_code) from None
+    finally:
+        if max_restarts and pipeline is not None and hasattr(pipeline.tracking, "finish"):
+            pipeline.tracking.finish()

@@ -77,8 +77,8 @@ def test_defaults_when_no_key_present(make):
 
 def test_config_keys_listed():
     assert set(CONFIG_KEYS) == set(BOOL_KEYS + POSITIVE_KEYS + (RATIOS, AHEAD, CAP, PROXIMAL, "reward.on_error",
-                                                                "trainer.async_stages"))
-    assert len(CONFIG_KEYS) == 14
+                                                                "trainer.max_restarts", "trainer.async_stages"))
+    assert len(CONFIG_KEYS) == 15
 
 
 def test_every_key_is_read():
