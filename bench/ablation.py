@@ -47,12 +47,15 @@ CAPPED = "rollout_corr/rollout_is_ratio_fraction_high"  # verl: share of tokens 
 
 
 def run_once(demo_dir: Path, workdir: Path, eta: int, decoupled: bool, steps: int, test_freq: int, timeout_s: float,
-             cap: float | None = None, seed: int = 0):
-    """One training run; returns the row and its validation curve [(wall_s, reward)]."""
+             cap: float | None = None, seed: int = 0, setting: dict | None = None):
+    """One training run; returns the row and its validation curve [(wall_s, reward)].
+
+    ``setting``: verl overrides that make the task harder for every run alike (`--set`)."""
     from async_rl.config import AsyncPipelineConfig
     from async_rl.demo import demo_overrides
 
     extra = {
+        **(setting or {}),
         "data.seed": seed,
         "actor_rollout_ref.rollout.seed": seed,
         "+trainer.generate_ahead_steps": eta + 1,
@@ -166,7 +169,11 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--timeout-s", type=float, default=3600)
     parser.add_argument("--cap", type=float, help="behav_imp_weight_cap of the decoupled runs (default: the pipeline's, 5)")
     parser.add_argument("--no-naive", action="store_true", help="decoupled runs only")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a verl override for every run (repeatable), e.g. actor_rollout_ref.actor.optim.lr=3e-3 "
+                             "or data.max_response_length=40: the search for a setting where staleness hurts")
     args = parser.parse_args(argv)
+    setting = dict(item.split("=", 1) for item in args.set)
     command = " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv])
     seeds = [int(s) for s in args.seeds.split(",")]
     rows, curves = [], {}
@@ -180,12 +187,13 @@ def main(argv=None) -> list[dict]:
             for eta in (int(e) for e in args.etas.split(",")):
                 for decoupled in (True,) if args.no_naive else (True, False):
                     row, curve = run_once(demo_dir, Path(tmp), eta, decoupled, args.steps, args.test_freq,
-                                          args.timeout_s, args.cap, seed)
+                                          args.timeout_s, args.cap, seed, setting)
                     rows.append(row)
                     label = objective(decoupled) + (f" cap={args.cap:g}" if decoupled and args.cap is not None else "")
                     curves[f"eta={eta} {label}" + (f" seed={seed}" if len(seeds) > 1 else "")] = curve
                     print(f"done: {json.dumps(row)}", flush=True)
-    print(f"\ncommand: {command}\ncpus: {os.cpu_count()}, demo quickstart settings, {args.steps} steps per run")
+    print(f"\ncommand: {command}\ncpus: {os.cpu_count()}, demo quickstart settings"
+          + (f" with {setting}" if setting else "") + f", {args.steps} steps per run")
     header = (f"{'eta':>3} {'objective':>12} {'seed':>4} {'steps':>5} | {'final val reward':>16} {'wall s':>8} "
               f"{'s/step':>7} | {'max staleness':>13} {'capped tokens (last third)':>26}")
     print(header)
