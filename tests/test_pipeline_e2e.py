@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from conftest import every_step_with, run_verl, step_rows, val_rows
@@ -111,15 +113,28 @@ def test_more_workers_than_ray_can_place_fails_at_once(demo_dir, tmp_path):
     # train 32 + generate 32 (no logp group: pi_prox on the train ranks; no ref: no KL)
     assert "the pipeline needs 64 worker processes" in out and "Ray has 16" in out
     assert "Started a local Ray instance" in out  # it did get past the config checks
-    leftover = ray_processes_after(20.0)
+    leftover = ray_processes_after(20.0, tmp_path)
     assert not leftover, f"Ray processes left behind: {leftover}"
 
 
-def ray_processes_after(grace_s: float) -> list[str]:
-    """`ray::` processes still alive `grace_s` seconds from now at the latest (exiting ones get that long)."""
+def ray_processes_after(grace_s: float, run_dir: Path) -> list[str]:
+    """`ray::` processes of the run started in ``run_dir`` (their working directory: Ray's processes
+    inherit the driver's; other runs on the machine have theirs) still alive `grace_s` seconds from
+    now at the latest (exiting ones get that long)."""
+    def ours() -> list[str]:
+        found = []
+        for line in subprocess.run(["pgrep", "-af", "ray::"], capture_output=True, text=True).stdout.splitlines():
+            try:
+                cwd = Path(os.readlink(f"/proc/{line.split()[0]}/cwd"))
+            except OSError:
+                continue  # exited meanwhile
+            if cwd == run_dir or run_dir in cwd.parents:
+                found.append(line)
+        return found
+
     deadline = time.monotonic() + grace_s
     while True:
-        out = subprocess.run(["pgrep", "-af", "ray::"], capture_output=True, text=True).stdout.splitlines()
+        out = ours()
         if not out or time.monotonic() > deadline:
             return out
         time.sleep(0.5)
@@ -137,5 +152,5 @@ def test_failing_reward_stops_the_run_with_the_stage_named(demo_dir, tmp_path):
     assert "stage 'reward' failed" in out
     assert "reward exploded" in out
     assert not step_rows(rows)  # no step trained on missing rewards
-    leftover = ray_processes_after(20.0)
+    leftover = ray_processes_after(20.0, tmp_path)
     assert not leftover, f"Ray processes left behind: {leftover}"
