@@ -89,7 +89,8 @@ class PipelineBuild:
         check_cluster_fits(needed, on_cpu, ray.cluster_resources())
         self.replicas = launch_rollout_replicas(replicas, cfg.actor_rollout_ref.rollout.name, timeout_s=SETUP_TIMEOUT_S)
         servers = [r.server_handle for r in self.replicas]
-        self.validator = Validator(cfg, tokenizer, servers)
+        self.validator = Validator(cfg, tokenizer, servers, self.async_cfg.reward_timeout_s,
+                                   self.async_cfg.reward_on_error)
         steps = self.total_steps
         eta = self.async_cfg.max_staleness
         rollout_cfg = cfg.actor_rollout_ref.rollout

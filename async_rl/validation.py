@@ -13,14 +13,17 @@ import numpy as np
 from async_rl.generation_dumps import GenerationDumps
 from state_machines.dataloader import load_prompt_dataset, tokenize_row
 from state_machines.generate import generate_one, sampling_params_from_config
-from state_machines.reward import call_score_fn, load_score_fn
+from state_machines.reward import RewardFunctionError, ResponseToScore, load_score_fn, score_each_zeroing_failures
 
 
 class Validator:
     """Scores the policy the rollout servers serve on `data.val_files`."""
 
-    def __init__(self, config, tokenizer, servers):
+    def __init__(self, config, tokenizer, servers, reward_timeout_s: float = 60.0, reward_on_error: str = "stop"):
+        """``reward_timeout_s`` (s, per sample) and ``reward_on_error`` as for the reward stage
+        (`reward.async_timeout_s`, `reward.on_error`)."""
         self.config = config
+        self.reward_timeout_s, self.reward_on_error = reward_timeout_s, reward_on_error
         self.tokenizer = tokenizer
         self.servers = list(servers)
         dataset = load_prompt_dataset(config.data.val_files, config.data, tokenizer, is_train=False)
@@ -47,22 +50,21 @@ class Validator:
         from verl.trainer.ppo.metric_utils import process_validation_metrics
 
         outputs = asyncio.run(self._generate_all(timeout_s))
-        sources, uids, scores, texts = [], [], [], []
+        sources, uids, texts, responses = [], [], [], []
         for j, out in enumerate(outputs):
-            prompt_ids, info = self.rows[j // self.n]
-            text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-            texts.append(text)
-            scores.append(
-                call_score_fn(
-                    self.score_fn,
-                    data_source=info["data_source"],
-                    solution_str=text,
-                    ground_truth=info["reward_model"]["ground_truth"],
-                    extra_info=info.get("extra_info"),
-                )
-            )
+            _, info = self.rows[j // self.n]
+            texts.append(self.tokenizer.decode(out.token_ids, skip_special_tokens=True))
+            responses.append(ResponseToScore(info["data_source"], texts[-1], info["reward_model"]["ground_truth"],
+                                             info.get("extra_info"), len(out.token_ids)))
             sources.append(info["data_source"])
             uids.append(str(j // self.n))
+        scored, failures = asyncio.run(score_each_zeroing_failures(responses, self.score_fn, None,
+                                                                   self.reward_timeout_s))
+        if failures and self.reward_on_error == "stop":
+            row, cause = failures[0]
+            raise RewardFunctionError(f"validation at step {step}: the reward function failed on sample {row}: "
+                                      f"{cause} (reward.on_error=zero scores such samples 0 instead)")
+        scores = scored.tolist()
         nested = process_validation_metrics(sources, uids, {"reward": scores})
         metrics = {}
         for source, var2metric in nested.items():

@@ -88,3 +88,42 @@ def test_zero_mode_trains_through_a_raising_and_a_hanging_reward(demo_dir, tmp_p
     assert all(m["async/faults/reward_errors"] >= 1 for m in by_step.values()), by_step
     assert all(m["critic/score/mean"] == 0.0 for m in by_step.values())  # raised and hung samples scored 0
     assert "scored 0" in out
+
+
+class EchoServer:
+    """A rollout server whose every response is the prompt's last 4 tokens (the demo's digits)."""
+
+    class _Generate:
+        def remote(self, prompt_ids, sampling_params, request_id):
+            from verl.workers.rollout.replica import TokenOutput
+
+            async def out():
+                return TokenOutput(token_ids=list(prompt_ids[-4:]), log_probs=[0.0] * 4, stop_reason="completed")
+            return out()
+
+    generate = _Generate()
+
+
+@pytest.mark.parametrize("on_error", ["stop", "zero"])
+def test_validation_scores_through_the_same_guard(demo_dir, tmp_path, on_error):
+    from transformers import AutoTokenizer
+
+    from async_rl.demo import demo_overrides
+    from async_rl.validation import Validator
+    from conftest import compose_ppo
+    from state_machines.reward import RewardFunctionError
+
+    flaky = tmp_path / "flaky.py"
+    flaky.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw):\n"
+                     "    if extra_info['index'] == 3:\n"
+                     "        raise ValueError('bad val sample')\n"
+                     "    return 1.0\n")
+    config = compose_ppo(demo_overrides(demo_dir, extra={"reward.custom_reward_function.path": str(flaky),
+                                                         "+actor_rollout_ref.async_pipeline": False}))
+    validator = Validator(config, AutoTokenizer.from_pretrained(demo_dir / "model"), [EchoServer()], 5.0, on_error)
+    if on_error == "stop":
+        with pytest.raises(RewardFunctionError, match="validation at step 7: .*sample 3: ValueError: bad val sample"):
+            validator.run(timeout_s=30, step=7)
+    else:
+        rows = len(validator.rows)
+        assert validator.run(timeout_s=30, step=7)["val-aux/reward/mean"] == pytest.approx((rows - 1) / rows)
