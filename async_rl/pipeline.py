@@ -41,9 +41,10 @@ logger = logging.getLogger(__name__)
 class AsyncPipeline(PipelineBuild):
     """Builds and runs the async pipeline for one verl config."""
 
-    def __init__(self, config: DictConfig, tracking=None, restarts: int = 0, finish_tracking: bool = True):
-        """``tracking``: verl's Tracking to log to, else one of its own; ``finish_tracking``: finish it
-        at shutdown (never one passed in). ``restarts``: the driver's restarts before this run (logged)."""
+    def __init__(self, config: DictConfig, tracking=None, restarts: int = 0):
+        """``tracking``: verl's Tracking to log to, else one of its own, finished at shutdown unless
+        `trainer.max_restarts` lets the driver restart (it then spans the runs and the driver finishes
+        it). ``restarts``: the driver's restarts before this run (logged)."""
         self.async_cfg = validate_pipeline_config(config)
         self.config = config.copy()
         strip_async_keys(self.config)
@@ -69,7 +70,7 @@ class AsyncPipeline(PipelineBuild):
         self.replicas: list = []
         self.receivers: list = []  # weight receivers (param_update/overlapped.py)
         self.tracking = tracking
-        self._finish_tracking = finish_tracking and tracking is None
+        self._finish_tracking = tracking is None and not self.async_cfg.max_restarts
         self.restarts = restarts
         self.validator = None
         self.history: list[dict] = []  # every logged step's metrics (tests and benches read it)
@@ -266,13 +267,12 @@ def run_async_pipeline(config: DictConfig, task_runner_class=None) -> None:
     A stop signal ends the process with 128 + its number once the checkpoint is saved."""
     from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 
-    max_restarts = validate_pipeline_config(config).max_restarts
     pipeline, restarts = None, 0
     try:
         while True:
             # with restarts allowed, one Tracking (one metrics file) spans the runs; finished below
-            pipeline = AsyncPipeline(config, tracking=pipeline.tracking if pipeline else None, restarts=restarts,
-                                     finish_tracking=not max_restarts)
+            pipeline = AsyncPipeline(config, tracking=pipeline.tracking if pipeline else None, restarts=restarts)
+            max_restarts = pipeline.async_cfg.max_restarts
             try:
                 pipeline.run()
                 return
@@ -298,5 +298,5 @@ def run_async_pipeline(config: DictConfig, task_runner_class=None) -> None:
         print(f"async_rl: {stopped}", flush=True)
         raise SystemExit(stopped.exit_code) from None
     finally:
-        if max_restarts and pipeline is not None and hasattr(pipeline.tracking, "finish"):
+        if pipeline is not None and pipeline.async_cfg.max_restarts and hasattr(pipeline.tracking, "finish"):
             pipeline.tracking.finish()
