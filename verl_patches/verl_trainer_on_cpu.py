@@ -1,8 +1,9 @@
-"""verl's own trainers on CPU with this package's rollout backend (`rollout.name=cpu`).
+"""verl's own trainers on CPU with this package's rollout backend (`rollout.name=cpu`) or vLLM.
 
 Without `async_pipeline=True`, a verl command that asks for `trainer.device=cpu` and
 `actor_rollout_ref.rollout.name=cpu` (a backend only this package provides) runs verl's own
-trainer on the CPU backend: the synchronous one by default. The plugin then does, before
+trainer on the CPU backend: the synchronous one by default. `rollout.name=vllm` does the same
+through verl's own vLLM servers where vLLM's CPU build is installed (`verl_patches/vllm_cpu.py`). The plugin then does, before
 Ray starts, what the pipeline does for itself: the CPU platform and patches in the driver;
 logical CPUs and GPUs for Ray (verl's resource check counts GPUs; on CPU a "GPU" is one worker
 process); `VERL_PLATFORM=cpu` in every Ray worker, where the plugin applies the same patches
@@ -19,13 +20,16 @@ WORKER_ENV = {"VERL_PLATFORM": "cpu", "VERL_ENGINE_DEVICE": "cuda", "TOKENIZERS_
 
 
 def wants_cpu_rollout(config) -> bool:
-    """A plain verl command (no pipeline flag) on trainer.device=cpu with rollout.name=cpu."""
+    """A plain verl command (no pipeline flag) on trainer.device=cpu with rollout.name=cpu (or
+    vllm, with vLLM's CPU build installed)."""
     from async_rl.config import async_pipeline_enabled
+    from verl_patches.vllm_cpu import vllm_cpu_installed
 
     rollout = config.get("actor_rollout_ref", {}).get("rollout", {})
+    name = str(rollout.get("name", ""))
     return (
         not async_pipeline_enabled(config)
-        and str(rollout.get("name", "")) == "cpu"
+        and (name == "cpu" or (name == "vllm" and vllm_cpu_installed()))
         and str(config.get("trainer", {}).get("device", "")) == "cpu"
     )
 
@@ -37,7 +41,15 @@ def prepare(config) -> None:
     from verl_patches.cpu_patches import apply_cpu_worker_patches
 
     strip_async_keys(config)  # the pipeline's keys may remain in a demo command with the flag off
-    os.environ.update(WORKER_ENV)
+    worker_env = dict(WORKER_ENV)
+    if str(config.actor_rollout_ref.rollout.name) == "vllm":
+        from verl_patches import vllm_cpu
+
+        changed = vllm_cpu.cpu_rollout_overrides(config.actor_rollout_ref.rollout)
+        if changed:
+            print(f"[async_rl] vLLM on CPU: actor_rollout_ref.rollout.{', '.join(changed)}", flush=True)
+        worker_env.update({k: os.environ.get(k, v) for k, v in vllm_cpu.WORKER_ENV.items()})
+    os.environ.update(worker_env)
     apply_cpu_worker_patches()
     register_cpu_rollout()
     devices = int(config.trainer.nnodes) * int(config.trainer.n_gpus_per_node)
@@ -53,7 +65,7 @@ def prepare(config) -> None:
             ray_init.runtime_env = {}
         if ray_init.runtime_env.get("env_vars") is None:
             ray_init.runtime_env.env_vars = {}
-        for key, value in WORKER_ENV.items():
+        for key, value in worker_env.items():
             if key not in ray_init.runtime_env.env_vars:
                 ray_init.runtime_env.env_vars[key] = value
 

@@ -1,0 +1,40 @@
+"""verl's own vLLM rollout on vLLM's CPU build (the vllm venv; scripts/test.sh runs these there).
+
+Flag off: verl's synchronous trainer with `rollout.name=vllm` on CPU, through verl's
+`vLLMReplica` / `vLLMHttpServer` and its weight sync. With `rollout.dtype=float32` the log-probs
+vLLM returns equal the trainer's recomputed ones within fp32 noise at every step, which holds
+only if every new version reached vLLM (one step of training moves them by ~1e-3)."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import every_step_with, run_verl, val_rows
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+VLLM_ON_CPU = {
+    "actor_rollout_ref.rollout.name": "vllm",
+    "actor_rollout_ref.rollout.dtype": "float32",  # the trainer's dtype: log-probs comparable to fp32 noise
+    "actor_rollout_ref.rollout.enforce_eager": True,
+}
+FP32_NOISE = 1e-5  # measured: 7e-8 to 8e-8 (bf16 rollout: 4e-4)
+
+
+def test_verls_sync_trainer_runs_vllm_on_cpu_and_every_version_reaches_it(demo_dir, tmp_path):
+    extra = {
+        **VLLM_ON_CPU,
+        "+actor_rollout_ref.async_pipeline": False,
+        "trainer.total_training_steps": 3,
+        "trainer.val_before_train": False,
+        "trainer.test_freq": 3,
+        "trainer.save_freq": -1,
+    }
+    code, out, rows = run_verl(demo_dir, extra, tmp_path, timeout_s=900)
+    assert code == 0, out[-4000:]
+    assert "vLLM on CPU: actor_rollout_ref.rollout.free_cache_engine=False" in out  # the overrides, said
+    by_step = every_step_with(rows, 3, ["rollout_corr/log_ppl_abs_diff", "training/rollout_probs_diff_max"])
+    for step, metrics in by_step.items():
+        assert metrics["rollout_corr/log_ppl_abs_diff"] < FP32_NOISE, (step, metrics["rollout_corr/log_ppl_abs_diff"])
+        assert metrics["training/rollout_probs_diff_max"] < FP32_NOISE, step
+    assert 3 in val_rows(rows)  # validation through vLLM too
