@@ -146,6 +146,8 @@ class PipelineBuild:
         self._wire()
         if resume is not None:
             self._load_resume_point(resume)
+        elif self._gpu_receivers():  # verl's servers start on load_format=dummy weights: serve step 0
+            self._serve_weights(0)
 
     def _find_resume_point(self, train_world_size: int):
         """The checkpoint this run continues from (verl's resume_mode rules), or None."""
@@ -157,8 +159,6 @@ class PipelineBuild:
 
     def _load_resume_point(self, resume) -> None:
         """Load the checkpoint into the train ranks and serve its weights before anything generates."""
-        from state_machines.param_update import NewWeights
-
         step = resume.state.global_step
         logger.warning("resuming from %s (step %d, written by %s)", resume.path, step, resume.written_by)
         loads = {"actor_train": self.stages["actor_train"].load_checkpoint.remote(
@@ -167,9 +167,20 @@ class PipelineBuild:
             loads["critic_train"] = self.stages["critic_train"].load_checkpoint.remote(
                 resume.path, self.checkpoint_cfg.del_local_after_load)
         self._wait(loads, SETUP_TIMEOUT_S, f"load the checkpoint {resume.path}")
+        self._serve_weights(step)
+
+    def _serve_weights(self, step: int) -> None:
+        """Sync the train ranks' weights (version `step`) to every receiver before anything generates."""
+        from state_machines.param_update import NewWeights
+
         self._wait({"param_update": self.stages["param_update"].process_data.remote(NewWeights(step, time.time())),
                     "actor_train": self.stages["actor_train"].send_weights.remote()},
                    SETUP_TIMEOUT_S, f"send the weights of step {step} to the rollout servers")
+
+    def _gpu_receivers(self) -> list:
+        from param_update.checkpoint_engine import GPUReplicaReceiver
+
+        return [r for r in self.receivers if isinstance(r, GPUReplicaReceiver)]
 
     def proximal_logp_workers(self) -> str | None:
         """Which workers recompute pi_prox: "train", "logp", or None (verl's bypass mode: none do)."""
@@ -193,7 +204,6 @@ class PipelineBuild:
 
     def _configure_receivers(self, dual: bool, consume_bytes: int) -> None:
         """Set every rollout receiver up for the trainer's layout (a mismatch fails here, at start)."""
-        from param_update.checkpoint_engine import GPUReplicaReceiver
         from param_update.overlapped import ActorReceiver
 
         layout = ray.get(self.stages["actor_train"].weight_layout.remote(), timeout=CALL_TIMEOUT_S)
@@ -201,7 +211,7 @@ class PipelineBuild:
         partial = self.async_cfg.partial_rollout
         calls = {r.name: r.handle.configure_weight_sync.remote(dual, consume_bytes, layout, partial) for r in servers}
         self._wait(calls, SETUP_TIMEOUT_S, "set up the rollout servers' weight staging")
-        gpu = [r for r in self.receivers if isinstance(r, GPUReplicaReceiver)]
+        gpu = self._gpu_receivers()
         if gpu:
             async def configure_all():  # gather needs the running loop
                 await asyncio.wait_for(asyncio.gather(*(r.configure(layout, dual) for r in gpu)), SETUP_TIMEOUT_S)

@@ -38,3 +38,24 @@ def test_verls_sync_trainer_runs_vllm_on_cpu_and_every_version_reaches_it(demo_d
         assert metrics["rollout_corr/log_ppl_abs_diff"] < FP32_NOISE, (step, metrics["rollout_corr/log_ppl_abs_diff"])
         assert metrics["training/rollout_probs_diff_max"] < FP32_NOISE, step
     assert 3 in val_rows(rows)  # validation through vLLM too
+
+
+PIPELINE = {
+    **VLLM_ON_CPU,
+    "trainer.val_before_train": False,
+    "trainer.save_freq": -1,
+}
+
+
+def test_pipeline_on_vllm_on_policy_every_version_reaches_vllm(demo_dir, tmp_path):
+    """k=1: each step trains on responses of the newest version, and vLLM's log-probs equal the
+    trainer's within fp32 noise at every step: every version reached vLLM (through the `async_rl`
+    checkpoint-engine backend), version 0 included (verl's servers start on dummy weights)."""
+    extra = {**PIPELINE, "+trainer.generate_ahead_steps": 1, "trainer.total_training_steps": 3, "trainer.test_freq": 3}
+    code, out, rows = run_verl(demo_dir, extra, tmp_path, timeout_s=900)
+    assert code == 0, out[-4000:]
+    by_step = every_step_with(rows, 3, ["rollout_corr/log_ppl_abs_diff", "async/staleness/max"])
+    for step, metrics in by_step.items():
+        assert metrics["async/staleness/max"] == 0, step
+        assert metrics["rollout_corr/log_ppl_abs_diff"] < FP32_NOISE, (step, metrics["rollout_corr/log_ppl_abs_diff"])
+    assert 3 in val_rows(rows)  # validation through vLLM
