@@ -196,7 +196,7 @@ class PipelineBuild:
         on_cpu = str(self.config.actor_rollout_ref.rollout.name) == "cpu"
         rollout = [
             ActorReceiver(f"rollout_server_{i}", r.server_handle, True) if on_cpu
-            else GPUReplicaReceiver(f"rollout_replica_{i}", r)
+            else GPUReplicaReceiver(f"rollout_replica_{i}", r, self.async_cfg.partial_rollout)
             for i, r in enumerate(self.replicas)
         ]
         self.receivers = rollout + ([ActorReceiver("logp", logp, False)] if logp is not None else [])

