@@ -147,11 +147,11 @@ class GPUReplicaReceiver:
 
     async def commit(self, version: int, num_buckets: int) -> dict:
         start = time.perf_counter()
-        if self.partial:
-            await self.replica.abort_all_requests()
-        else:
-            await self._drain()
-        try:
+        try:  # the gate reopens whatever happens, a drain that timed out included
+            if self.partial:
+                await self.replica.abort_all_requests()
+            else:
+                await self._drain()
             await asyncio.gather(*(w.update_weights.remote(global_steps=version) for w in self.replica.workers))
         finally:
             await self.replica.resume_generation()

@@ -92,9 +92,11 @@ def test_partial_rollout_true_aborts_then_loads():
 
 def test_a_request_that_never_finishes_fails_the_load_naming_the_replica(monkeypatch):
     monkeypatch.setattr(checkpoint_engine, "DRAIN_TIMEOUT_S", 0.1)
-    receiver = GPUReplicaReceiver("rollout_replica_3", FakeReplica([FakeServer(running=1)], []), partial=False)
+    log, server = [], FakeServer(running=1)
+    receiver = GPUReplicaReceiver("rollout_replica_3", FakeReplica([server], log), partial=False)
     with pytest.raises(TimeoutError, match="rollout_replica_3: running requests did not finish within 0.1 s"):
         asyncio.run(asyncio.wait_for(receiver.commit(version=1, num_buckets=1), 10))
+    assert log == [("resume", None)] and not server._submission_paused  # nothing loaded; the gate reopened
 
 
 def test_partial_rollout_false_is_refused_for_sglang(monkeypatch, demo_dir):
