@@ -19,6 +19,8 @@ Every key is added to a verl command with `+` (verl's schema does not know them)
 | algorithm.behav_imp_weight_cap | 5.0 | number > 1: tokens with pi_prox / pi_behav above it get weight 0 |
 | actor_rollout_ref.rollout.partial_rollout | True | bool: a weight load interrupts requests (False: it waits for them) |
 | algorithm.proximal_logp_workers | train | train or logp: which workers recompute pi_prox (old_log_probs) |
+| actor_rollout_ref.rollout.max_restarts | 3 (cpu), 0 (GPU servers) | int >= 0: restarts of each lost rollout replica over the run; > 0 only with rollout.name=cpu |
+| actor_rollout_ref.rollout.request_timeout_s | 600 | number > 0: a generate request unanswered this long marks its server lost |
 
 Validation runs in the driver before any Ray actor starts and raises
 `AsyncConfigError` with one message naming the key, the value and what is allowed.
@@ -60,6 +62,8 @@ class AsyncPipelineConfig:
     partial_rollout: bool = True
     dynamic_sampling: bool = False  # verl's algorithm.filter_groups.enable
     proximal_logp_workers: str = "train"  # PROXIMAL_LOGP_WORKERS
+    replica_max_restarts: int = 0  # restarts of each lost rollout replica (async_rl/replica_supervisor.py)
+    request_timeout_s: float = 600.0  # a generate request unanswered this long (s) marks its server lost
 
     @property
     def max_staleness(self) -> int:
@@ -83,7 +87,10 @@ _KEYS = (
     ("algorithm.behav_imp_weight_cap", "behav_imp_weight_cap", 5.0),
     ("actor_rollout_ref.rollout.partial_rollout", "partial_rollout", True),
     ("algorithm.proximal_logp_workers", "proximal_logp_workers", "train"),
+    ("actor_rollout_ref.rollout.max_restarts", "replica_max_restarts", None),
+    ("actor_rollout_ref.rollout.request_timeout_s", "request_timeout_s", 600),
 )
+DEFAULT_REPLICA_RESTARTS = 3  # on rollout.name=cpu; verl's GPU servers are not restarted (0)
 # Where pi_prox (verl's recomputed old_log_probs) is computed: "train" on the train ranks right
 # before their update (no weight hop, logp and train cannot take turns), "logp" on the logp
 # stage's own worker group, which then receives every version through the weight sync.
@@ -160,6 +167,18 @@ def _check_decoupled(config, enabled: bool) -> None:
         )
 
 
+def _replica_restarts(key: str, value, rollout_name) -> int:
+    """Restarts of a lost rollout replica: the CPU backend's servers can be started again in place;
+    verl's GPU servers (a worker group on a placement group) are not restarted by this pipeline yet."""
+    if value is None:
+        return DEFAULT_REPLICA_RESTARTS if rollout_name == "cpu" else 0
+    value = _as_count(key, value)
+    if value and rollout_name != "cpu":
+        raise AsyncConfigError(key, value, f"0 with actor_rollout_ref.rollout.name={rollout_name!r} (restarting "
+                                           "a lost replica is supported for rollout.name=cpu only)")
+    return value
+
+
 def critic_enabled(config) -> bool:
     """verl's rule (`verl.trainer.ppo.utils.need_critic`): `critic.enable` when set, else whether the
     estimator is gae. gae with `critic.enable=False` is refused naming both keys (verl's step would
@@ -223,6 +242,9 @@ def read_async_config(config) -> AsyncPipelineConfig:
         proximal_logp_workers=_as_choice(
             keys["proximal_logp_workers"], raw["proximal_logp_workers"], PROXIMAL_LOGP_WORKERS
         ),
+        replica_max_restarts=_replica_restarts(keys["replica_max_restarts"], raw["replica_max_restarts"],
+                                               select_value(config, "actor_rollout_ref.rollout.name", "vllm")),
+        request_timeout_s=_as_positive_number(keys["request_timeout_s"], raw["request_timeout_s"]),
     )
 
 

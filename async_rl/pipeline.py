@@ -145,9 +145,13 @@ class AsyncPipeline(PipelineBuild):
         if self.proximal_logp_workers() == "logp":
             calls["logp"] = self.stages["logp"].weight_digests.remote()
         if str(self.config.actor_rollout_ref.rollout.name) == "cpu":
-            calls.update({f"rollout_server_{i}": r.server_handle.weight_digests.remote()
-                          for i, r in enumerate(self.replicas)})
+            calls.update({f"rollout_server_{i}": handle.weight_digests.remote()
+                          for i, handle in enumerate(self._server_handles())})
         return self._wait(calls, CALL_TIMEOUT_S, "read weight digests")
+
+    def _server_handles(self) -> list:
+        """Every replica's current rollout server (the generate stage restarts lost ones)."""
+        return ray.get(self.stages["generate"].server_handles.remote(), timeout=CALL_TIMEOUT_S)
 
     def _loop(self) -> None:
         from tqdm import tqdm
@@ -185,6 +189,7 @@ class AsyncPipeline(PipelineBuild):
                     version = max(sync_timings)
                     last_sync = {**sync_timings[version], "async/param_update/synced_version": float(version)}
                 busy = self._busy_ratios(last_stats)
+                busy.update(ray.get(self.stages["generate"].fault_counts.remote(), timeout=CALL_TIMEOUT_S))
                 for metrics in new_steps:
                     step = int(metrics["training/global_step"])
                     metrics.update(busy)

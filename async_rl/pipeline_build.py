@@ -102,8 +102,11 @@ class PipelineBuild:
         sampling = None
         dataloader = self._stage("dataloader", DataloaderStage, cfg, tokenizer, None if refill else steps,
                                  state.generated_batches if state else 0, state.dataloader_state if state else None)
-        generate = self._stage("generate", GenerateStage, servers, rollout_cfg, eta, dynamic_sampling=refill,
-                               steps_formed=self.start_step)
+        restarts = self.async_cfg.replica_max_restarts
+        generate = self._stage("generate", GenerateStage, servers, rollout_cfg, eta,
+                               request_timeout_s=self.async_cfg.request_timeout_s, dynamic_sampling=refill,
+                               steps_formed=self.start_step, replicas=self.replicas if restarts else None,
+                               max_restarts=restarts)
         self._stage(
             "rollout", RolloutStage, int(cfg.data.max_prompt_length), int(rollout_cfg.response_length),
             tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
@@ -121,7 +124,9 @@ class PipelineBuild:
         logp = self._stage("logp", LogpStage, cfg, sizes["logp"], bucket_bytes["consume"], compute=proximal == "logp")
         self._stage("ref_logp", RefLogpStage, cfg, sizes["ref_logp"], need_reference_policy(cfg))
         receivers = self._weight_receivers(logp if proximal == "logp" else None)
-        param_update = self._stage("param_update", ParamUpdateStage, receivers, generate)
+        param_update = self._stage("param_update", ParamUpdateStage, receivers, generate,
+                                   restartable_servers=bool(restarts),
+                                   server_timeout_s=min(300.0, self.async_cfg.request_timeout_s))
         critic = None
         if self.critic:
             from state_machines.critic_train import CriticTrainStage
@@ -142,7 +147,10 @@ class PipelineBuild:
         # engines start in parallel; each has its own timeout-bounded wait
         groups = ("actor_train", "logp", "ref_logp") + (("critic_train",) if self.critic else ())
         self._wait({n: self.stages[n].setup.remote() for n in groups}, SETUP_TIMEOUT_S, "start verl worker groups")
+        self.validator.generate_stage = generate  # restarts and timeouts apply to validation too
         self._configure_receivers(dual, bucket_bytes["consume"])
+        self._wait({"generate": generate.attach_weight_source.remote(param_update)}, CALL_TIMEOUT_S,
+                   "attach the weight source for restarted rollout servers")
         self._wire()
         if resume is not None:
             self._load_resume_point(resume)
@@ -194,8 +202,10 @@ class PipelineBuild:
         from param_update.overlapped import ActorReceiver
 
         on_cpu = str(self.config.actor_rollout_ref.rollout.name) == "cpu"
+        restartable = bool(self.async_cfg.replica_max_restarts)
         rollout = [
-            ActorReceiver(f"rollout_server_{i}", r.server_handle, True) if on_cpu
+            ActorReceiver(f"rollout_server_{i}", r.server_handle, True, replica_index=i if restartable else None)
+            if on_cpu
             else GPUReplicaReceiver(f"rollout_replica_{i}", r, self.async_cfg.partial_rollout)
             for i, r in enumerate(self.replicas)
         ]
@@ -210,6 +220,7 @@ class PipelineBuild:
         servers = [r for r in self.receivers if isinstance(r, ActorReceiver) and r.serves_generation]
         partial = self.async_cfg.partial_rollout
         calls = {r.name: r.handle.configure_weight_sync.remote(dual, consume_bytes, layout, partial) for r in servers}
+        calls["param_update"] = self.stages["param_update"].set_server_setup.remote(dual, consume_bytes, layout, partial)
         self._wait(calls, SETUP_TIMEOUT_S, "set up the rollout servers' weight staging")
         gpu = self._gpu_receivers()
         if gpu:
@@ -229,6 +240,7 @@ class PipelineBuild:
             self.async_cfg.consume_bucket_size_mb,
             self.async_cfg.enable_dual_buffer,
             int(store) if store else None,
+            retain_newest=bool(self.async_cfg.replica_max_restarts),
         )
 
     def _wire(self) -> None:

@@ -19,9 +19,13 @@ from state_machines.reward import RewardFunctionError, ResponseToScore, load_sco
 class Validator:
     """Scores the policy the rollout servers serve on `data.val_files`."""
 
-    def __init__(self, config, tokenizer, servers, reward_timeout_s: float = 60.0, reward_on_error: str = "stop"):
+    def __init__(self, config, tokenizer, servers, reward_timeout_s: float = 60.0, reward_on_error: str = "stop",
+                 generate_stage=None):
         """``reward_timeout_s`` (s, per sample) and ``reward_on_error`` as for the reward stage
-        (`reward.async_timeout_s`, `reward.on_error`)."""
+        (`reward.async_timeout_s`, `reward.on_error`). ``generate_stage``: when set, requests go through
+        its `generate_many` (a lost or hung server is restarted and its requests resubmitted, as in
+        training) instead of straight to ``servers``."""
+        self.generate_stage = generate_stage
         self.config = config
         self.reward_timeout_s, self.reward_on_error = reward_timeout_s, reward_on_error
         self.tokenizer = tokenizer
@@ -37,6 +41,10 @@ class Validator:
         self.dumps = GenerationDumps(config.trainer.get("validation_data_dir"))
 
     async def _generate_all(self, timeout_s: float):
+        if self.generate_stage is not None:
+            prompts = [prompt_ids for prompt_ids, _ in self.rows for _ in range(self.n)]
+            return await asyncio.wait_for(
+                self.generate_stage.generate_many.remote(prompts, self.sampling_params), timeout=timeout_s)
         jobs = []
         for i, (prompt_ids, _) in enumerate(self.rows):
             for k in range(self.n):

@@ -21,11 +21,14 @@ def model_weight_bytes(model_path: str) -> int:
 
 
 def check_weight_sync(
-    model_bytes: int, preduce_mb: float, consume_mb: float, dual_buffer: bool, object_store_bytes: int | None
+    model_bytes: int, preduce_mb: float, consume_mb: float, dual_buffer: bool, object_store_bytes: int | None,
+    retain_newest: bool = False,
 ) -> dict[str, int]:
     """Raise BucketSizeError naming the key when the sync cannot work; returns the bucket sizes in bytes.
 
     Staged versions live in the node's object store, shared by its receivers: two of them
-    with the dual buffer (the serving one and the arriving one), one without.
+    with the dual buffer (the serving one and the arriving one), one without. `retain_newest`
+    (rollout servers may be restarted): the newest version stays there too, so two either way.
     """
-    return check_bucket_sizes(model_bytes, preduce_mb, consume_mb, object_store_bytes, 2 if dual_buffer else 1)
+    held = 2 if dual_buffer or retain_newest else 1
+    return check_bucket_sizes(model_bytes, preduce_mb, consume_mb, object_store_bytes, held)

@@ -14,7 +14,8 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, Optional
 
 from async_rl.fault_points import hold_at
 from param_update.interface import WeightSync, WeightSyncError
@@ -84,13 +85,15 @@ class ActorReceiver:
 
     `stage_weight_bucket(version, index, refs, slices) -> {recv_s, register_s}`,
     `check_weights(version, num_buckets)`, `commit_weights(version, num_buckets) ->
-    {load_s, blocked_s}`, `discard_weights(version)`.
+    {load_s, blocked_s}`, `discard_weights(version)`. `replica_index`: set on a rollout server
+    that may be restarted when lost (async_rl/replica_supervisor.py).
     """
 
-    def __init__(self, name: str, handle: Any, serves_generation: bool):
+    def __init__(self, name: str, handle: Any, serves_generation: bool, replica_index: Optional[int] = None):
         self.name = name
         self.handle = handle
         self.serves_generation = serves_generation
+        self.replica_index = replica_index
 
     async def stage(self, bucket: BucketRef) -> dict:
         return await self.handle.stage_weight_bucket.remote(bucket.version, bucket.index, bucket.refs, bucket.slices)
@@ -113,35 +116,70 @@ class OverlappedWeightSync(WeightSync):
         generate_stage: handle with `set_served_version(version)`.
         stream: where the trainer's buckets arrive.
         timeout_s: any one wait (a bucket, a receiver call) may take this long.
+        on_lost: `on_lost(receiver, cause, hung)`; when given, a receiver with a `replica_index` whose
+            process is gone, or that does not answer within `lost_after_s` (`hung`), is left out of
+            the sync and reported there instead of failing it, and the newest version's buckets are
+            kept (one copy in Ray's object store) so that `replace` can load them into its restarted
+            server.
+        lost_after_s: the wait for such a receiver (default `timeout_s`).
     """
 
-    def __init__(self, receivers: list, generate_stage: Any, stream: BucketStream, timeout_s: float = 300.0):
+    def __init__(self, receivers: list, generate_stage: Any, stream: BucketStream, timeout_s: float = 300.0,
+                 on_lost: Optional[Callable[[Any, str, bool], None]] = None, lost_after_s: Optional[float] = None):
         if not receivers:
             raise ValueError("weight sync needs at least one receiver")
         self.receivers = list(receivers)
         self.generate_stage = generate_stage
         self.stream = stream
         self.timeout_s = timeout_s
+        self.on_lost = on_lost
+        self.lost_after_s = timeout_s if lost_after_s is None else lost_after_s
+        self.lock = asyncio.Lock()  # one sync or one replacement at a time
+        self.retained: Optional[tuple[int, list[BucketRef], int]] = None  # (version, buckets, num_buckets)
+        self._lost: set[str] = set()
 
-    async def _on_all(self, what: str, version: int, calls: dict) -> dict:
-        """Await one call per receiver; a failure or timeout names the receiver."""
-        names = list(calls)
+    def _live(self) -> list:
+        return [r for r in self.receivers if r.name not in self._lost]
+
+    def _restartable(self, receiver) -> bool:
+        return self.on_lost is not None and getattr(receiver, "replica_index", None) is not None
+
+    def _survivable(self, receiver, error: BaseException) -> bool:
+        from async_rl.replica_supervisor import is_lost_server_error
+
+        return self._restartable(receiver) and (isinstance(error, asyncio.TimeoutError) or is_lost_server_error(error))
+
+    async def _on_all(self, what: str, version: int, call: Callable[[Any], Awaitable], receivers=None) -> dict:
+        """Await `call(receiver)` on every live receiver; a failure or timeout names the receiver (a lost
+        restartable one is reported to `on_lost` and left out instead)."""
+        receivers = self._live() if receivers is None else receivers
         results = await asyncio.gather(
-            *(asyncio.wait_for(c, timeout=self.timeout_s) for c in calls.values()), return_exceptions=True
+            *(asyncio.wait_for(call(r), timeout=self.lost_after_s if self._restartable(r) else self.timeout_s)
+              for r in receivers), return_exceptions=True
         )
-        for name, result in zip(names, results):
+        out = {}
+        for receiver, result in zip(receivers, results):
+            name = receiver.name
+            if isinstance(result, BaseException) and self._survivable(receiver, result):
+                hung = isinstance(result, asyncio.TimeoutError)
+                cause = (f"no answer to {what} of version {version} within {self.lost_after_s:g} s" if hung
+                         else f"{type(result).__name__} during {what}")
+                if name not in self._lost:  # buckets staged at once each see the loss: report it once
+                    self._lost.add(name)
+                    self.on_lost(receiver, cause, hung)
+                continue
             if isinstance(result, asyncio.TimeoutError):
                 raise WeightSyncError(f"{what} of version {version} on receiver {name!r} took over {self.timeout_s:g} s")
             if isinstance(result, BaseException):
                 raise WeightSyncError(
                     f"{what} of version {version} failed on receiver {name!r}: {type(result).__name__}: {result}"
                 ) from result
-        return dict(zip(names, results))
+            out[name] = result
+        return out
 
     async def _stage_bucket(self, bucket: BucketRef, totals: dict) -> None:
         try:
-            results = await self._on_all("register-buffer", bucket.version,
-                                         {r.name: r.stage(bucket) for r in self.receivers})
+            results = await self._on_all("register-buffer", bucket.version, lambda r: r.stage(bucket))
         finally:
             self.stream.release()
         for name, t in results.items():
@@ -151,36 +189,62 @@ class OverlappedWeightSync(WeightSync):
 
     async def sync(self, version: int, started_at: float) -> dict[str, float]:
         """Deliver `version`; `started_at` is the wall time (time.time()) its gather began."""
+        async with self.lock:
+            return await self._sync(version, started_at)
+
+    async def _sync(self, version: int, started_at: float) -> dict[str, float]:
         totals: dict[str, dict] = {}
         staging: list[asyncio.Task] = []
+        buckets: list[BucketRef] = []
         try:
             while True:
                 item = await self.stream.next(version, self.timeout_s)
                 if isinstance(item, VersionEnd):
                     break
+                buckets.append(item)
                 staging.append(asyncio.ensure_future(self._stage_bucket(item, totals)))
                 done = [t for t in staging if t.done()]
                 for task in done:  # surface a failed bucket without waiting for the rest
                     task.result()
             await asyncio.gather(*staging)
-            await self._on_all("check", version, {r.name: r.check(version, item.num_buckets) for r in self.receivers})
+            await self._on_all("check", version, lambda r: r.check(version, item.num_buckets))
         except BaseException:
             for task in staging:
                 task.cancel()
             await asyncio.gather(*staging, return_exceptions=True)
-            await asyncio.gather(*(r.discard(version) for r in self.receivers), return_exceptions=True)
+            await asyncio.gather(*(r.discard(version) for r in self._live()), return_exceptions=True)
             raise
         hold_at("weight_sync", version)
-        loads = await self._on_all("load", version, {r.name: r.commit(version, item.num_buckets) for r in self.receivers})
+        loads = await self._on_all("load", version, lambda r: r.commit(version, item.num_buckets))
+        if self.on_lost is not None:
+            self.retained = (version, buckets, item.num_buckets)
         await self.generate_stage.set_served_version.remote(version)
-        blocked = [loads[r.name]["blocked_s"] for r in self.receivers if r.serves_generation]
+        blocked = [loads[r.name]["blocked_s"] for r in self.receivers if r.serves_generation and r.name in loads]
         return {
             "timing_s/param_update/gather": item.trainer_timings["gather"],
             "timing_s/param_update/send": item.trainer_timings["send"],
             "timing_s/param_update/recv": max((t["recv_s"] for t in totals.values()), default=0.0),
             "timing_s/param_update/register_buffer": max((t["register_s"] for t in totals.values()), default=0.0),
-            "timing_s/param_update/load": max(t["load_s"] for t in loads.values()),
+            "timing_s/param_update/load": max((t["load_s"] for t in loads.values()), default=0.0),
             "timing_s/param_update/total": time.time() - started_at,
             "async/param_update/blocked_s": max(blocked, default=0.0),
             "async/param_update/num_buckets": float(item.num_buckets),
         }
+
+    async def replace(self, receiver) -> Optional[int]:
+        """Put `receiver` (a restarted server) in place of the one of the same name, after loading the
+        newest synced version into it (between syncs). Returns that version, or None when no version
+        was synced yet (the new server serves the model path's weights, which are version 0)."""
+        async with self.lock:
+            version = None
+            self._lost.discard(receiver.name)
+            if self.retained is not None:
+                version, buckets, num_buckets = self.retained
+                for bucket in buckets:
+                    await self._on_all("register-buffer", version, lambda r, b=bucket: r.stage(b), [receiver])
+                await self._on_all("check", version, lambda r: r.check(version, num_buckets), [receiver])
+                await self._on_all("load", version, lambda r: r.commit(version, num_buckets), [receiver])
+            if receiver.name in self._lost:  # a loss during the loads above was reported; keep it out
+                raise WeightSyncError(f"the restarted {receiver.name} was lost while loading version {version}")
+            self.receivers = [receiver if r.name == receiver.name else r for r in self.receivers]
+            return version

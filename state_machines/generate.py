@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from async_rl.batch import Sample
 from async_rl.fault_points import hold_at
+from async_rl.replica_supervisor import REQUEST_TIMEOUT_KEY, ReplicaSupervisor, is_lost_server_error
 from async_rl.staleness import StalenessController
 from state_machines.base import StateMachine
 from state_machines.dataloader import PromptBatch
@@ -68,19 +69,37 @@ class Response:
 
 
 async def generate_resumable(
-    server, prompt_ids: list[int], sampling_params: dict, timeout_s: float, served_version: int, max_segments: int = 64
+    servers: ReplicaSupervisor, preferred: int, prompt_ids: list[int], sampling_params: dict, timeout_s: float,
+    served_version: int, max_segments: int = 64,
 ) -> Response:
-    """Generate, resubmitting prompt + tokens so far whenever the server aborts the request
-    (verl's GPU servers abort in-flight requests around a weight load). Tokens, behaviour
-    log-probs and the version of each token are kept; the resubmission gets the remaining
-    token budget and its KV cache is recomputed under the new weights."""
+    """Generate on replica `preferred` (or a surviving one), resubmitting prompt + tokens so far
+    whenever a segment ends early: the server aborted the request (verl's GPU servers abort
+    in-flight requests around a weight load) or the server was lost (its process gone, or no
+    answer within `timeout_s`, s; `servers` restarts it and the request goes to a survivor).
+    Tokens, behaviour log-probs and the version of each token are kept; the resubmission gets
+    the remaining token budget and its KV cache is recomputed under the served weights."""
     budget = int(sampling_params["max_tokens"])
     tokens: list[int] = []
     log_probs: list[float] = []
     versions: list[int] = []
-    for segment in range(1, max_segments + 1):
+    segment = 0
+    while segment < max_segments:
+        index, server = await servers.acquire(preferred)
         params = {**sampling_params, "max_tokens": budget - len(tokens)}
-        out = await generate_one(server, list(prompt_ids) + tokens, params, timeout_s)
+        try:
+            out = await generate_one(server, list(prompt_ids) + tokens, params, timeout_s)
+        except asyncio.TimeoutError:
+            servers.lost(index, server, f"no answer to a request within {timeout_s:g} s ({REQUEST_TIMEOUT_KEY})",
+                         hung=True)
+            servers.requests_resubmitted += 1
+            continue
+        except Exception as exc:  # noqa: BLE001 - only a lost server is survived
+            if not is_lost_server_error(exc):
+                raise
+            servers.lost(index, server, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            servers.requests_resubmitted += 1
+            continue
+        segment += 1
         fields = out.extra_fields or {}
         tokens += list(out.token_ids)
         log_probs += list(out.log_probs or [0.0] * len(out.token_ids))
@@ -97,14 +116,24 @@ class GenerateStage(StateMachine):
 
     def __init__(
         self, servers, rollout_cfg, max_staleness: int, request_timeout_s: float = 600.0, dynamic_sampling: bool = False,
-        steps_formed: int = 0,
+        steps_formed: int = 0, replicas=None, max_restarts: int = 0,
     ):
         """`dynamic_sampling`: batch indices are not training steps; a batch is admitted while the next
-        training batch to form (`set_steps_formed`; `steps_formed` at start) is within the staleness bound."""
+        training batch to form (`set_steps_formed`; `steps_formed` at start) is within the staleness bound.
+        `replicas` (verl RolloutReplica objects behind `servers`, with `relaunch`) and `max_restarts`:
+        a lost server is restarted up to that many times (async_rl/replica_supervisor.py); the new one
+        gets its weights from the param_update stage (`attach_weight_source`)."""
         super().__init__("generate", inbox_size=max_staleness + 1, max_inflight=max_staleness + 1)
         if not servers:
             raise ValueError("generate stage needs at least one rollout server")
-        self.servers = list(servers)
+        self.replicas = list(replicas) if replicas is not None else None
+        self._weight_source = None
+        restartable = bool(max_restarts) and self.replicas is not None
+        self.servers = ReplicaSupervisor(
+            list(servers), max_restarts if restartable else 0,
+            relaunch=self._relaunch if restartable else None,
+            feed_weights=self._feed_weights if restartable else None,
+        )
         self.n = int(rollout_cfg.n)
         self.sampling_params = sampling_params_from_config(rollout_cfg)
         self.staleness = StalenessController(max_staleness)
@@ -112,6 +141,43 @@ class GenerateStage(StateMachine):
         self._next_server = 0
         self.dynamic_sampling = dynamic_sampling
         self.steps_formed = steps_formed
+
+    # ---- rollout servers: restarts (async_rl/replica_supervisor.py) --------------------------
+    def attach_weight_source(self, param_update) -> None:
+        """The param_update stage, which loads the newest weights into a restarted server."""
+        self._weight_source = param_update
+
+    async def _relaunch(self, index: int, attempt: int):
+        return await self.replicas[index].relaunch(attempt)
+
+    async def _feed_weights(self, index: int, handle) -> int:
+        if self._weight_source is None:
+            raise RuntimeError("no param_update stage attached to load the weights into the new server")
+        return await self._weight_source.replace_rollout_server.remote(index, handle)
+
+    def server_lost(self, index: int, handle, cause: str, hung: bool = False) -> None:
+        """Reported by param_update when a server failed (or, `hung`, stopped answering) during a weight sync."""
+        try:
+            self.servers.lost(index, handle, cause, hung=hung)
+        except Exception:  # noqa: BLE001 - the failure is kept; the next request raises it in this stage
+            pass
+
+    async def server_handles(self) -> list:
+        """The current server of every replica, once none is restarting (validation uses them)."""
+        return await self.servers.all_ready()
+
+    async def generate_many(self, prompts: list[list[int]], sampling_params: dict) -> list[Response]:
+        """One response per prompt, spread over the replicas through the same supervised path as
+        training requests (validation uses it)."""
+        served = self.staleness.served_version
+        return await asyncio.gather(*(
+            generate_resumable(self.servers, i % len(self.servers.handles), prompt, sampling_params,
+                               self.request_timeout_s, served)
+            for i, prompt in enumerate(prompts)))
+
+    def fault_counts(self) -> dict[str, float]:
+        """Cumulative `async/faults/replica_restarts` and `async/faults/requests_resubmitted`."""
+        return self.servers.counts()
 
     async def set_steps_formed(self, steps: int) -> None:
         """Called by the dynamic_sampling stage each time it forms a training batch."""
@@ -135,10 +201,10 @@ class GenerateStage(StateMachine):
                 await self.staleness.wait_until_admitted(item.index)
         return item
 
-    def _pick_server(self):
-        server = self.servers[self._next_server % len(self.servers)]
+    def _pick_server(self) -> int:
+        index = self._next_server % len(self.servers.handles)
         self._next_server += 1
-        return server
+        return index
 
     async def process_data(self, batch: PromptBatch) -> GeneratedBatch:
         start_version = self.staleness.served_version
@@ -146,7 +212,7 @@ class GenerateStage(StateMachine):
         for prompt_ids, non_tensor in zip(batch.prompt_ids, batch.non_tensor):
             uid = uuid.uuid4().hex
             for _ in range(self.n):
-                jobs.append(generate_resumable(self._pick_server(), prompt_ids, self.sampling_params,
+                jobs.append(generate_resumable(self.servers, self._pick_server(), prompt_ids, self.sampling_params,
                                                self.request_timeout_s, start_version))
                 meta.append((uid, prompt_ids, non_tensor))
         outputs = await asyncio.gather(*jobs)

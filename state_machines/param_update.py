@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from param_update.overlapped import BucketRef, BucketStream, OverlappedWeightSync, VersionEnd
+from param_update.overlapped import ActorReceiver, BucketRef, BucketStream, OverlappedWeightSync, VersionEnd
 from state_machines.base import StateMachine
 
 
@@ -32,12 +32,37 @@ class ParamUpdateStage(StateMachine):
         timeout_s: one wait in a sync (a bucket, a receiver call) may take this long.
     """
 
-    def __init__(self, receivers, generate_stage, max_buckets_in_flight: int = 4, timeout_s: float = 300.0):
+    def __init__(self, receivers, generate_stage, max_buckets_in_flight: int = 4, timeout_s: float = 300.0,
+                 restartable_servers: bool = False, server_timeout_s: float | None = None):
+        """`restartable_servers`: a rollout server lost during a sync (gone, or silent for `server_timeout_s`,
+        default `timeout_s`) is left out and reported to the generate stage, which restarts it;
+        `replace_rollout_server` then loads the newest version into the new one
+        (async_rl/replica_supervisor.py)."""
         super().__init__("param_update", inbox_size=1)
         self.stream = BucketStream(max_buckets_in_flight)
-        self.weight_sync = OverlappedWeightSync(receivers, generate_stage, self.stream, timeout_s)
+        self.generate_stage = generate_stage
+        self.weight_sync = OverlappedWeightSync(receivers, generate_stage, self.stream, timeout_s,
+                                                on_lost=self._server_lost if restartable_servers else None,
+                                                lost_after_s=server_timeout_s)
         self.synced_version = 0
         self.timings: dict[int, dict[str, float]] = {}
+        self._server_setup: tuple = ()
+
+    # ---- rollout servers restarted by the generate stage ------------------------------------
+    def set_server_setup(self, *setup_args) -> None:
+        """The arguments every rollout server's `configure_weight_sync` was called with at start."""
+        self._server_setup = setup_args
+
+    def _server_lost(self, receiver, cause: str, hung: bool) -> None:
+        self.generate_stage.server_lost.remote(receiver.replica_index, receiver.handle, cause, hung)
+
+    async def replace_rollout_server(self, index: int, handle) -> int:
+        """Set up the restarted server of replica `index`, load the newest synced version into it (between
+        syncs) and sync it from now on. Returns the version it serves."""
+        await handle.configure_weight_sync.remote(*self._server_setup)
+        receiver = ActorReceiver(f"rollout_server_{index}", handle, True, replica_index=index)
+        version = await self.weight_sync.replace(receiver)
+        return self.synced_version if version is None else version
 
     # ---- called by the trainer's send thread -------------------------------------------
     async def put_bucket(self, version: int, index: int, refs: list, slices: list) -> None:

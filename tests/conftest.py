@@ -6,10 +6,11 @@ import json
 import os
 import subprocess
 import sys
-from collections import Counter
 from pathlib import Path
 
 import pytest
+
+from async_rl.demo.lineage import compose_ppo, dumped_step_inputs, expected_step_inputs, read_jsonl  # noqa: F401 - tests import them from here
 
 
 @pytest.fixture(scope="session")
@@ -30,16 +31,6 @@ def load_bench(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def compose_ppo(overrides):
-    """Compose verl's ppo_trainer config (as `main_ppo` does); unknown keys raise."""
-    import verl
-    from hydra import compose, initialize_config_dir
-
-    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
-    with initialize_config_dir(config_dir=config_dir, version_base=None):
-        return compose("ppo_trainer", overrides=list(overrides))
 
 
 def run_verl(demo_dir: Path, extra, workdir: Path, timeout_s: float = 600, critic: bool = False
@@ -120,35 +111,3 @@ def wait_for_file(path: Path, proc: subprocess.Popen, timeout_s: float) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"{path.name} did not appear within {timeout_s:g} s")
         time.sleep(0.1)
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
-def expected_step_inputs(demo_dir: Path, steps: int, extra=None) -> dict[int, Counter]:
-    """Step -> multiset of prompts (decoded as verl's rollout dumps decode them, one per sample) that
-    verl's dataloader gives steps 1..`steps` of the demo: what an uninterrupted run trains."""
-    from transformers import AutoTokenizer
-
-    from async_rl.demo import demo_overrides
-    from state_machines.dataloader import batch_rows, load_prompt_dataset, make_train_dataloader, tokenize_row
-
-    config = compose_ppo(demo_overrides(demo_dir, extra=extra))
-    tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
-    loader = make_train_dataloader(config.data, load_prompt_dataset(config.data.train_files, config.data, tokenizer, True))
-    n, out, batches = int(config.actor_rollout_ref.rollout.n), {}, iter(loader)
-    for step in range(1, steps + 1):
-        try:
-            batch = next(batches)
-        except StopIteration:
-            batches = iter(loader)
-            batch = next(batches)
-        ids = [tokenize_row(row, tokenizer, int(config.data.max_prompt_length))[0] for row in batch_rows(batch)]
-        out[step] = Counter(tokenizer.decode(i, skip_special_tokens=True) for i in ids for _ in range(n))
-    return out
-
-
-def dumped_step_inputs(dump_dir: Path) -> dict[int, Counter]:
-    """Step -> multiset of the `input` field of verl's `{step}.jsonl` rollout dumps."""
-    return {int(p.stem): Counter(r["input"] for r in read_jsonl(p)) for p in dump_dir.glob("*.jsonl")}

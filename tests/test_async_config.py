@@ -24,9 +24,11 @@ DECOUPLED = "algorithm.decoupled_ppo"
 CAP = "algorithm.behav_imp_weight_cap"
 PARTIAL = "actor_rollout_ref.rollout.partial_rollout"
 PROXIMAL = "algorithm.proximal_logp_workers"
+REQUEST_TIMEOUT = "actor_rollout_ref.rollout.request_timeout_s"
+REPLICA_RESTARTS = "actor_rollout_ref.rollout.max_restarts"
 
 BOOL_KEYS = (ENABLED, DUAL, DECOUPLED, PARTIAL)
-POSITIVE_KEYS = (PREDUCE, CONSUME, STALL, REWARD)
+POSITIVE_KEYS = (PREDUCE, CONSUME, STALL, REWARD, REQUEST_TIMEOUT)
 
 
 def nested(values: dict) -> dict:
@@ -77,8 +79,9 @@ def test_defaults_when_no_key_present(make):
 
 def test_config_keys_listed():
     assert set(CONFIG_KEYS) == set(BOOL_KEYS + POSITIVE_KEYS + (RATIOS, AHEAD, CAP, PROXIMAL, "reward.on_error",
-                                                                "trainer.max_restarts", "trainer.async_stages"))
-    assert len(CONFIG_KEYS) == 15
+                                                                "trainer.max_restarts", "trainer.async_stages",
+                                                                REPLICA_RESTARTS))
+    assert len(CONFIG_KEYS) == 17
 
 
 def test_every_key_is_read():

@@ -400,3 +400,57 @@ def test_sent_version_is_unchanged_by_the_next_training_step(ray_session):
     buckets = [Bucket(1, i, join_arrays(ray.get(refs, timeout=TIMEOUT_S)), slices) for i, refs, slices in announced]
     assert {n: tensor_digest(t) for n, t in tensors_from_buckets(buckets)} == want
     assert ray.get(trainer.digests.remote(), timeout=TIMEOUT_S) != want  # the step did change the weights
+
+
+# ---- a rollout server lost mid-sync, restarted (async_rl/replica_supervisor.py) -------------------
+
+
+def test_lost_restartable_server_is_left_out_then_its_restart_gets_the_newest_version(ray_session, model_dir):
+    """With `on_lost`, a server that dies during a sync is reported instead of failing the sync; the
+    survivor loads the version; `replace` loads that same version into the restarted server (from
+    the kept buckets) and the next sync reaches it."""
+    servers = [start_server(model_dir, True) for _ in range(2)]
+    log = VersionLog.remote()
+    lost = []
+    stream = BucketStream(max_in_flight=64)
+    receivers = [ActorReceiver(f"server_{i}", s, True, replica_index=i) for i, s in enumerate(servers)]
+    sync = OverlappedWeightSync(receivers, log, stream, timeout_s=30.0,
+                                on_lost=lambda receiver, cause, hung: lost.append((receiver.name, cause)))
+
+    def buckets_of(seed: int, version: int):
+        buckets = list(pack_buckets(tiny_model(seed).state_dict().items(), 2048, version=version))
+        return buckets, [ray.put(b.data) for b in buckets]
+
+    async def version_1_killing_server_1():
+        buckets, refs = buckets_of(1, 1)
+        await announce(stream, buckets[:2], refs[:2])
+        await asyncio.sleep(0.5)
+        ray.kill(servers[1], no_restart=True)
+        await announce(stream, buckets[2:], refs[2:])
+        stream.end_version(VersionEnd(1, len(buckets), {"gather": 0.0, "send": 0.0}))
+        return await sync.sync(1, time.time())
+
+    timings = asyncio.run(asyncio.wait_for(version_1_killing_server_1(), TIMEOUT_S))
+    assert timings["async/param_update/num_buckets"] >= 3
+    assert [name for name, _ in lost] == ["server_1"] and "ActorDiedError" in lost[0][1]
+    assert ray.get(log.get.remote(), timeout=TIMEOUT_S) == [1]
+    want_1 = {n: tensor_digest(t) for n, t in tiny_model(1).state_dict().items()}
+    assert digests_of(servers[0]) == want_1
+
+    restarted = start_server(model_dir, True)
+    version = asyncio.run(asyncio.wait_for(
+        sync.replace(ActorReceiver("server_1", restarted, True, replica_index=1)), TIMEOUT_S))
+    assert version == 1
+    assert ray.get(restarted.get_param_version.remote(), timeout=TIMEOUT_S) == 1
+    assert digests_of(restarted) == want_1
+
+    async def version_2():
+        buckets, refs = buckets_of(2, 2)
+        await announce(stream, buckets, refs)
+        stream.end_version(VersionEnd(2, len(buckets), {"gather": 0.0, "send": 0.0}))
+        return await sync.sync(2, time.time())
+
+    asyncio.run(asyncio.wait_for(version_2(), TIMEOUT_S))
+    want_2 = {n: tensor_digest(t) for n, t in tiny_model(2).state_dict().items()}
+    assert digests_of(servers[0]) == digests_of(restarted) == want_2
+    assert len(lost) == 1

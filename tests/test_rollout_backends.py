@@ -219,7 +219,13 @@ def test_aborted_request_is_resubmitted_with_its_tokens_and_the_remaining_budget
                 calls.append(kwargs)
                 return replies[len(calls) - 1]
 
-    out = asyncio.run(generate_resumable(Server, [1, 2], {"temperature": 1.0, "max_tokens": 5}, 10, served_version=3))
+    from async_rl.replica_supervisor import ReplicaSupervisor
+
+    async def main():
+        return await generate_resumable(ReplicaSupervisor([Server]), 0, [1, 2], {"temperature": 1.0, "max_tokens": 5},
+                                        10, served_version=3)
+
+    out = asyncio.run(main())
     assert (out.token_ids, out.log_probs, out.token_versions, out.segments) == (
         [7, 8, 9], [-0.1, -0.2, -0.3], [3, 3, 4], 3
     )

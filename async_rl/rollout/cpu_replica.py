@@ -79,6 +79,15 @@ class CPURolloutReplica(RolloutReplica):
         self._server_address = f"{address}:{port}"
 
 
+    async def relaunch(self, attempt: int):
+        """A fresh server for this replica after the old one was lost (async_rl/replica_supervisor.py):
+        named `..._restart<attempt>` (the lost actor's name may not be free yet), model loaded from the
+        model path; the caller loads the newest weights into it before it serves. Returns its handle."""
+        self.name_suffix = f"_restart{attempt}"
+        await self.launch_servers()
+        return self._server_handle
+
+
 def _load_cpu_replica() -> type[RolloutReplica]:
     return CPURolloutReplica
 
