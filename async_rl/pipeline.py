@@ -37,6 +37,8 @@ from async_rl.stop_signals import STOP_BUDGET_S, PipelinePreempted, stop_signals
 
 logger = logging.getLogger(__name__)
 
+FAILURE_READ_TIMEOUT_S = 10.0  # after a stage failed, reading the steps finished before it may take this long
+
 
 class AsyncPipeline(PipelineBuild):
     """Builds and runs the async pipeline for one verl config."""
@@ -181,6 +183,8 @@ class AsyncPipeline(PipelineBuild):
                 try:
                     ray.get(ref, timeout=CALL_TIMEOUT_S)
                 except ray.exceptions.RayError as exc:
+                    progress.close()
+                    self._log_steps_left()
                     raise PipelineError(f"pipeline stopped because stage '{runs[ref]}' failed:\n{_cause(exc)}") from exc
             new_steps = self._completed_steps(final=not pending)
             if new_steps:
@@ -212,14 +216,25 @@ class AsyncPipeline(PipelineBuild):
         if test_freq > 0 or cfg.trainer.get("val_before_train", True):
             self._validate(step)
 
-    def _completed_steps(self, final: bool = False) -> list[dict]:
+    def _log_steps_left(self) -> None:
+        """Log the steps the trainer finished before a stage failed or a stop signal (it may have
+        checkpointed them, and a restart then goes on after them). Best effort: the trainer may be
+        what failed."""
+        try:
+            steps = self._completed_steps(final=True, timeout_s=FAILURE_READ_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - the failure itself is what gets raised
+            return
+        for metrics in steps:
+            self._log(metrics, int(metrics["training/global_step"]))
+
+    def _completed_steps(self, final: bool = False, timeout_s: float = CALL_TIMEOUT_S) -> list[dict]:
         """Metrics of the steps done since the last call, in order. With a critic a step is done once
         its critic update is too (its `critic/*` metrics join the actor's); `final`: every step left."""
-        steps = ray.get(self.stages["actor_train"].pop_metrics.remote(), timeout=CALL_TIMEOUT_S)
+        steps = ray.get(self.stages["actor_train"].pop_metrics.remote(), timeout=timeout_s)
         if not self.critic:
             return steps
         self._unlogged.extend(steps)
-        self._critic_metrics.update(ray.get(self.stages["critic_train"].pop_metrics.remote(), timeout=CALL_TIMEOUT_S))
+        self._critic_metrics.update(ray.get(self.stages["critic_train"].pop_metrics.remote(), timeout=timeout_s))
         done = []
         while self._unlogged and (final or int(self._unlogged[0]["training/global_step"]) in self._critic_metrics):
             metrics = self._unlogged.pop(0)
@@ -238,6 +253,7 @@ class AsyncPipeline(PipelineBuild):
                                                   "abandoned; the newest earlier checkpoint stands") from None
         except ray.exceptions.RayError as exc:
             raise PipelineError(f"saving the checkpoint on {signal.Signals(signum).name} failed:\n{_cause(exc)}") from exc
+        self._log_steps_left()  # the step just saved: a resume goes on after it
         raise PipelinePreempted(signum, saved)
 
     def shutdown(self) -> None:

@@ -186,7 +186,7 @@ def run_one(fault: str, demo: Path, workdir: Path, steps: int, inject_step: int,
              "trainer.save_freq": 2, "trainer.default_local_dir": str(workdir / "ckpt"), "trainer.resume_mode": "auto",
              "trainer.rollout_data_dir": str(dumps), "reward.custom_reward_function.path": str(reward),
              "+trainer.use_nodes_ratios": [0.5, 0.5, 0.5, 1.0], "+trainer.max_restarts": 2,
-             "+reward.on_error": "zero", "reward.async_timeout_s": REWARD_TIMEOUT_S,
+             "+reward.on_error": "zero", "+reward.async_timeout_s": REWARD_TIMEOUT_S,
              "+actor_rollout_ref.rollout.request_timeout_s": REQUEST_TIMEOUT_S}
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *demo_overrides(demo, extra=extra)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -219,7 +219,9 @@ def run_one(fault: str, demo: Path, workdir: Path, steps: int, inject_step: int,
         pattern = re.compile(DETECTED[fault])
         seen = [t for t, line in lines if t >= injected_at and pattern.search(line)]
         detect_s = seen[0] - injected_at if seen else None
-        after = [t for t, _ in step_times if seen and t > seen[0]]
+        # recovered: the first step after the fault was handled (for the SIGTERM, by the resumed run)
+        resumed = [item for s in segments[1:] for item in s.steps()] if fault == "driver_sigterm" else step_times
+        after = [t for t, _ in resumed if seen and t > seen[0]]
         recover_s = after[0] - injected_at if after else None
     logged = [s for _, s in step_times]
     lost, twice = lineage_counts(demo, dumps, steps)
@@ -256,13 +258,14 @@ def format_table(rows: list[dict]) -> str:
         return "-" if value is None else fmt.format(value)
 
     head = (f"{'fault':<22} {'step':>4} {'outcome':<10} {'detect s':>8} {'recover s':>9} {'redone':>6} "
-            f"{'lost':>4} {'twice':>5} {'val':>5} {'vs none':>7}  goal")
+            f"{'missing':>7} {'lost':>4} {'twice':>5} {'val':>5} {'vs none':>7}  goal")
     base = next((r["final_val"] for r in rows if r["fault"] == "none"), None)
     out = [head, "-" * len(head)]
     for r in rows:
         diff = None if base is None or r["final_val"] is None else r["final_val"] - base
         out.append(f"{r['fault']:<22} {num(r['inject_step'], '{}'):>4} {r['outcome'][:10]:<10} {num(r['detect_s']):>8} "
-                   f"{num(r['recover_s']):>9} {r['steps_redone']:>6} {r['samples_lost']:>4} {r['samples_twice']:>5} "
+                   f"{num(r['recover_s']):>9} {r['steps_redone']:>6} {r['steps_missing']:>7} {r['samples_lost']:>4} "
+                   f"{r['samples_twice']:>5} "
                    f"{num(r['final_val'], '{:.2f}'):>5} {num(diff, '{:+.2f}'):>7}  {verdict(r)}")
     return "\n".join(out)
 

@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export PYTHONUNBUFFERED=1 RAY_DEDUP_LOGS=0
-.venv/bin/python -m pytest tests -q -p no:cacheprovider --timeout=1500 -m "not vllm"
+.venv/bin/python -m pytest tests -q -p no:cacheprovider --timeout=1500 -m "not vllm" --durations=25
 VERL_TESTS="$(.venv/bin/python -c 'import os, tests, verl; print(os.path.dirname(tests.__file__))')"
 (cd /tmp && "$OLDPWD/.venv/bin/python" -m pytest -q -p no:cacheprovider --timeout=600 \
   "$VERL_TESTS/test_protocol_on_cpu.py" \

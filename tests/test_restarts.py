@@ -120,3 +120,40 @@ def test_a_stage_failure_mid_run_costs_one_checkpoint(demo_dir, tmp_path):
     assert steps[-1] == 6 and sorted(set(steps)) == list(range(1, 7))
     assert step_rows(rows)[6]["async/faults/pipeline_restarts"] == 1.0  # logged by the restarted run
     assert Path(ckpt / "global_step_6").is_dir()
+
+
+@pytest.mark.slow
+def test_a_train_rank_sigkilled_mid_run_costs_one_checkpoint_and_no_sample(demo_dir, tmp_path):
+    """SIGKILL of the train rank (the demo's only verl worker process) after step 3: the run stops naming
+    the stage, restarts from the newest checkpoint, and its lineage trains every step's prompts once;
+    every step is logged (the ones finished before the kill included)."""
+    import signal
+    import time
+
+    import psutil
+    from conftest import dumped_step_inputs, expected_step_inputs, read_jsonl, start_verl
+
+    ckpt, dumps = tmp_path / "ckpt", tmp_path / "dumps"
+    steps = 8
+    extra = {"trainer.total_training_steps": steps, "trainer.save_freq": 2, "trainer.default_local_dir": str(ckpt),
+             "trainer.test_freq": -1, "trainer.val_before_train": False, "+trainer.max_restarts": 1,
+             "trainer.rollout_data_dir": str(dumps)}
+    proc = start_verl(demo_dir, extra, tmp_path)
+    try:
+        deadline = time.monotonic() + 400
+        while max(step_rows(read_jsonl(tmp_path / "metrics.jsonl")), default=0) < 3:
+            assert proc.poll() is None and time.monotonic() < deadline, "the run did not reach step 3"
+            time.sleep(0.2)
+        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                 if p.cmdline()[:1] and p.cmdline()[0].startswith("ray::PipelineWorker")]
+        assert len(ranks) == 1
+        ranks[0].send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=600) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = (tmp_path / "metrics.jsonl.log").read_text()
+    assert "async_rl: restart 1 of 1 (trainer.max_restarts) from" in out and "stage 'actor_train' failed" in out
+    logged = [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl") if "training/global_step" in r["data"]]
+    assert sorted(set(logged)) == list(range(1, steps + 1))
+    assert dumped_step_inputs(dumps) == expected_step_inputs(demo_dir, steps)
