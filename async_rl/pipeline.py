@@ -38,6 +38,7 @@ from async_rl.stop_signals import STOP_BUDGET_S, PipelinePreempted, stop_signals
 logger = logging.getLogger(__name__)
 
 FAILURE_READ_TIMEOUT_S = 10.0  # after a stage failed, reading the steps finished before it may take this long
+DEAD_STAGE_GRACE_S = 2.0  # after a stage failed, the wait for a dead neighbour's run to fail too
 
 
 class AsyncPipeline(PipelineBuild):
@@ -184,8 +185,9 @@ class AsyncPipeline(PipelineBuild):
                     ray.get(ref, timeout=CALL_TIMEOUT_S)
                 except ray.exceptions.RayError as exc:
                     progress.close()
+                    stage, exc = blame_stage(runs, ref, exc, pending)
                     self._log_steps_left()
-                    raise PipelineError(f"pipeline stopped because stage '{runs[ref]}' failed:\n{_cause(exc)}") from exc
+                    raise PipelineError(f"pipeline stopped because stage '{stage}' failed:\n{_cause(exc)}") from exc
             new_steps = self._completed_steps(final=not pending)
             if new_steps:
                 sync_timings = ray.get(self.stages["param_update"].pop_timings.remote(), timeout=CALL_TIMEOUT_S)
@@ -276,6 +278,23 @@ class AsyncPipeline(PipelineBuild):
                 pass
         if getattr(self, "_owns_ray", False) and ray.is_initialized():
             ray.shutdown()
+
+
+def blame_stage(runs: dict, failed_ref, exc: BaseException, pending: list) -> tuple[str, BaseException]:
+    """The stage to name for a failure: the one whose own actor died (its `run` call fails with
+    RayActorError) rather than the neighbour that failed first because it could not reach it; waits up
+    to DEAD_STAGE_GRACE_S for the dead one's `run` to fail too. `runs`: run ObjectRef -> stage name."""
+    if isinstance(exc, ray.exceptions.RayActorError) or not pending:
+        return runs[failed_ref], exc
+    done, _ = ray.wait(pending, num_returns=len(pending), timeout=DEAD_STAGE_GRACE_S)
+    for ref in done:
+        try:
+            ray.get(ref, timeout=DEAD_STAGE_GRACE_S)
+        except ray.exceptions.RayActorError as died:
+            return runs[ref], died
+        except Exception:  # noqa: BLE001 - another stage failing the same way: keep the first
+            pass
+    return runs[failed_ref], exc
 
 
 def _cause(exc: BaseException) -> str:

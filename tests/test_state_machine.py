@@ -7,6 +7,7 @@ last test wires two stages as Ray async actors. Timeouts here only catch hangs: 
 
 import asyncio
 import random
+import time
 
 import pytest
 
@@ -773,3 +774,25 @@ def test_ray_stage_error_surfaces_with_stage_name(ray_cluster):
     assert ray.get(sink.items.remote(), timeout=30) == [0, 2, 4, 6]
     ray.kill(src)
     ray.kill(sink)
+
+
+def test_a_dead_stage_is_named_not_the_neighbour_that_could_not_reach_it(ray_cluster):
+    """SIGKILL-like death of a sink (ray.kill): the source's send fails first, with the sink's
+    ActorDiedError inside its StageError; the driver names the sink, whose own `run` died."""
+    from async_rl.pipeline import blame_stage
+
+    ray = ray_cluster
+    RaySource, RaySink = _ray_stage_classes()
+    src = ray.remote(num_cpus=0)(RaySource).remote("ray-src3", 10**6)
+    sink = ray.remote(num_cpus=0)(RaySink).remote("ray-dying-sink")
+    ray.get([src.connect.remote([sink], 0), sink.connect.remote([], 1)], timeout=60)
+    src_ref, sink_ref = src.run.remote(), sink.run.remote()
+    runs = {src_ref: "source", sink_ref: "sink"}
+    time.sleep(0.5)
+    ray.kill(sink, no_restart=True)
+    with pytest.raises(ray.exceptions.RayError) as info:  # the source's send to the dead sink fails
+        ray.get(src_ref, timeout=30)
+    assert not isinstance(info.value, ray.exceptions.RayActorError)  # the source itself is alive
+    stage, cause = blame_stage(runs, src_ref, info.value, [sink_ref])
+    assert stage == "sink" and isinstance(cause, ray.exceptions.RayActorError)
+    ray.kill(src)
