@@ -214,14 +214,10 @@ class PipelineBuild:
 
     def _configure_receivers(self, dual: bool, consume_bytes: int) -> None:
         """Set every rollout receiver up for the trainer's layout (a mismatch fails here, at start)."""
-        from param_update.overlapped import ActorReceiver
-
         layout = ray.get(self.stages["actor_train"].weight_layout.remote(), timeout=CALL_TIMEOUT_S)
-        servers = [r for r in self.receivers if isinstance(r, ActorReceiver) and r.serves_generation]
-        partial = self.async_cfg.partial_rollout
-        calls = {r.name: r.handle.configure_weight_sync.remote(dual, consume_bytes, layout, partial) for r in servers}
-        calls["param_update"] = self.stages["param_update"].set_server_setup.remote(dual, consume_bytes, layout, partial)
-        self._wait(calls, SETUP_TIMEOUT_S, "set up the rollout servers' weight staging")
+        setup = self.stages["param_update"].configure_rollout_servers.remote(
+            dual, consume_bytes, layout, self.async_cfg.partial_rollout)
+        self._wait({"param_update": setup}, SETUP_TIMEOUT_S, "set up the rollout servers' weight staging")
         gpu = self._gpu_receivers()
         if gpu:
             async def configure_all():  # gather needs the running loop

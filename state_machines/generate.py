@@ -88,15 +88,13 @@ async def generate_resumable(
         params = {**sampling_params, "max_tokens": budget - len(tokens)}
         try:
             out = await generate_one(server, list(prompt_ids) + tokens, params, timeout_s)
-        except asyncio.TimeoutError:
-            servers.lost(index, server, f"no answer to a request within {timeout_s:g} s ({REQUEST_TIMEOUT_KEY})",
-                         hung=True)
-            servers.requests_resubmitted += 1
-            continue
         except Exception as exc:  # noqa: BLE001 - only a lost server is survived
-            if not is_lost_server_error(exc):
+            hung = isinstance(exc, asyncio.TimeoutError)
+            if not hung and not is_lost_server_error(exc):
                 raise
-            servers.lost(index, server, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            cause = (f"no answer to a request within {timeout_s:g} s ({REQUEST_TIMEOUT_KEY})" if hung
+                     else f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            servers.lost(index, server, cause, hung=hung)
             servers.requests_resubmitted += 1
             continue
         segment += 1

@@ -8,6 +8,7 @@ arrive and loads the complete version (param_update/overlapped.py).
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from param_update.overlapped import ActorReceiver, BucketRef, BucketStream, OverlappedWeightSync, VersionEnd
@@ -49,9 +50,12 @@ class ParamUpdateStage(StateMachine):
         self._server_setup: tuple = ()
 
     # ---- rollout servers restarted by the generate stage ------------------------------------
-    def set_server_setup(self, *setup_args) -> None:
-        """The arguments every rollout server's `configure_weight_sync` was called with at start."""
+    async def configure_rollout_servers(self, *setup_args) -> None:
+        """`configure_weight_sync(*setup_args)` on every rollout server receiver (a layout mismatch fails
+        here, naming the server); the arguments are kept for the servers restarted later."""
         self._server_setup = setup_args
+        servers = [r for r in self.weight_sync.receivers if isinstance(r, ActorReceiver) and r.serves_generation]
+        await asyncio.gather(*(r.handle.configure_weight_sync.remote(*setup_args) for r in servers))
 
     def _server_lost(self, receiver, cause: str, hung: bool) -> None:
         self.generate_stage.server_lost.remote(receiver.replica_index, receiver.handle, cause, hung)
