@@ -126,20 +126,26 @@ class Segment:
                     pass
 
 
-def session_process(segment: Segment, title: str):
-    """The newest process of the run whose title (Ray's `ray::<Class>[.method]`) starts with `title`."""
+def titled_processes(root_pid: int, title: str) -> list:
+    """Processes under `root_pid` whose title (Ray's `ray::<Class>[.method]`) starts with `title`, oldest first."""
     import psutil
 
     found = []
-    for proc in psutil.Process(segment.proc.pid).children(recursive=True):
+    for proc in psutil.Process(root_pid).children(recursive=True):
         try:
             if proc.cmdline()[:1] and proc.cmdline()[0].startswith(title):
                 found.append(proc)
         except psutil.NoSuchProcess:
             pass
+    return sorted(found, key=lambda p: p.create_time())
+
+
+def session_process(segment: Segment, title: str):
+    """The newest process of the run titled `title`*."""
+    found = titled_processes(segment.proc.pid, title)
     if not found:
         raise RuntimeError(f"no process titled {title}* in the run")
-    return max(found, key=lambda p: p.create_time())
+    return found[-1]
 
 
 def inject(fault: str, segment: Segment, trigger: Path) -> None:

@@ -10,25 +10,18 @@ import os
 import signal
 import time
 
-import psutil
 import pytest
-from conftest import dumped_step_inputs, expected_step_inputs, read_jsonl, start_verl, step_rows
+from conftest import dumped_step_inputs, expected_step_inputs, load_bench, read_jsonl, start_verl, step_rows
 
+faults = load_bench("faults")
 STEPS = 30  # long enough for a restart (~10 s: a new process loads the model) before the end
 K = 2
 REQUEST_TIMEOUT_S = 30
 
 
-def rollout_servers(proc) -> list[psutil.Process]:
+def rollout_servers(proc) -> list:
     """The run's CPU rollout server processes, oldest first."""
-    found = []
-    for child in psutil.Process(proc.pid).children(recursive=True):
-        try:
-            if any("CPURolloutServer" in part for part in child.cmdline()[:1]):
-                found.append(child)
-        except psutil.NoSuchProcess:
-            pass
-    return sorted(found, key=lambda p: p.create_time())
+    return faults.titled_processes(proc.pid, "ray::CPURolloutServer")
 
 
 def wait_until(predicate, proc, what: str, timeout_s: float = 400):

@@ -78,18 +78,24 @@ def run(coro, timeout_s: float = 20):
     return asyncio.run(asyncio.wait_for(coro, timeout_s))
 
 
+def one_request_then_settle(servers, restarts: Restarts, prompt: list[int], timeout_s: float, version: int):
+    """(pool, response) of one request on replica 0, after the restart it caused finished in the background."""
+
+    async def main():
+        pool = supervisor(servers, restarts)
+        out = await generate_resumable(pool, 0, prompt, PARAMS, timeout_s, served_version=version)
+        await asyncio.sleep(0.3)
+        return pool, out
+
+    return run(main())
+
+
 def test_a_dead_server_is_restarted_with_the_newest_weights_and_the_request_goes_to_a_survivor():
     servers = [FakeServer("a", version=7), FakeServer("b", version=7)]
     servers[0].dead = True
     restarts = Restarts(version=7)
 
-    async def main():
-        pool = supervisor(servers, restarts)
-        out = await generate_resumable(pool, 0, [1, 2], PARAMS, 5.0, served_version=7)
-        await asyncio.sleep(0.3)  # the restart finishes in the background
-        return pool, out
-
-    pool, out = run(main())
+    pool, out = one_request_then_settle(servers, restarts, [1, 2], 5.0, version=7)
     assert out.token_ids == [17] * 4 and out.token_versions == [7] * 4  # from survivor b, all tokens once
     assert len(servers[1].calls) == 1 and servers[1].calls[0]["prompt_ids"] == [1, 2]
     assert restarts.events == [("relaunch", 0, 1), ("fed", 0, "restart1_of_0")]  # weights before serving
@@ -147,13 +153,7 @@ def test_a_hung_server_is_killed_after_the_request_timeout_and_restarted():
     servers[0].hang = True
     restarts = Restarts(version=2)
 
-    async def main():
-        pool = supervisor(servers, restarts)
-        out = await generate_resumable(pool, 0, [4], PARAMS, 0.2, served_version=2)
-        await asyncio.sleep(0.3)
-        return pool, out
-
-    pool, out = run(main())
+    pool, out = one_request_then_settle(servers, restarts, [4], 0.2, version=2)
     assert out.token_ids == [12] * 4
     assert restarts.events[0] == ("kill", "hung") and ("relaunch", 0, 1) in restarts.events
     assert pool.counts()["async/faults/replica_restarts"] == 1.0

@@ -130,8 +130,7 @@ def test_a_train_rank_sigkilled_mid_run_costs_one_checkpoint_and_no_sample(demo_
     import signal
     import time
 
-    import psutil
-    from conftest import dumped_step_inputs, expected_step_inputs, read_jsonl, start_verl
+    from conftest import dumped_step_inputs, expected_step_inputs, load_bench, read_jsonl, start_verl
 
     ckpt, dumps = tmp_path / "ckpt", tmp_path / "dumps"
     steps = 8
@@ -144,8 +143,7 @@ def test_a_train_rank_sigkilled_mid_run_costs_one_checkpoint_and_no_sample(demo_
         while max(step_rows(read_jsonl(tmp_path / "metrics.jsonl")), default=0) < 3:
             assert proc.poll() is None and time.monotonic() < deadline, "the run did not reach step 3"
             time.sleep(0.2)
-        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                 if p.cmdline()[:1] and p.cmdline()[0].startswith("ray::PipelineWorker")]
+        ranks = load_bench("faults").titled_processes(proc.pid, "ray::PipelineWorker")
         assert len(ranks) == 1
         ranks[0].send_signal(signal.SIGKILL)
         assert proc.wait(timeout=600) == 0
