@@ -38,6 +38,7 @@ from async_rl.stop_signals import STOP_BUDGET_S, PipelinePreempted, stop_signals
 logger = logging.getLogger(__name__)
 
 FAILURE_READ_TIMEOUT_S = 10.0  # after a stage failed, reading the steps finished before it may take this long
+CLOSE_TIMEOUT_S = 10.0  # at shutdown, unlinking the weight sync's shared-memory files may take this long
 DEAD_STAGE_GRACE_S = 2.0  # after a stage failed, the wait for a dead neighbour's run to fail too
 
 
@@ -76,6 +77,8 @@ class AsyncPipeline(PipelineBuild):
         self._training = False  # the stages' loops run
         self.stages: dict[str, Any] = {}
         self.replicas: list = []
+        self.node_groups: tuple = ()  # one Ray placement group per job node (async_rl/resources.py)
+        self.stage_nodes: dict[str, str] = {}  # stage -> the Ray node id its actor is placed on
         self.receivers: list = []  # weight receivers (param_update/overlapped.py)
         self.tracking = tracking
         self._finish_tracking = tracking is None and not self.async_cfg.max_restarts
@@ -86,6 +89,7 @@ class AsyncPipeline(PipelineBuild):
         self._critic_metrics: dict[int, dict] = {}
         self.critic = critic_enabled(self.config)
         self.edges = build_edges(self.async_cfg.user_stages, self.async_cfg.dynamic_sampling, self.critic)
+        self.placement = self.plan_placement()
         self.stage_names = tuple(self.edges)
 
     def _make_tracking(self):
@@ -196,6 +200,7 @@ class AsyncPipeline(PipelineBuild):
                     last_sync = {**sync_timings[version], "async/param_update/synced_version": float(version)}
                 busy = self._busy_ratios(last_stats)
                 busy.update(ray.get(self.stages["generate"].fault_counts.remote(), timeout=CALL_TIMEOUT_S))
+                busy.update(self.placement.metrics())
                 for metrics in new_steps:
                     step = int(metrics["training/global_step"])
                     metrics.update(busy)
@@ -259,7 +264,13 @@ class AsyncPipeline(PipelineBuild):
         raise PipelinePreempted(signum, saved)
 
     def shutdown(self) -> None:
-        """Kill every stage (their worker groups and servers go with them) and stop Ray if we started it."""
+        """Unlink the weight sync's shared memory, kill every stage (their worker groups and servers go with
+        them) and stop Ray if we started it."""
+        if "actor_train" in self.stages:
+            try:
+                ray.get(self.stages["actor_train"].close_weight_sender.remote(), timeout=CLOSE_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - best effort: a dead sender's files go at the next run's start
+                logger.warning("the weight sync's shared-memory files were not unlinked; the next run removes them")
         for handle in list(self.stages.values()):
             try:
                 ray.kill(handle, no_restart=True)
@@ -269,6 +280,14 @@ class AsyncPipeline(PipelineBuild):
             for server in getattr(replica, "servers", []):
                 try:
                     ray.kill(server, no_restart=True)
+                except Exception:  # noqa: BLE001
+                    pass
+        if self.node_groups and ray.is_initialized():
+            from ray.util.placement_group import remove_placement_group
+
+            for group in self.node_groups:
+                try:
+                    remove_placement_group(group)
                 except Exception:  # noqa: BLE001
                     pass
         if self.tracking is not None and self._finish_tracking:

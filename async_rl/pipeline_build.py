@@ -16,7 +16,6 @@ from typing import Any
 
 import ray
 
-from async_rl.resources import check_cluster_fits, devices_needed, split_world_sizes, total_device_slots
 from async_rl.run_config import ray_init_kwargs
 from async_rl.stage_graph import upstream_counts
 from async_rl.stop_signals import PipelinePreempted
@@ -49,13 +48,17 @@ class PipelineBuild:
             self._owns_ray = True
         else:
             self._owns_ray = False
+        self.driver_node = ray.get_runtime_context().get_node_id()
 
     def _stage(self, stage_name: str, cls, *args, **kwargs):
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
         actor_cls = ray.remote(cls).options(
             name=f"async_rl_{stage_name}_{os.getpid()}",
             num_cpus=0,
             max_concurrency=64,
             runtime_env={"env_vars": self._ray_kwargs["runtime_env"]["env_vars"]},
+            scheduling_strategy=NodeAffinitySchedulingStrategy(self.stage_nodes.get(stage_name, self.driver_node), False),
         )
         handle = actor_cls.remote(*args, **kwargs)
         self.stages[stage_name] = handle
@@ -78,16 +81,13 @@ class PipelineBuild:
         from async_rl.validation import Validator
 
         cfg = self.config
-        sizes = split_world_sizes(total_device_slots(cfg), self.async_cfg)
-        self.world_sizes = sizes
-        tokenizer = hf_tokenizer(cfg.actor_rollout_ref.model.path, trust_remote_code=False)
-        replicas = make_rollout_replicas(cfg, generate_slots=sizes["generate"])
-        on_cpu = str(cfg.trainer.device) == "cpu"
         proximal = self.proximal_logp_workers()
-        needed = devices_needed(sizes, len(replicas), 1 if on_cpu else replicas[0].world_size,
-                                need_reference_policy(cfg), proximal == "logp", self.critic)
-        check_cluster_fits(needed, on_cpu, ray.cluster_resources())
-        self.replicas = launch_rollout_replicas(replicas, cfg.actor_rollout_ref.rollout.name, timeout_s=SETUP_TIMEOUT_S)
+        devices = self._reserve_devices()
+        sizes = self.world_sizes = {role: d.world_size for role, d in devices.items() if role != "generate"}
+        tokenizer = hf_tokenizer(cfg.actor_rollout_ref.model.path, trust_remote_code=False)
+        replicas = make_rollout_replicas(cfg, len(devices["generate"]))
+        self.replicas = launch_rollout_replicas(replicas, cfg.actor_rollout_ref.rollout.name, SETUP_TIMEOUT_S,
+                                                devices["generate"])
         servers = [r.server_handle for r in self.replicas]
         self.validator = Validator(cfg, tokenizer, servers, self.async_cfg.reward_timeout_s,
                                    self.async_cfg.reward_on_error)
@@ -121,8 +121,9 @@ class PipelineBuild:
                                    state.sampling_pool if state else None)
         bucket_bytes = self._check_weight_sync()
         dual = self.async_cfg.enable_dual_buffer
-        logp = self._stage("logp", LogpStage, cfg, sizes["logp"], bucket_bytes["consume"], compute=proximal == "logp")
-        self._stage("ref_logp", RefLogpStage, cfg, sizes["ref_logp"], need_reference_policy(cfg))
+        logp = self._stage("logp", LogpStage, cfg, devices.get("logp", 0), bucket_bytes["consume"],
+                           compute=proximal == "logp")
+        self._stage("ref_logp", RefLogpStage, cfg, devices.get("ref_logp", 0), need_reference_policy(cfg))
         receivers = self._weight_receivers(logp if proximal == "logp" else None)
         param_update = self._stage("param_update", ParamUpdateStage, receivers, generate,
                                    restartable_servers=bool(restarts),
@@ -132,13 +133,13 @@ class PipelineBuild:
             from state_machines.critic_train import CriticTrainStage
             from state_machines.values import ValuesStage
 
-            critic = self._stage("critic_train", CriticTrainStage, cfg, sizes["critic"], self.start_step)
+            critic = self._stage("critic_train", CriticTrainStage, cfg, devices["critic"], self.start_step)
             self._stage("values", ValuesStage, critic)
         checkpointer = None
         if self.checkpoint_cfg.save_freq > 0:
             CheckpointDir(self.checkpoint_cfg.root).remove_partials()
             checkpointer = RunCheckpointer(self.checkpoint_cfg, steps, dataloader, sampling, critic)
-        self._stage("actor_train", ActorTrainStage, cfg, sizes["train"], eta, param_update, bucket_bytes["preduce"],
+        self._stage("actor_train", ActorTrainStage, cfg, devices["train"], eta, param_update, bucket_bytes["preduce"],
                     compute_proximal=proximal == "train", start_step=self.start_step, checkpointer=checkpointer,
                     kl_coef=state.kl_coef if state else None, critic_sink=critic)
         for spec in self.async_cfg.user_stages:
@@ -156,6 +157,39 @@ class PipelineBuild:
             self._load_resume_point(resume)
         elif self._gpu_receivers():  # verl's servers start on load_format=dummy weights: serve step 0
             self._serve_weights(0)
+
+    def plan_placement(self):
+        """Where every worker group and replica goes (async_rl/placement.py); config only, no Ray:
+        a split that cannot work fails before Ray starts."""
+        from verl.trainer.ppo.utils import need_reference_policy
+
+        from async_rl.placement import plan_placement
+        from async_rl.rollout_backends import replica_world_size
+
+        cfg = self.config
+        rollout_cfg = cfg.actor_rollout_ref.rollout
+        roles = (["train"] + (["critic"] if self.critic else []) + (["logp"] if self.proximal_logp_workers() == "logp"
+                 else []) + (["ref_logp"] if need_reference_policy(cfg) else []))
+        return plan_placement(int(cfg.trainer.nnodes), int(cfg.trainer.n_gpus_per_node), self.async_cfg.ratios_by_role,
+                              roles, 1 if str(rollout_cfg.name) == "cpu" else replica_world_size(rollout_cfg))
+
+    def _reserve_devices(self) -> dict:
+        """Reserve the job's nodes for `self.placement` and pick each stage actor's node; returns role ->
+        GroupDevices, and "generate" -> one GroupDevices per rollout replica."""
+        from async_rl.resources import GroupDevices, node_id_of, reserve_nodes
+
+        plan, per_node = self.placement, self.placement.devices_per_node
+        groups = self.node_groups = reserve_nodes(plan, str(self.config.trainer.device) == "cpu", SETUP_TIMEOUT_S)
+        logger.warning("placement: %s", plan.describe())
+        devices = {role: GroupDevices(groups, r, per_node, plan.colocate_count) for role, r in plan.groups.items()}
+        devices["generate"] = [GroupDevices(groups, r, per_node) for r in plan.replicas]
+        node_of = {role: node_id_of(groups[r.start // per_node]) for role, r in plan.groups.items()}
+        self.stage_nodes = {"actor_train": node_of["train"], "param_update": node_of["train"],
+                            "generate": node_id_of(groups[plan.replicas[0].start // per_node])}
+        self.stage_nodes.update({stage: node_of[role] for stage, role in
+                                 (("logp", "logp"), ("ref_logp", "ref_logp"), ("critic_train", "critic"),
+                                  ("values", "critic")) if role in node_of})
+        return devices
 
     def _find_resume_point(self, train_world_size: int):
         """The checkpoint this run continues from (verl's resume_mode rules), or None."""

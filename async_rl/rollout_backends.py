@@ -68,8 +68,8 @@ def replica_world_size(rollout_cfg) -> int:
     )
 
 
-def make_rollout_replicas(config: DictConfig, generate_slots: int) -> list:
-    """Replica objects (not started) for the generate share of the devices."""
+def make_rollout_replicas(config: DictConfig, count: int) -> list:
+    """`count` replica objects (not started)."""
     from verl.utils.config import omega_conf_to_dataclass
     from verl.workers.rollout.replica import get_rollout_replica_class
 
@@ -77,7 +77,6 @@ def make_rollout_replicas(config: DictConfig, generate_slots: int) -> list:
     check_rollout_name(rollout_cfg.name, config.trainer.device)
     replica_cls = get_rollout_replica_class(rollout_cfg.name)
     model_cfg = omega_conf_to_dataclass(config.actor_rollout_ref.model)
-    count = max(1, generate_slots // replica_world_size(rollout_cfg))
     return [
         replica_cls(
             replica_rank=rank,
@@ -89,11 +88,37 @@ def make_rollout_replicas(config: DictConfig, generate_slots: int) -> list:
     ]
 
 
-def launch_rollout_replicas(replicas: list, name: str, timeout_s: float) -> list:
-    """Start `replicas` standalone; fails with a clear error after `timeout_s`."""
+async def start_on_devices(replica, devices) -> None:
+    """Start `replica` standalone on `devices` (async_rl.resources.GroupDevices): verl's
+    `init_standalone` with the job's reserved bundles instead of a pool of its own."""
+    from verl.single_controller.ray import RayWorkerGroup
+    from verl.utils.device import get_device_name
+    from verl.workers.rollout.replica import RolloutMode
+
+    from async_rl.resources import device_pool
+
+    if hasattr(replica, "bundle"):  # the CPU replica: one server actor on its device's bundle
+        replica.bundle = devices.bundle(0)
+        await replica.init_standalone()
+        return
+    replica.rollout_mode = RolloutMode.STANDALONE
+    replica.resource_pool = device_pool(devices, True, f"rollout_pool_{replica.replica_rank}")
+    replica.workers = RayWorkerGroup(
+        resource_pool=replica.resource_pool, ray_cls_with_init=replica.get_ray_class_with_init_args(),
+        bin_pack=False, name_prefix=f"rollout_standalone_{replica.replica_rank}", use_gpu=True,
+        device_name=get_device_name(),
+    ).workers
+    await replica.launch_servers()
+
+
+def launch_rollout_replicas(replicas: list, name: str, timeout_s: float, devices: list | None = None) -> list:
+    """Start `replicas` standalone (on `devices`, one GroupDevices each, when given); fails with a
+    clear error after `timeout_s`."""
 
     async def start_all():
-        await asyncio.wait_for(asyncio.gather(*(r.init_standalone() for r in replicas)), timeout=timeout_s)
+        starts = ([r.init_standalone() for r in replicas] if devices is None
+                  else [start_on_devices(r, d) for r, d in zip(replicas, devices)])
+        await asyncio.wait_for(asyncio.gather(*starts), timeout=timeout_s)
 
     try:
         asyncio.run(start_all())

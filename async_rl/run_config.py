@@ -46,11 +46,17 @@ def validate_pipeline_config(config: DictConfig) -> AsyncPipelineConfig:
 
 
 def ray_init_kwargs(config: DictConfig) -> dict:
-    """verl's `ray_kwargs.ray_init` plus what a small CPU machine needs (logical CPUs, no dashboard)."""
+    """verl's `ray_kwargs.ray_init` plus what a small CPU machine needs (logical CPUs, no dashboard).
+
+    A running cluster is joined only when asked (`RAY_ADDRESS`, or `+ray_kwargs.ray_init.address`);
+    otherwise a local instance starts, whatever `ray start` ran on this machine before."""
     kwargs = OmegaConf.to_container(config.get("ray_kwargs", {}).get("ray_init", {}), resolve=True) or {}
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     env_vars = dict(kwargs.get("runtime_env", {}).get("env_vars", {}))
     env_vars.setdefault("TOKENIZERS_PARALLELISM", "false")
+    joins_cluster = bool(kwargs.get("address") or os.environ.get("RAY_ADDRESS"))  # its resources are set
+    if not joins_cluster:  # a fresh local instance, never a cluster some other `ray start` left behind
+        kwargs["address"] = "local"
     if str(config.trainer.device) == "cpu":
         env_vars.update({"VERL_PLATFORM": "cpu", "VERL_ENGINE_DEVICE": "cuda"})
         if str(config.actor_rollout_ref.rollout.name) == "vllm":  # vLLM's CPU build
@@ -59,9 +65,12 @@ def ray_init_kwargs(config: DictConfig) -> dict:
             for key, value in WORKER_ENV.items():
                 env_vars.setdefault(key, os.environ.get(key, value))
             # verl's replica places its server workers in a resource pool of "GPUs": logical, one a slot
-            kwargs.setdefault("num_gpus", int(config.trainer.nnodes) * int(config.trainer.n_gpus_per_node))
-        kwargs.setdefault("num_cpus", max(16, os.cpu_count() or 1))  # logical: stages mostly wait
-    kwargs.setdefault("include_dashboard", False)
+            if not joins_cluster:
+                kwargs.setdefault("num_gpus", int(config.trainer.nnodes) * int(config.trainer.n_gpus_per_node))
+        if not joins_cluster:
+            kwargs.setdefault("num_cpus", max(16, os.cpu_count() or 1))  # logical: stages mostly wait
+    if not joins_cluster:
+        kwargs.setdefault("include_dashboard", False)
     runtime_env = {k: v for k, v in kwargs.get("runtime_env", {}).items() if v is not None}
     kwargs["runtime_env"] = {**runtime_env, "env_vars": env_vars}
     return kwargs

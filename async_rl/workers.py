@@ -63,6 +63,13 @@ class PipelineWorker(ActorRolloutRefWorker):
         return self._bucket_sender.gather_and_send(per_tensor, version, bucket_bytes, sink, is_sender, live)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    @ray.method(concurrency_group=WEIGHTS_GROUP)
+    def close_weight_sender(self) -> None:
+        """Unlink the send's shared-memory files (the pipeline's shutdown); runs beside training."""
+        if self._bucket_sender is not None:
+            self._bucket_sender.close()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def weight_layout(self) -> dict[str, tuple]:
         """HF name -> (dtype, global shape) of what `send_weight_buckets` sends (no data moves)."""
         from verl.utils.model import convert_weight_keys
@@ -128,11 +135,17 @@ class PipelineWorker(ActorRolloutRefWorker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     @ray.method(concurrency_group=WEIGHTS_GROUP)
-    def stage_weight_bucket(self, version: int, index: int, refs: list, slices: list) -> dict[str, float]:
-        """recv (fetch from Ray's object store) + register-buffer; runs beside compute."""
+    def node_id(self) -> str:
+        """This rank's Ray node (the weight sync reads shared memory on the sender's node)."""
+        return ray.get_runtime_context().get_node_id()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    @ray.method(concurrency_group=WEIGHTS_GROUP)
+    def stage_weight_bucket(self, version: int, index: int, source, slices: list) -> dict[str, float]:
+        """recv (shared memory or Ray's object store) + register-buffer; runs beside compute."""
         from param_update.staging import receive_bucket
 
-        return receive_bucket(self._stager, version, index, refs, slices)
+        return receive_bucket(self._stager, version, index, source, slices)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     @ray.method(concurrency_group=WEIGHTS_GROUP)

@@ -191,7 +191,8 @@ def run_one(fault: str, demo: Path, workdir: Path, steps: int, inject_step: int,
     extra = {"trainer.total_training_steps": steps, "trainer.test_freq": steps, "trainer.val_before_train": False,
              "trainer.save_freq": 2, "trainer.default_local_dir": str(workdir / "ckpt"), "trainer.resume_mode": "auto",
              "trainer.rollout_data_dir": str(dumps), "reward.custom_reward_function.path": str(reward),
-             "+trainer.use_nodes_ratios": [0.5, 0.5, 0.5, 1.0], "+trainer.max_restarts": 2,
+             "trainer.n_gpus_per_node": 4, "+trainer.use_nodes_ratios": [0.25, 0.25, 0.25, 0.5],  # 2 replicas
+             "+trainer.max_restarts": 2,
              "+reward.on_error": "zero", "+reward.async_timeout_s": REWARD_TIMEOUT_S,
              "+actor_rollout_ref.rollout.request_timeout_s": REQUEST_TIMEOUT_S}
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *demo_overrides(demo, extra=extra)]

@@ -1,12 +1,16 @@
 """Benchmark: the five-part weight sync against a naive blocking sync and a raw memory copy.
 
 For synthetic Qwen2 models of about 10M, 100M and 500M parameters (float32), on this
-machine, in one run:
+machine, in one run, on a local two-node Ray cluster (`ray.cluster_utils.Cluster`: two
+raylets and object stores on this machine, told apart by node id as two machines are):
 
-- pipeline: this project's sync (param_update/): the trainer gathers into buckets and its
-  send thread puts them into Ray's object store; the param_update stage has the CPU
-  rollout server fetch and register each bucket in its dual buffer while it keeps
-  generating; the load swaps the halves between two decoding steps.
+- pipeline, same node: this project's sync (param_update/) with the CPU rollout server on
+  the trainer's node: the trainer gathers into buckets and its send thread writes each
+  once into its shared buffer (a /dev/shm region the server maps, no object-store put);
+  the param_update stage has the server register each bucket in its dual buffer while it
+  keeps generating; the load swaps the halves between two decoding steps.
+- pipeline, other node: the same with the server on the second node: buckets travel
+  through Ray's object store (put on the trainer's node, fetched to the server's).
 - naive: stop-the-world, as verl's standalone sync does it (abort and pause generation,
   gather everything, one put, load in full, resume): generation is blocked throughout.
 - raw copy: a copy of the same bytes in one process, the physical limit here: the faster
@@ -21,10 +25,14 @@ machine, in one run:
 
 Per size: total sync latency, the time generation was blocked, and how much a training
 step (forward + backward) that runs while the pipeline's sync is in flight slows down
-against the same step alone. The CPU rollout server decodes requests throughout.
+against the same step alone. The CPU rollout server decodes requests throughout. The
+load's wait for a decoding step already running when the weights are ready (the engine
+swaps between steps: a scheduling choice, not transport) is reported in its own column
+(`step wait`) and left out of every total.
 
 Put threads: the pipeline puts each bucket as several objects from several threads at
-once (`BucketSender(put_threads=...)`). `--put-threads 4,1` runs the pipeline with each
+once, or on the same node writes it into shared memory as as many pieces at once
+(`BucketSender(put_threads=...)`; the main table is the same-node link's). `--put-threads 4,1` runs the pipeline with each
 count in turn, sync by sync, so the comparison sees the same machine state; the main
 table shows the first count.
 
@@ -34,16 +42,20 @@ row's prefix, recomputed under the new weights) and is decoding. Syncs here star
 likewise only once the server has run `SETTLE_STEPS` steps since its last load; back to
 back, a load would mostly wait for that re-prefill (0.36 s median at 493M, commit d4a2978).
 
-Steady state: the first syncs of a run write into never-touched pages of Ray's
-shared-memory object store, and a page's first touch is slow on this machine (the
-first sync took 2.2-7.7x a later one); once the store has cycled, every later sync
-reuses pages. The bench reports the first sync (cold) apart, then syncs until the store
-has cycled once and measures after that: latency with generation decoding, and the
+Steady state: the first syncs of a run write into never-touched pages (of the shared
+buffer's two regions on the same node, of Ray's object stores across nodes), and a
+page's first touch is slow on this machine (through the object store the first sync took
+2.2-7.7x a later one); later syncs reuse pages. The bench reports the first sync (cold)
+apart, then syncs until every region was written once (same node) or the store has
+cycled once (other node) and measures after that: latency with generation decoding, and the
 training slowdown in further syncs that run beside a training step (their latency is
 reported too: both share two cores). Last, with the generation load stopped, three more
 syncs measure the latency on an idle machine, as the raw copy is measured: the
 transport's own cost without contention; then the sender's puts alone and the one put
 (best of five each).
+
+The same-node part runs first, then its server is stopped and the other-node part runs
+(decoding, then the naive sync against that server).
 
     python bench/param_update.py [--sizes 10M,100M,500M] [--put-threads 4,1] [--json PATH]
 
@@ -76,6 +88,8 @@ SIZES = {"2M": (64, 2), "10M": (256, 6), "100M": (768, 12), "500M": (1280, 24)} 
 VOCAB = 8192
 TIMEOUT_S = 900
 MAX_WARMUP_SYNCS = 40  # small models: the store's allocator reuses freed pages well before it cycles
+TOTAL = "timing_s/param_update/total"
+STEP_WAIT = "async/param_update/step_wait_s"
 SETTLE_STEPS = 2  # server steps after a load (its re-prefill, one decoding step) before the next sync starts
 
 
@@ -103,9 +117,11 @@ class Trainer:
 
     def __init__(self, size: str, seed: int, put_threads: list[int]):
         from param_update.sender import BucketSender
+        from param_update.shared_buffer import SharedBuffer
 
         self.model = build_model(size, seed)
-        self.senders = {n: BucketSender(put_threads=n) for n in put_threads}
+        self.buffer = SharedBuffer()  # one set of files whatever the put-thread count
+        self.senders = {n: BucketSender(put_threads=n, shared_buffer=self.buffer) for n in put_threads}
         self.batch = torch.randint(0, VOCAB, (4, 64))
 
     def save(self, path: str) -> None:
@@ -123,6 +139,10 @@ class Trainer:
         live = live_storage_addresses(state.values())
         sender = self.senders[put_threads]
         return sender.gather_and_send(state.items(), version, bucket_bytes, sink, True, live)["gather_s"]
+
+    def close(self) -> None:
+        """Unlink the senders' shared-memory files."""
+        self.buffer.close()
 
     def gather_all(self):
         """naive gather + put: every tensor in one object (one copy, as the pipeline's put)."""
@@ -260,8 +280,8 @@ def raw_copy_s(nbytes: int, repeats: int = 10) -> dict[str, float]:
 
 
 def warmup_syncs(model_bytes: int) -> int:
-    """Syncs until the object store has cycled once (at least 2, at most MAX_WARMUP_SYNCS)."""
-    store_bytes = ray.cluster_resources().get("object_store_memory", 0)
+    """Syncs until a node's object store has cycled once (at least 2, at most MAX_WARMUP_SYNCS)."""
+    store_bytes = max(n["Resources"].get("object_store_memory", 0) for n in ray.nodes() if n["Alive"])
     return max(2, min(MAX_WARMUP_SYNCS, -(-int(store_bytes) // max(model_bytes, 1)) + 1))
 
 
@@ -307,93 +327,149 @@ def naive_sync(trainer, server, version: int) -> dict:
     return {"total_s": total, "blocked_s": total}
 
 
-def bench_size(size: str, bucket_mb: float, consume_mb: float, put_threads: list[int]) -> dict:
+def on_node(node_id: str) -> dict:
+    """Actor options that place it on Ray node `node_id`."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
+
+
+def start_link(model_dir: str, consume_mb: float, node: str, stage_node: str) -> tuple:
+    """A CPU rollout server on `node`, decoding (a LoadGenerator beside it), and a param_update stage on
+    `stage_node` syncing it. Returns (server, stage, load, load's run)."""
     from verl.workers.config import HFModelConfig, RolloutConfig
 
-    from param_update.capacity import model_weight_bytes
     from param_update.overlapped import ActorReceiver
     from state_machines.param_update import ParamUpdateStage
 
-    trainer = Trainer.remote(size, seed=1, put_threads=put_threads)
-    with tempfile.TemporaryDirectory() as model_dir:
-        ray.get(trainer.save.remote(model_dir), timeout=TIMEOUT_S)
-        model_bytes = model_weight_bytes(model_dir)
-        config = RolloutConfig(name="cpu", tensor_model_parallel_size=1, prompt_length=8, response_length=32)
-        server = ray.remote(rollout_server_class()).options(max_concurrency=64).remote(
-            config=config, model_config=HFModelConfig(path=model_dir, load_tokenizer=False)
-        )
-        ray.get(server.launch_server.remote(), timeout=TIMEOUT_S)
+    config = RolloutConfig(name="cpu", tensor_model_parallel_size=1, prompt_length=8, response_length=32)
+    server = ray.remote(rollout_server_class()).options(max_concurrency=64, **on_node(node)).remote(
+        config=config, model_config=HFModelConfig(path=model_dir, load_tokenizer=False)
+    )
+    ray.get(server.launch_server.remote(), timeout=TIMEOUT_S)
     ray.get(server.configure_weight_sync.remote(True, int(consume_mb * (1 << 20))), timeout=TIMEOUT_S)
-    params = ray.get(trainer.num_params.remote(), timeout=TIMEOUT_S)
-    stage = ray.remote(ParamUpdateStage).options(max_concurrency=64).remote(
+    stage = ray.remote(ParamUpdateStage).options(max_concurrency=64, **on_node(stage_node)).remote(
         [ActorReceiver("rollout_server", server, True)], VersionLog.remote()
     )
     ray.get(stage.connect.remote([], 1), timeout=TIMEOUT_S)
     stage.run.remote()
-    load = LoadGenerator.remote(server)
+    load = LoadGenerator.options(**on_node(node)).remote(server)
     load_run = load.run.remote()
     wait_for(lambda: ray.get(load.count.remote(), timeout=TIMEOUT_S), "the first generated tokens", poll_s=0.05)
-    bucket_bytes = int(bucket_mb * (1 << 20))
+    return server, stage, load, load_run
 
+
+def net_total(timings: dict) -> float:
+    """A sync's total latency without the load's wait for a decoding step already running (s)."""
+    return timings[TOTAL] - timings[STEP_WAIT]
+
+
+def link_row(first: dict, runs: list[dict], naive: dict, raw_copy_s: float, warmup: int) -> dict:
+    """One link's numbers: the best of `runs` (by total without the step wait) against the raw copy and
+    the naive sync's blocked time."""
+    best = min(runs, key=net_total)
+    blocked = best["async/param_update/blocked_s"]
+    return {
+        "first_sync_s": net_total(first), "warmup_syncs": warmup, "total_s": net_total(best),
+        "step_wait_s": best[STEP_WAIT], "total_with_wait_s": best[TOTAL], "blocked_s": blocked,
+        "naive_total_s": naive["total_s"], "naive_blocked_s": naive["blocked_s"],
+        "total_over_raw": net_total(best) / raw_copy_s, "blocked_over_naive": blocked / naive["blocked_s"],
+        "shm_receivers": best["async/param_update/shm_receivers"],
+        "store_receivers": best["async/param_update/store_receivers"],
+    }
+
+
+def bench_size(size: str, bucket_mb: float, consume_mb: float, put_threads: list[int], nodes: tuple) -> dict:
+    """Every measurement of one model size; `nodes`: (the trainer's node id, the other node's)."""
+    from param_update.capacity import model_weight_bytes
+    from param_update.regions import REGIONS
+
+    head, other = nodes
+    trainer = Trainer.options(**on_node(head)).remote(size, seed=1, put_threads=put_threads)
+    bucket_bytes = int(bucket_mb * (1 << 20))
     main_threads = put_threads[0]
-    first, _ = pipeline_sync(trainer, stage, 1, bucket_bytes, main_threads, decoding_server=server)  # cold store
-    warmup = warmup_syncs(model_bytes)
-    for version in range(2, warmup + 1):
-        threads = put_threads[version % len(put_threads)]
-        pipeline_sync(trainer, stage, version, bucket_bytes, threads, decoding_server=server)
-    ray.get(trainer.train_step.remote(), timeout=TIMEOUT_S)  # warm-up step
-    versions = iter(range(warmup + 1, 1 << 30))
-    runs: dict[int, list] = {n: [] for n in put_threads}
-    training_runs: dict[int, list] = {n: [] for n in put_threads}
-    alone = []
-    for _ in range(3):  # interleaved: every put-thread count meets the same machine state
-        for n in put_threads:
-            timings, _ = pipeline_sync(trainer, stage, next(versions), bucket_bytes, n, decoding_server=server)
-            runs[n].append(timings)
-    for _ in range(3):
-        alone.append(ray.get(trainer.train_step.remote(), timeout=TIMEOUT_S))
-        for n in put_threads:
-            training_runs[n].append(pipeline_sync(
-                trainer, stage, next(versions), bucket_bytes, n, train_during=True, decoding_server=server
-            ))
-    alone_s = statistics.median(alone)
-    raw_copy_decoding = min(ray.get(trainer.raw_copy_s.remote(model_bytes), timeout=TIMEOUT_S).values())
-    naive_sync(trainer, server, next(versions))  # warm-up of the naive path
-    naive = min((naive_sync(trainer, server, next(versions)) for _ in range(2)), key=lambda r: r["total_s"])
-    tokens = ray.get(load.stop.remote(), timeout=TIMEOUT_S)
-    ray.get(load_run, timeout=TIMEOUT_S)  # raises if the generation load failed
-    idle = [pipeline_sync(trainer, stage, next(versions), bucket_bytes, main_threads)[0] for _ in range(3)]
-    sender_put = ray.get(trainer.sender_put_s.remote(bucket_bytes, main_threads), timeout=TIMEOUT_S)
-    store_put = ray.get(trainer.store_put_s.remote(), timeout=TIMEOUT_S)
-    for actor in (stage, server, trainer, load):
-        ray.kill(actor, no_restart=True)
-    total = "timing_s/param_update/total"
+    versions = iter(range(1, 1 << 30))
+    with tempfile.TemporaryDirectory() as model_dir:
+        ray.get(trainer.save.remote(model_dir), timeout=TIMEOUT_S)
+        model_bytes = model_weight_bytes(model_dir)
+        params = ray.get(trainer.num_params.remote(), timeout=TIMEOUT_S)
+        # ---- same node: the server on the trainer's node, buckets through shared memory
+        server, stage, load, load_run = start_link(model_dir, consume_mb, head, head)
+        first, _ = pipeline_sync(trainer, stage, next(versions), bucket_bytes, main_threads, decoding_server=server)
+        warmup = REGIONS  # every region of the shared buffer written once
+        for k in range(2, warmup + 1):
+            pipeline_sync(trainer, stage, next(versions), bucket_bytes, put_threads[k % len(put_threads)],
+                          decoding_server=server)
+        ray.get(trainer.train_step.remote(), timeout=TIMEOUT_S)  # warm-up step
+        runs: dict[int, list] = {n: [] for n in put_threads}
+        training_runs: dict[int, list] = {n: [] for n in put_threads}
+        alone = []
+        for _ in range(3):  # interleaved: every put-thread count meets the same machine state
+            for n in put_threads:
+                timings, _ = pipeline_sync(trainer, stage, next(versions), bucket_bytes, n, decoding_server=server)
+                runs[n].append(timings)
+        for _ in range(3):
+            alone.append(ray.get(trainer.train_step.remote(), timeout=TIMEOUT_S))
+            for n in put_threads:
+                training_runs[n].append(pipeline_sync(
+                    trainer, stage, next(versions), bucket_bytes, n, train_during=True, decoding_server=server
+                ))
+        alone_s = statistics.median(alone)
+        raw_copy_decoding = min(ray.get(trainer.raw_copy_s.remote(model_bytes), timeout=TIMEOUT_S).values())
+        naive_sync(trainer, server, next(versions))  # warm-up of the naive path
+        naive = min((naive_sync(trainer, server, next(versions)) for _ in range(2)), key=lambda r: r["total_s"])
+        tokens = ray.get(load.stop.remote(), timeout=TIMEOUT_S)
+        ray.get(load_run, timeout=TIMEOUT_S)  # raises if the generation load failed
+        idle = [pipeline_sync(trainer, stage, next(versions), bucket_bytes, main_threads)[0] for _ in range(3)]
+        sender_put = ray.get(trainer.sender_put_s.remote(bucket_bytes, main_threads), timeout=TIMEOUT_S)
+        store_put = ray.get(trainer.store_put_s.remote(), timeout=TIMEOUT_S)
+        for actor in (stage, server, load):
+            ray.kill(actor, no_restart=True)
+        ray.get(trainer.close.remote(), timeout=TIMEOUT_S)  # the shared buffer's memory goes back
+        # ---- other node: the server on the second node, buckets through Ray's object store
+        server, stage, load, load_run = start_link(model_dir, consume_mb, other, head)
+        cross_first, _ = pipeline_sync(trainer, stage, next(versions), bucket_bytes, main_threads,
+                                       decoding_server=server)
+        cross_warmup = warmup_syncs(model_bytes)  # until the stores have cycled once
+        for _ in range(2, cross_warmup + 1):
+            pipeline_sync(trainer, stage, next(versions), bucket_bytes, main_threads, decoding_server=server)
+        cross = [pipeline_sync(trainer, stage, next(versions), bucket_bytes, main_threads,
+                               decoding_server=server)[0] for _ in range(3)]
+        naive_sync(trainer, server, next(versions))
+        cross_naive = min((naive_sync(trainer, server, next(versions)) for _ in range(2)), key=lambda r: r["total_s"])
+        ray.get(load.stop.remote(), timeout=TIMEOUT_S)
+        ray.get(load_run, timeout=TIMEOUT_S)
+        for actor in (stage, server, load, trainer):
+            ray.kill(actor, no_restart=True)
     by_threads = {}
     for n in put_threads:
-        best = min(runs[n], key=lambda t: t[total])
+        best = min(runs[n], key=net_total)
         by_threads[n] = {
-            "pipeline_total_s": best[total],
+            "pipeline_total_s": net_total(best),
+            "pipeline_step_wait_s": best[STEP_WAIT],
             "pipeline_blocked_s": best["async/param_update/blocked_s"],
-            "pipeline_total_training_s": statistics.median(t[total] for t, _ in training_runs[n]),
+            "pipeline_total_training_s": statistics.median(net_total(t) for t, _ in training_runs[n]),
             "train_step_slowdown": statistics.median(step for _, step in training_runs[n]) / alone_s,
             "parts_s": {k.rsplit("/", 1)[-1]: v for k, v in best.items() if k.startswith("timing_s/")},
         }
     main = by_threads[main_threads]
     raw_copy = raw_copy_s(model_bytes)
+    raw = min(raw_copy.values())
     return {
         "size": size,
         "params": params,
         "model_mb": model_bytes / (1 << 20),
         "put_threads": main_threads,
         "pipeline_total_s": main["pipeline_total_s"],
+        "pipeline_step_wait_s": main["pipeline_step_wait_s"],
         "pipeline_blocked_s": main["pipeline_blocked_s"],
-        "pipeline_first_sync_s": first[total],
+        "pipeline_first_sync_s": net_total(first),
         "pipeline_total_training_s": main["pipeline_total_training_s"],
-        "pipeline_total_idle_s": min(t[total] for t in idle),
+        "pipeline_total_idle_s": min(net_total(t) for t in idle),
         "warmup_syncs": warmup,
         "naive_total_s": naive["total_s"],
         "naive_blocked_s": naive["blocked_s"],
-        "raw_copy_s": min(raw_copy.values()),
+        "raw_copy_s": raw,
         "raw_copy_torch_s": raw_copy["torch"],
         "raw_copy_decoding_s": raw_copy_decoding,
         "sender_put_s": sender_put,
@@ -403,6 +479,10 @@ def bench_size(size: str, bucket_mb: float, consume_mb: float, put_threads: list
         "parts_s": main["parts_s"],
         "by_put_threads": by_threads,
         "tokens_generated": tokens,
+        "links": {
+            "same_node": link_row(first, runs[main_threads], naive, raw, warmup),
+            "other_node": link_row(cross_first, cross, cross_naive, raw, cross_warmup),
+        },
     }
 
 
@@ -425,16 +505,23 @@ def main(argv=None) -> list[dict]:
     args = parser.parse_args(argv)
     put_threads = [int(n) for n in args.put_threads.split(",")]
     command = command_line()
-    ray.init(num_cpus=16, include_dashboard=False, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 16, "include_dashboard": False})
+    other = cluster.add_node(num_cpus=16)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    nodes = (cluster.head_node.node_id, other.node_id)
     rows = []
     try:
         for size in args.sizes.split(","):
-            rows.append(bench_size(size.strip(), args.bucket_mb, args.consume_mb, put_threads))
+            rows.append(bench_size(size.strip(), args.bucket_mb, args.consume_mb, put_threads, nodes))
             print(f"done {size}: {json.dumps(rows[-1])}", flush=True)
     finally:
         ray.shutdown()
-    header = (f"{'size':>5} {'params':>11} {'MB':>7} | {'first sync':>10} {'pipe total':>10} {'pipe blocked':>12} "
-              f"{'w/ train':>9} | "
+        cluster.shutdown()
+    header = (f"{'size':>5} {'params':>11} {'MB':>7} | {'first sync':>10} {'pipe total':>10} {'step wait':>9} "
+              f"{'pipe blocked':>12} {'w/ train':>9} | "
               f"{'naive total':>11} {'naive blocked':>13} | {'raw copy':>8} {'torch':>8} {'decoding':>8} "
               f"{'put only':>8} {'one put':>8} | "
               f"{'blocked ratio':>13} {'total/raw':>9} | {'train slowdown':>14}")
@@ -444,7 +531,8 @@ def main(argv=None) -> list[dict]:
     print("-" * len(header))
     for r in rows:
         print(f"{r['size']:>5} {r['params']:>11,} {r['model_mb']:>7.0f} | {r['pipeline_first_sync_s']:>9.3f}s "
-              f"{r['pipeline_total_s']:>9.3f}s {r['pipeline_blocked_s']:>11.4f}s {r['pipeline_total_training_s']:>8.3f}s | "
+              f"{r['pipeline_total_s']:>9.3f}s {r['pipeline_step_wait_s']:>8.3f}s {r['pipeline_blocked_s']:>11.4f}s "
+              f"{r['pipeline_total_training_s']:>8.3f}s | "
               f"{r['naive_total_s']:>10.3f}s {r['naive_blocked_s']:>12.3f}s | "
               f"{r['raw_copy_s']:>7.4f}s {r['raw_copy_torch_s']:>7.4f}s {r['raw_copy_decoding_s']:>7.4f}s "
               f"{r['sender_put_s']:>7.3f}s {r['store_put_s']:>7.4f}s | "
@@ -454,10 +542,26 @@ def main(argv=None) -> list[dict]:
           "copy_ ('torch') and memcpy on every core; 'put only': the sender's puts of the model's buckets alone, nothing else "
           "running, the one copy every sync through Ray's object store pays; 'one put': the store's fastest put of "
           "the same bytes (one contiguous array, one call), the floor of any transport through `ray.put`; "
-          "'first sync': the cold store; "
-          "'pipe total/blocked': after the store has cycled, generation decoding; 'w/ train': the same with a "
+          "'pipe': the server on the trainer's node (shared memory); 'first sync': cold pages; "
+          "'pipe total/blocked': after both shared-memory regions were written once, generation decoding; "
+          "'step wait': the load's wait for the decoding step running when the weights were ready (the engine "
+          "swaps between steps; not in any total); 'w/ train': the same with a "
           "training step beside it (median); 'decoding': the raw copy in the trainer process while the "
           "rollout server decodes, as the pipeline's syncs run")
+    link_header = (f"{'size':>5} {'link':<28} | {'shm/store':>9} {'first sync':>10} {'total':>8} {'step wait':>9} "
+                   f"{'blocked':>8} {'naive blocked':>13} | {'total/raw':>9} {'blocked/naive':>13}")
+    print(f"\nper link (a server on the trainer's Ray node, then one on the other node), generation decoding:\n"
+          f"{link_header}\n{'-' * len(link_header)}")
+    for r in rows:
+        for name, link in r["links"].items():
+            what = {"same_node": "same node (shared memory)", "other_node": "other node (object store)"}[name]
+            print(f"{r['size']:>5} {what:<28} | {link['shm_receivers']:>4.0f}/{link['store_receivers']:<4.0f} "
+                  f"{link['first_sync_s']:>9.3f}s {link['total_s']:>7.3f}s {link['step_wait_s']:>8.3f}s "
+                  f"{link['blocked_s']:>7.4f}s {link['naive_blocked_s']:>12.3f}s | {link['total_over_raw']:>9.2f} "
+                  f"{link['blocked_over_naive']:>13.4f}")
+    print("goal: total/raw <= 2.0 on the same node, blocked/naive <= 0.1; 'total': gather start to loaded, "
+          "without the step wait; 'naive blocked': the stop-the-world sync of the same server; "
+          "'shm/store': receivers that got the version through shared memory / the object store")
     for r in rows:
         parts = ", ".join(f"{k} {v:.3f}s" for k, v in r["parts_s"].items())
         print(f"{r['size']}: pipeline parts: {parts}")
@@ -479,7 +583,7 @@ def main(argv=None) -> list[dict]:
         keys = ("params", "pipeline_total_s", "pipeline_blocked_s", "naive_total_s", "naive_blocked_s",
                 "raw_copy_s", "train_step_slowdown", "pipeline_first_sync_s", "pipeline_total_training_s",
                 "sender_put_s", "store_put_s", "warmup_syncs", "raw_copy_torch_s", "raw_copy_decoding_s", "put_threads",
-                "by_put_threads", "pipeline_total_idle_s")
+                "by_put_threads", "pipeline_total_idle_s", "pipeline_step_wait_s", "links")
         with open(args.json, "w") as f:
             json.dump([{"size": r["size"], **{k: r[k] for k in keys}} for r in rows], f, indent=1)
     return rows

@@ -1,12 +1,13 @@
 """recv + register-buffer + load: the receiving half of the five-part weight sync.
 
 Buckets of version v arrive from the trainer's send thread (`BucketStream`); each one is
-handed to every receiver as soon as it arrives, and each receiver fetches it from Ray's
-object store (recv) and registers it in its staging buffer (register-buffer) while
-generation and logp go on with v - 1. When the last bucket is staged everywhere, every
-receiver checks that v is complete (phase 1); only then does each one load it (phase 2,
-between decoding steps), and generate is told that v is served. A failure before phase 2
-drops the staged copy everywhere and leaves v - 1 serving.
+handed to every receiver as soon as it arrives, and each receiver fetches it (recv: views of
+the sender's shared memory on the sender's Ray node, else from Ray's object store; the link
+is chosen per receiver, `open_version`) and registers it in its staging buffer
+(register-buffer) while generation and logp go on with v - 1. When the last bucket is staged
+everywhere, every receiver checks that v is complete (phase 1); only then does each one load
+it (phase 2, between decoding steps), and generate is told that v is served. A failure before
+phase 2 drops the staged copy everywhere and leaves v - 1 serving.
 """
 
 from __future__ import annotations
@@ -19,17 +20,37 @@ from typing import Any, Optional
 
 from async_rl.fault_points import hold_at
 from param_update.interface import WeightSync, WeightSyncError
+from param_update.regions import RegionLedger
+from param_update.shared_buffer import SharedBucket, copy_to_store
+
+SHM, STORE = "shm", "store"  # a receiver's link: the sender's shared memory (same Ray node), Ray's object store
 
 
 @dataclass
 class BucketRef:
-    """One announced bucket: where it is (`refs`, Ray ObjectRefs of its arrays in runs, see
-    `buckets.split_arrays`) and what it carries."""
+    """One announced bucket and where it is: `refs` (Ray ObjectRefs of its arrays in runs, see
+    `buckets.split_arrays`; for receivers on other nodes) and `shared` (for receivers on the
+    sender's node); None where it was not sent that way."""
 
     version: int
     index: int
-    refs: list
+    refs: Optional[list]
     slices: list
+    shared: Optional[SharedBucket] = None
+
+
+@dataclass(frozen=True)
+class Route:
+    """How the sender sends a version: into its shared buffer's `region` (None: no receiver on its
+    node) and into Ray's object store (`store`: some receiver elsewhere)."""
+
+    region: Optional[int]
+    store: bool
+
+
+def reads_shared(receiver, bucket: BucketRef) -> bool:
+    """The receiver stages `bucket` from shared memory (else from the object store)."""
+    return getattr(receiver, "link", STORE) == SHM and bucket.shared is not None
 
 
 @dataclass
@@ -43,7 +64,8 @@ class BucketStream:
     """The buckets of every version, as the send thread announces them (in order).
 
     `max_in_flight` bounds buckets announced but not yet staged by every receiver: the
-    sender's `put_bucket` waits for room, so Ray's object store holds at most that many.
+    sender's `put_bucket` waits for room, so Ray's object store holds at most that many
+    (the shared buffer holds whole versions: param_update/regions.py).
     """
 
     def __init__(self, max_in_flight: int = 4):
@@ -81,12 +103,15 @@ class BucketStream:
 
 
 class ActorReceiver:
-    """A receiver behind a Ray actor handle with the four weight-sync methods.
+    """A receiver behind a Ray actor handle with the weight-sync methods.
 
-    `stage_weight_bucket(version, index, refs, slices) -> {recv_s, register_s}`,
-    `check_weights(version, num_buckets)`, `commit_weights(version, num_buckets) ->
-    {load_s, blocked_s}`, `discard_weights(version)`. `replica_index`: set on a rollout server
-    that may be restarted when lost (async_rl/replica_supervisor.py).
+    `stage_weight_bucket(version, index, source, slices) -> {recv_s, register_s}` (`source`: a
+    SharedBucket or the bucket's ObjectRefs), `check_weights(version, num_buckets)`,
+    `commit_weights(version, num_buckets) -> {load_s, blocked_s, keeps_buffer}` (`keeps_buffer`:
+    it serves the staged views, default True), `discard_weights(version)`, and optionally
+    `weight_sync_nodes() -> [Ray node id of each of its processes]` (without it: the object store).
+    `replica_index`: set on a rollout server that may be restarted when lost
+    (async_rl/replica_supervisor.py). `link` (SHM or STORE) is set by the sync.
     """
 
     def __init__(self, name: str, handle: Any, serves_generation: bool, replica_index: Optional[int] = None):
@@ -94,9 +119,15 @@ class ActorReceiver:
         self.handle = handle
         self.serves_generation = serves_generation
         self.replica_index = replica_index
+        self.link = STORE
+
+    async def nodes(self) -> Optional[list]:
+        method = getattr(self.handle, "weight_sync_nodes", None)
+        return None if method is None else await method.remote()
 
     async def stage(self, bucket: BucketRef) -> dict:
-        return await self.handle.stage_weight_bucket.remote(bucket.version, bucket.index, bucket.refs, bucket.slices)
+        source = bucket.shared if reads_shared(self, bucket) else bucket.refs
+        return await self.handle.stage_weight_bucket.remote(bucket.version, bucket.index, source, bucket.slices)
 
     async def check(self, version: int, num_buckets: int) -> None:
         await self.handle.check_weights.remote(version, num_buckets)
@@ -119,8 +150,8 @@ class OverlappedWeightSync(WeightSync):
         on_lost: `on_lost(receiver, cause, hung)`; when given, a receiver with a `replica_index` whose
             process is gone, or that does not answer within `lost_after_s` (`hung`), is left out of
             the sync and reported there instead of failing it, and the newest version's buckets are
-            kept (one copy in Ray's object store) so that `replace` can load them into its restarted
-            server.
+            kept (its shared-memory region stays intact, its object-store copies where it was sent
+            so) so that `replace` can load them into its restarted server.
         lost_after_s: the wait for such a receiver (default `timeout_s`).
     """
 
@@ -137,6 +168,8 @@ class OverlappedWeightSync(WeightSync):
         self.lock = asyncio.Lock()  # one sync or one replacement at a time
         self.retained: Optional[tuple[int, list[BucketRef], int]] = None  # (version, buckets, num_buckets)
         self._lost: set[str] = set()
+        self.regions = RegionLedger()
+        self.sender_node: Optional[str] = None  # Ray node id of the trainer's sending process
 
     def _live(self) -> list:
         return [r for r in self.receivers if r.name not in self._lost]
@@ -166,6 +199,7 @@ class OverlappedWeightSync(WeightSync):
                          else f"{type(result).__name__} during {what}")
                 if name not in self._lost:  # buckets staged at once each see the loss: report it once
                     self._lost.add(name)
+                    self.regions.drop(name)
                     self.on_lost(receiver, cause, hung)
                 continue
             if isinstance(result, asyncio.TimeoutError):
@@ -177,8 +211,39 @@ class OverlappedWeightSync(WeightSync):
             out[name] = result
         return out
 
+    async def open_version(self, version: int, sender_node: str) -> Route:
+        """The sender's first question about `version`: shared memory for the receivers on its Ray node
+        (a region, once one is free: param_update/regions.py), the object store for the others. Receivers
+        are located once, at the first version (each restarted one at its `replace`)."""
+        if self.sender_node is None:
+            self.sender_node = sender_node
+            await self._locate(self.receivers, version)
+        links = {getattr(r, "link", STORE) for r in self._live()}
+        # a region frees when the previous version's sync ends: its last stagings, check and load
+        region = await self.regions.acquire(version, 3 * self.timeout_s) if SHM in links else None
+        return Route(region, store=STORE in links)
+
+    async def _locate(self, receivers: list, version: int) -> None:
+        """Each receiver's link: SHM when every process of it runs on the sender's node, else STORE."""
+        async def nodes(r):
+            return await r.nodes() if hasattr(r, "nodes") else None
+
+        found = await self._on_all("locate", version, nodes, receivers)
+        for r in receivers:
+            r.link = SHM if found.get(r.name) and set(found[r.name]) == {self.sender_node} else STORE
+
+    def _with_refs(self, bucket: BucketRef, receivers: list) -> None:
+        """A receiver the version's route did not plan for (restarted on another node since) reads the
+        bucket from the object store: copied there from the shared region, on the sender's node."""
+        if bucket.refs is None and not all(reads_shared(r, bucket) for r in receivers):
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            on_sender = NodeAffinitySchedulingStrategy(self.sender_node, soft=False)
+            bucket.refs = [copy_to_store.options(scheduling_strategy=on_sender).remote(bucket.shared, bucket.slices)]
+
     async def _stage_bucket(self, bucket: BucketRef, totals: dict) -> None:
         try:
+            self._with_refs(bucket, self._live())
             results = await self._on_all("register-buffer", bucket.version, lambda r: r.stage(bucket))
         finally:
             self.stream.release()
@@ -186,6 +251,13 @@ class OverlappedWeightSync(WeightSync):
             totals.setdefault(name, {"recv_s": 0.0, "register_s": 0.0})
             totals[name]["recv_s"] += t["recv_s"]
             totals[name]["register_s"] += t["register_s"]
+
+    def _note_loaded(self, version: int, loads: dict, receivers: list, buckets: list) -> int:
+        """Tell the region ledger who loaded `version` and who serves it from shared memory now; returns
+        how many loaded it from shared memory."""
+        shared = [r.name for r in receivers if r.name in loads and buckets and reads_shared(r, buckets[0])]
+        self.regions.loaded(version, loads, [name for name in shared if loads[name].get("keeps_buffer", True)])
+        return len(shared)
 
     async def sync(self, version: int, started_at: float) -> dict[str, float]:
         """Deliver `version`; `started_at` is the wall time (time.time()) its gather began."""
@@ -213,13 +285,18 @@ class OverlappedWeightSync(WeightSync):
                 task.cancel()
             await asyncio.gather(*staging, return_exceptions=True)
             await asyncio.gather(*(r.discard(version) for r in self._live()), return_exceptions=True)
+            self.regions.ended(version)
             raise
         hold_at("weight_sync", version)
+        # a load that fails leaves the region held for good: some receivers may serve it
         loads = await self._on_all("load", version, lambda r: r.commit(version, item.num_buckets))
+        shm = self._note_loaded(version, loads, self._live(), buckets)
         if self.on_lost is not None:
             self.retained = (version, buckets, item.num_buckets)
+            self.regions.retain(version)
         await self.generate_stage.set_served_version.remote(version)
-        blocked = [loads[r.name]["blocked_s"] for r in self.receivers if r.serves_generation and r.name in loads]
+        generation = [r for r in self.receivers if r.serves_generation and r.name in loads]
+        blocked = [loads[r.name]["blocked_s"] for r in generation]
         return {
             "timing_s/param_update/gather": item.trainer_timings["gather"],
             "timing_s/param_update/send": item.trainer_timings["send"],
@@ -228,7 +305,11 @@ class OverlappedWeightSync(WeightSync):
             "timing_s/param_update/load": max((t["load_s"] for t in loads.values()), default=0.0),
             "timing_s/param_update/total": time.time() - started_at,
             "async/param_update/blocked_s": max(blocked, default=0.0),
+            "async/param_update/step_wait_s": max((loads[r.name]["load_s"] - loads[r.name]["blocked_s"]
+                                                   for r in generation), default=0.0),
             "async/param_update/num_buckets": float(item.num_buckets),
+            "async/param_update/shm_receivers": float(shm),
+            "async/param_update/store_receivers": float(len(loads) - shm),
         }
 
     async def replace(self, receiver) -> Optional[int]:
@@ -236,14 +317,17 @@ class OverlappedWeightSync(WeightSync):
         newest synced version into it (between syncs). Returns that version, or None when no version
         was synced yet (the new server serves the model path's weights, which are version 0)."""
         async with self.lock:
-            version = None
+            version, buckets, num_buckets = self.retained or (None, [], 0)
             self._lost.discard(receiver.name)
-            if self.retained is not None:
-                version, buckets, num_buckets = self.retained
+            if self.sender_node is not None:
+                await self._locate([receiver], version)
+            if version is not None:  # its buckets: in the retained region, or kept in the object store
                 for bucket in buckets:
+                    self._with_refs(bucket, [receiver])
                     await self._on_all("register-buffer", version, lambda r, b=bucket: r.stage(b), [receiver])
                 await self._on_all("check", version, lambda r: r.check(version, num_buckets), [receiver])
-                await self._on_all("load", version, lambda r: r.commit(version, num_buckets), [receiver])
+                loads = await self._on_all("load", version, lambda r: r.commit(version, num_buckets), [receiver])
+                self._note_loaded(version, loads, [receiver], buckets)
             if receiver.name in self._lost:  # a loss during the loads above was reported; keep it out
                 raise WeightSyncError(f"the restarted {receiver.name} was lost while loading version {version}")
             self.receivers = [receiver if r.name == receiver.name else r for r in self.receivers]

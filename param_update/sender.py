@@ -4,19 +4,22 @@ gather: every train rank walks verl's per-tensor generator (`get_per_tensor_para
 FSDP2 shards -> full tensors, a collective), rank 0 groups the tensors into buckets of
 `param_update_preduce_bucket_size_mb` (views, no copy). That is all training waits for,
 with one exception: a tensor that is the live weight itself (one rank, no gather copy)
-is put into the object store before training may change it.
+is sent (copied) before training may change it.
 
-send: a background thread of rank 0 puts each bucket into Ray's object store (one copy,
-off the accelerator, no collective) and announces it to the sink (the param_update
-stage), so the next training step runs while the buckets travel. The sink's
-`put_bucket` returns only when it has room, which bounds the buckets in flight.
+send: a background thread of rank 0 copies each bucket once per link its route asks for
+(the sink's `open_version`, asked at the start of each gather): into a region of its shared
+buffer (param_update/shared_buffer.py) for receivers on its Ray node, into Ray's object store
+for the others (off the accelerator, no collective), and announces it to the sink (the
+param_update stage), so the next training step runs while the buckets travel. The sink's
+`put_bucket` returns only when it has room, which bounds the buckets in flight; its
+`open_version` hands out a region only once nothing reads or serves it (param_update/regions.py).
 
 Every put of a bucket is split into `put_threads` objects put at once from a thread pool
 (`split_arrays`). With one put thread the whole sync at 500M parameters took 1.2-2.0x as
 long on this 2-core machine in four runs (`bench/param_update.py --put-threads 4,1`); at
 100M and 10M it moved 0.6-1.2x either way. The gain is not a copy on more cores: Ray's
 serializer already copies every array over 1 MB on six threads (its `serialization.pxi`;
-`bench/store_floor.py` counts them).
+`bench/store_floor.py` counts them). The write into shared memory is split likewise, by bytes.
 """
 
 from __future__ import annotations
@@ -33,10 +36,12 @@ import ray
 import torch
 
 from param_update.buckets import Bucket, pack_buckets, split_arrays
+from param_update.shared_buffer import SharedBucket, SharedBuffer
 
 logger = logging.getLogger(__name__)
 
 SINK_TIMEOUT_S = 600.0  # one announce may wait this long for room at the sink
+ROUTE_TIMEOUT_S = 1800.0  # the route of a version may wait this long (the sink bounds its wait for a region)
 PUT_THREADS = 4  # objects per bucket, put at once
 _END = object()
 
@@ -46,15 +51,19 @@ class BucketSender:
 
     Args:
         max_queued: packed buckets waiting for the thread before gather waits (memory bound).
-        put_threads: a bucket is put as this many objects, from this many threads at once.
+        put_threads: a bucket is put as this many objects, from this many threads at once (and
+            written into shared memory in as many pieces).
+        shared_buffer: the shared-memory files to write (default: its own; senders used in turn may share one).
     """
 
-    def __init__(self, max_queued: int = 2, put_threads: int = PUT_THREADS):
+    def __init__(self, max_queued: int = 2, put_threads: int = PUT_THREADS,
+                 shared_buffer: Optional[SharedBuffer] = None):
         if put_threads < 1:
             raise ValueError(f"put_threads must be at least 1, got {put_threads}")
         self._put_threads = put_threads
         self._put_pool = ThreadPoolExecutor(put_threads, thread_name_prefix="weight-bucket-put")
         self._queue: queue.Queue = queue.Queue(maxsize=max_queued)
+        self._buffer = shared_buffer or SharedBuffer()  # files are made at the first write (a same-node receiver)
         self._error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, name="weight-bucket-sender", daemon=True)
         self._thread.start()
@@ -66,8 +75,8 @@ class BucketSender:
         """Walk the tensors (every rank: the gather is collective); rank 0 queues them as buckets.
 
         `live_storages`: storage addresses of the live weights; a bucket holding one of them
-        is put into the object store here, before returning. Returns `{"gather_s": seconds}`;
-        sending goes on in the thread.
+        is sent here, before returning (so the gather waits for its route). Returns
+        `{"gather_s": seconds}`; sending goes on in the thread.
         """
         self.raise_if_failed()
         start = time.perf_counter()
@@ -83,15 +92,29 @@ class BucketSender:
                     live_names.add(name)
                 yield name, tensor
 
+        route = sink.open_version.remote(version, ray.get_runtime_context().get_node_id())  # resolved when needed
         count = 0
         for bucket in pack_buckets(note_live(named_tensors), bucket_bytes, version):
             aliases_live = any(s.name in live_names for s in bucket.slices)
-            refs = self.put(bucket) if aliases_live else None
-            self._queue.put((bucket, (sink, refs)))
+            sent = self.send(bucket, route) if aliases_live else None
+            self._queue.put((bucket, (sink, route, sent)))
             count += 1
         gather_s = time.perf_counter() - start
         self._queue.put((_END, (version, count, gather_s, sink)))
         return {"gather_s": gather_s}
+
+    def send(self, bucket: Bucket, route) -> tuple[Optional[list], Optional[SharedBucket]]:
+        """Copy `bucket` once per link of `route` (an ObjectRef of the sink's `Route`): into the shared
+        buffer's region, into the object store. Returns (its refs, its SharedBucket), None where not sent."""
+        plan = ray.get(route, timeout=ROUTE_TIMEOUT_S)
+        shared = None
+        if plan.region is not None:
+            shared = self._buffer.write(plan.region, bucket, self._put_pool, self._put_threads)
+        return (self.put(bucket) if plan.store else None), shared
+
+    def close(self) -> None:
+        """Unlink the shared buffer's files (the pipeline's shutdown; receivers' views stay valid)."""
+        self._buffer.close()
 
     def put(self, bucket: Bucket) -> list:
         """Put `bucket`'s arrays into the object store as up to `put_threads` objects, at once; their refs."""
@@ -113,11 +136,12 @@ class BucketSender:
                             timeout=SINK_TIMEOUT_S)
                     send_s = 0.0
                     continue
-                sink, refs = payload
+                sink, route, sent = payload
                 start = time.perf_counter()
-                refs = self.put(item) if refs is None else refs
+                refs, shared = self.send(item, route) if sent is None else sent
                 # the refs travel inside a list so that Ray passes them on instead of resolving them
-                ray.get(sink.put_bucket.remote(item.version, item.index, refs, item.slices), timeout=SINK_TIMEOUT_S)
+                ray.get(sink.put_bucket.remote(item.version, item.index, refs, item.slices, shared),
+                        timeout=SINK_TIMEOUT_S)
                 send_s += time.perf_counter() - start
             except BaseException as exc:  # noqa: BLE001 - reported to the sink and to the next gather
                 self._error = exc

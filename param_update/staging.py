@@ -3,17 +3,18 @@
 A receiver (rollout engine, logp worker, GPU checkpoint-engine worker) stages version v
 bucket by bucket while it keeps serving v - 1; v becomes loadable only once every bucket
 (0 .. num_buckets - 1) and every byte of every expected tensor has arrived. A staged
-bucket is not copied: the receiver keeps the zero-copy views Ray's object store hands
-out, so the node's shared memory holds each version once for all its receivers.
+bucket is not copied: the receiver keeps zero-copy views, of the sender's shared buffer
+on the sender's node (param_update/shared_buffer.py), else of what Ray's object store
+hands out, so a node's shared memory holds each version once for all its receivers.
 
 The load then either
 - swaps (`swap_into`, the dual buffer, `enable_dual_buffer=True`): the staged tensors
   become the weights, zero copy, and their buckets stay pinned while they serve. The
-  object store holds two versions (serving and arriving); generation is blocked only
+  shared memory holds two versions (serving and arriving); generation is blocked only
   for the swap. Used by the CPU rollout engine.
 - or copies (`copy_into`, `enable_dual_buffer=False`, and every load into FSDP shards
   or a GPU engine): the bytes go into the live weights, and the buckets are released.
-  The object store holds one version; generation is blocked for the whole copy.
+  Shared memory holds one version; generation is blocked for the whole copy.
 
 Either way nothing touches the serving weights before the version is complete, so a
 failed sync leaves the previous version serving.
@@ -30,6 +31,7 @@ import ray
 import torch
 
 from param_update.buckets import Bucket, as_tensor, join_arrays, slice_tensor, tensor_bytes, write_slices
+from param_update.shared_buffer import SharedBucket, shared_arrays
 
 RECV_TIMEOUT_S = 300.0  # one bucket's fetch from Ray's object store may take this long
 
@@ -214,12 +216,16 @@ class VersionStager:
         return copied
 
 
-def receive_bucket(stager: VersionStager, version: int, index: int, refs: list, slices: list) -> dict[str, float]:
-    """recv (fetch bucket `index` of `version`, the runs of arrays `refs` point to, from Ray's
-    object store: zero-copy views on this node) + register-buffer (stage it in `stager`).
+def receive_bucket(stager: VersionStager, version: int, index: int, source, slices: list) -> dict[str, float]:
+    """recv (bucket `index` of `version`: views of the sender's shared memory when `source` is a
+    SharedBucket, else the runs of arrays the ObjectRefs `source` point to, fetched from Ray's object
+    store: zero-copy views on this node) + register-buffer (stage it in `stager`).
     Returns seconds of each: `{recv_s, register_s}`."""
     start = time.perf_counter()
-    data = join_arrays(ray.get(refs, timeout=RECV_TIMEOUT_S))
+    if isinstance(source, SharedBucket):
+        data = shared_arrays(source, slices)
+    else:
+        data = join_arrays(ray.get(source, timeout=RECV_TIMEOUT_S))
     fetched = time.perf_counter()
     stager.stage(version, Bucket(version, index, data, slices))
     return {"recv_s": fetched - start, "register_s": time.perf_counter() - fetched}

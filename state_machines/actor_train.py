@@ -31,7 +31,7 @@ from async_rl.balance import balance_rows
 from async_rl.decoupled_ppo import add_correction, set_behaviour_as_old, uses_behaviour_as_old
 from async_rl.fault_points import hold_at
 from async_rl.generation_dumps import GenerationDumps
-from async_rl.resources import make_worker_group
+from async_rl.resources import make_worker_group, world_size_of
 from async_rl.staleness import version_metrics
 from state_machines.base import END_OF_STREAM, StateMachine, call_put
 from state_machines.critic_train import CriticBatch
@@ -94,17 +94,19 @@ def trainable_rows(kept: int, mini_batch_rows: int, dp_size: int, group_size: in
 class ActorTrainStage(StateMachine):
     """verl's actor update, one step per batch, in batch order."""
 
-    def __init__(self, config, world_size: int, max_staleness: int, weight_sink=None, bucket_bytes: int = 512 << 20,
+    def __init__(self, config, devices, max_staleness: int, weight_sink=None, bucket_bytes: int = 512 << 20,
                  compute_proximal: bool = False, start_step: int = 0, checkpointer=None, kl_coef=None,
                  critic_sink=None):
-        """`weight_sink`: the param_update stage handle; `bucket_bytes`: the gather's bucket size;
+        """`devices`: the train ranks' devices (an async_rl.resources.GroupDevices, or a count placed
+        anywhere); `weight_sink`: the param_update stage handle; `bucket_bytes`: the gather's bucket size;
         `compute_proximal`: recompute old_log_probs here, before each update (the logp stage does not);
         `start_step`: the version a resumed run starts from; `checkpointer`: async_rl.checkpoints.RunCheckpointer
         (None: no checkpoints); `kl_coef`: the KL-in-reward coefficient to resume with; `critic_sink`:
         the critic_train stage (None: no critic; with one, each step also waits for the values stage)."""
         super().__init__("actor_train", inbox_size=6)
         self.config = config
-        self.world_size = world_size
+        self.devices = devices
+        self.world_size = world_size_of(devices)
         self.max_staleness = max_staleness
         self.weight_sink = weight_sink
         self.bucket_bytes = bucket_bytes
@@ -132,7 +134,7 @@ class ActorTrainStage(StateMachine):
         self._last_step_end = None
 
     def setup(self) -> int:
-        self.worker_group = make_worker_group(self.config, "actor", self.world_size, "train")
+        self.worker_group = make_worker_group(self.config, "actor", self.devices, "train")
         return self.world_size
 
     def weight_digests(self) -> dict[str, str]:
@@ -150,6 +152,11 @@ class ActorTrainStage(StateMachine):
         """Send the current version to the receivers (a resumed run, before anything generates)."""
         await asyncio.to_thread(self.worker_group.send_weight_buckets, self.version, self.bucket_bytes,
                                 self.weight_sink)
+
+    async def close_weight_sender(self) -> None:
+        """Unlink the weight send's shared-memory files (the pipeline's shutdown)."""
+        if self.worker_group is not None:
+            await asyncio.to_thread(self.worker_group.close_weight_sender)
 
     async def checkpoint_and_stop(self) -> Optional[int]:
         """Train no further step: let the running one finish, save the last completed step (if

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from async_rl import engine_calls
-from async_rl.resources import make_critic_worker_group
+from async_rl.resources import make_critic_worker_group, world_size_of
 from state_machines.base import END_OF_STREAM, StateMachine
 from state_machines.rollout import resolve
 
@@ -45,10 +45,11 @@ class CriticTrainStage(StateMachine):
     """verl's `update_critic` on the critic worker group; `compute_values` on the same workers (its
     busy ratio counts both: the critic devices' share of the wall time)."""
 
-    def __init__(self, config, world_size: int, start_step: int = 0):
+    def __init__(self, config, devices, start_step: int = 0):
         super().__init__("critic_train", inbox_size=2)
         self.config = config
-        self.world_size = world_size
+        self.devices = devices  # a GroupDevices or a count
+        self.world_size = world_size_of(devices)
         self.version = start_step  # critic updates done
         self.worker_group = None
         self._version_changed = asyncio.Condition()
@@ -57,7 +58,7 @@ class CriticTrainStage(StateMachine):
         self._saves_pending: set[int] = set()  # steps whose checkpoint is asked for and not yet written
 
     def setup(self) -> int:
-        self.worker_group = make_critic_worker_group(self.config, self.world_size)
+        self.worker_group = make_critic_worker_group(self.config, self.devices)
         return self.world_size
 
     async def _at_version(self, version: int, what: str) -> None:

@@ -26,7 +26,7 @@ from typing import Any, Optional
 import torch
 
 from async_rl import engine_calls
-from async_rl.resources import make_worker_group
+from async_rl.resources import make_worker_group, world_size_of
 from state_machines.base import StateMachine
 from state_machines.rollout import RolloutBatch
 
@@ -48,15 +48,16 @@ class LogpStage(StateMachine):
 
     Args:
         config: the verl config.
-        world_size: logp worker processes (FSDP2 ranks).
+        devices: the logp worker processes' devices (FSDP2 ranks; a GroupDevices or a count).
         consume_bucket_bytes: bytes loaded into the shards at a time.
         compute: False: pass batches on without log-probs (no worker group, no weights).
     """
 
-    def __init__(self, config, world_size: int, consume_bucket_bytes: int = 128 << 20, compute: bool = True):
+    def __init__(self, config, devices, consume_bucket_bytes: int = 128 << 20, compute: bool = True):
         super().__init__("logp")
         self.config = config
-        self.world_size = world_size
+        self.devices = devices
+        self.world_size = world_size_of(devices)
         self.consume_bucket_bytes = consume_bucket_bytes
         self.temperature = float(config.actor_rollout_ref.rollout.temperature)
         self.worker_group = None
@@ -69,7 +70,7 @@ class LogpStage(StateMachine):
         """Start the worker group and its staging buffers (blocking; the driver calls it with a timeout)."""
         if not self.compute:
             return 0
-        self.worker_group = make_worker_group(self.config, "actor", self.world_size, "logp")
+        self.worker_group = make_worker_group(self.config, "actor", self.devices, "logp")
         self.worker_group.configure_weight_sync()
         return self.world_size
 
@@ -80,8 +81,12 @@ class LogpStage(StateMachine):
         return self.worker_group.weight_digests()[0]
 
     # ---- weight receiver ---------------------------------------------------------------
-    async def stage_weight_bucket(self, version: int, index: int, refs: list, slices: list) -> dict:
-        per_rank = await asyncio.to_thread(self.worker_group.stage_weight_bucket, version, index, refs, slices)
+    async def weight_sync_nodes(self) -> list[str]:
+        """The Ray node of each worker (all on the trainer's: buckets arrive through shared memory)."""
+        return await asyncio.to_thread(self.worker_group.node_id)
+
+    async def stage_weight_bucket(self, version: int, index: int, source, slices: list) -> dict:
+        per_rank = await asyncio.to_thread(self.worker_group.stage_weight_bucket, version, index, source, slices)
         return _slowest(per_rank)
 
     async def check_weights(self, version: int, num_buckets: int) -> None:
@@ -100,7 +105,7 @@ class LogpStage(StateMachine):
             load_s = loop.time() - start
         async with self._version_loaded:
             self._version_loaded.notify_all()
-        return {"load_s": load_s, "blocked_s": load_s}
+        return {"load_s": load_s, "blocked_s": load_s, "keeps_buffer": False}  # copied into the shards
 
     # ---- the state machine -----------------------------------------------------------------
     async def get_input_data(self):

@@ -1,7 +1,9 @@
 """param_update stage: receives each new version's buckets and syncs them to every receiver.
 
-The trainer's send thread announces buckets here (`put_bucket`, `end_version`); actor_train
-sends one `NewWeights` per version through the inbox when its gather is done. For each,
+The trainer's send thread asks here how to send each version (`open_version`: shared memory for
+receivers on its Ray node, Ray's object store for the others) and announces its buckets
+(`put_bucket`, `end_version`); actor_train sends one `NewWeights` per version through the inbox
+when its gather is done. For each,
 `OverlappedWeightSync` stages the buckets on the rollout servers and logp workers as they
 arrive and loads the complete version (param_update/overlapped.py).
 """
@@ -10,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import Optional
 
-from param_update.overlapped import ActorReceiver, BucketRef, BucketStream, OverlappedWeightSync, VersionEnd
+from param_update.overlapped import ActorReceiver, BucketRef, BucketStream, OverlappedWeightSync, Route, VersionEnd
+from param_update.shared_buffer import SharedBucket
 from state_machines.base import StateMachine
 
 
@@ -69,9 +73,14 @@ class ParamUpdateStage(StateMachine):
         return self.synced_version if version is None else version
 
     # ---- called by the trainer's send thread -------------------------------------------
-    async def put_bucket(self, version: int, index: int, refs: list, slices: list) -> None:
+    async def open_version(self, version: int, sender_node: str) -> Route:
+        """How to send `version` (param_update/overlapped.py); waits for a free shared-memory region."""
+        return await self.weight_sync.open_version(version, sender_node)
+
+    async def put_bucket(self, version: int, index: int, refs: Optional[list], slices: list,
+                         shared: Optional[SharedBucket] = None) -> None:
         """Announce one bucket; returns when there is room for it (backpressure on the sender)."""
-        await self.stream.put_bucket(BucketRef(version, index, refs, slices))
+        await self.stream.put_bucket(BucketRef(version, index, refs, slices, shared))
 
     def end_version(self, version: int, num_buckets: int, trainer_timings: dict) -> None:
         self.stream.end_version(VersionEnd(version, num_buckets, trainer_timings))

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from async_rl import engine_calls
-from async_rl.resources import make_worker_group
+from async_rl.resources import make_worker_group, world_size_of
 from state_machines.base import StateMachine
 from state_machines.rollout import RolloutBatch
 
@@ -28,17 +28,18 @@ class RefLogpResult:
 class RefLogpStage(StateMachine):
     """verl `compute_ref_log_prob` on a separate worker group."""
 
-    def __init__(self, config, world_size: int, enabled: bool):
+    def __init__(self, config, devices, enabled: bool):
         super().__init__("ref_logp")
         self.config = config
-        self.world_size = world_size
+        self.devices = devices  # a GroupDevices or a count
+        self.world_size = world_size_of(devices)
         self.enabled = enabled
         self.temperature = float(config.actor_rollout_ref.rollout.temperature)
         self.worker_group = None
 
     def setup(self) -> int:
         if self.enabled:
-            self.worker_group = make_worker_group(self.config, "ref", self.world_size, "ref")
+            self.worker_group = make_worker_group(self.config, "ref", self.devices, "ref")
         return self.world_size if self.enabled else 0
 
     async def get_input_data(self):

@@ -21,7 +21,7 @@ def stage(*overrides: str) -> ActorTrainStage:
         ["algorithm.adv_estimator=grpo", f"actor_rollout_ref.rollout.n={GROUP}",
          f"algorithm.kl_ctrl.kl_coef={KL_COEF}", *overrides]
     )
-    return ActorTrainStage(config, world_size=1, max_staleness=1)
+    return ActorTrainStage(config, devices=1, max_staleness=1)
 
 
 def batch_and_parts(seed: int = 0):

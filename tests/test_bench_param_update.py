@@ -39,6 +39,19 @@ def test_bench_prints_table_and_json(tmp_path):
     assert all(t["pipeline_total_s"] > 0 and t["train_step_slowdown"] > 0 for t in row["by_put_threads"].values())
     assert "put threads (syncs interleaved)" in proc.stdout
     assert row["pipeline_total_idle_s"] > 0 and "no decoding" in proc.stdout
+    # per link: the same-node sync through shared memory, the other-node one through the object store; the
+    # wait for a running decoding step is reported apart and left out of the totals
+    assert row["pipeline_step_wait_s"] >= 0 and "step wait" in proc.stdout
+    links = row["links"]
+    assert set(links) == {"same_node", "other_node"} and "same node (shared memory)" in proc.stdout
+    for link in links.values():
+        assert all(isinstance(v, (int, float)) for v in link.values())
+        assert link["total_s"] > 0 and link["step_wait_s"] >= 0 and link["total_with_wait_s"] >= link["total_s"]
+        assert link["total_over_raw"] == link["total_s"] / row["raw_copy_s"]
+        assert 0 < link["blocked_over_naive"] == link["blocked_s"] / link["naive_blocked_s"]
+    assert (links["same_node"]["shm_receivers"], links["same_node"]["store_receivers"]) == (1, 0)
+    assert (links["other_node"]["shm_receivers"], links["other_node"]["store_receivers"]) == (0, 1)
+    assert links["same_node"]["total_s"] == row["pipeline_total_s"]
 
 
 def test_command_line_names_glibc_tunables(monkeypatch):

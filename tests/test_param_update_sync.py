@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import time
 
 import pytest
@@ -20,12 +21,14 @@ import transformers
 from async_rl.rollout.cpu_server import CPURolloutServer
 from param_update.buckets import pack_buckets, split_arrays, tensor_digest
 from param_update.interface import WeightSyncError
-from param_update.overlapped import ActorReceiver, BucketRef, BucketStream, OverlappedWeightSync, VersionEnd
+from param_update.overlapped import ActorReceiver, BucketRef, BucketStream, OverlappedWeightSync, Route, VersionEnd
 from param_update.sender import BucketSender
 from state_machines.base import END_OF_STREAM
 from state_machines.param_update import NewWeights, ParamUpdateStage
 
 TIMEOUT_S = 120
+# the actors below live in this file: Ray pickles them by value, whatever name pytest imported it under
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def tiny_model(seed: int):
@@ -362,7 +365,10 @@ class GatedSink:
         self.gate = asyncio.Event()
         self.buckets, self.ended = [], None
 
-    async def put_bucket(self, version, index, refs, slices):
+    def open_version(self, version, sender_node):
+        return Route(region=None, store=True)  # no receiver on the sender's node: the object store
+
+    async def put_bucket(self, version, index, refs, slices, shared=None):
         await self.gate.wait()
         self.buckets.append((index, refs, slices))
 

@@ -110,8 +110,9 @@ def test_more_workers_than_ray_can_place_fails_at_once(demo_dir, tmp_path):
     """Checked before any pool is placed (it used to wait out the 300 s placement timeout)."""
     code, out, _ = run_verl(demo_dir, {"trainer.n_gpus_per_node": 64}, tmp_path, timeout_s=240)
     assert code != 0
-    # train 32 + generate 32 (no logp group: pi_prox on the train ranks; no ref: no KL)
-    assert "the pipeline needs 64 worker processes" in out and "Ray has 16" in out
+    # train 32 + generate 32 (no logp group: pi_prox on the train ranks; no ref: no KL), one node
+    assert "trainer.nnodes=1 needs 1 Ray nodes with CPU 64 each" in out and "CPU 16" in out
+    assert "ray_kwargs.ray_init.num_cpus" in out
     assert "Started a local Ray instance" in out  # it did get past the config checks
     leftover = ray_processes_after(20.0, tmp_path)
     assert not leftover, f"Ray processes left behind: {leftover}"

@@ -45,7 +45,8 @@ def logged_steps(path) -> dict[int, dict]:
 def test_lost_and_hung_rollout_servers_are_restarted_and_nothing_is_lost(demo_dir, tmp_path):
     dumps = tmp_path / "dumps"
     extra = {"trainer.total_training_steps": STEPS, "trainer.test_freq": 5, "trainer.rollout_data_dir": str(dumps),
-             "+trainer.generate_ahead_steps": K, "+trainer.use_nodes_ratios": [0.5, 0.5, 0.5, 1.0],
+             "+trainer.generate_ahead_steps": K,
+             "trainer.n_gpus_per_node": 4, "+trainer.use_nodes_ratios": [0.25, 0.25, 0.25, 0.5],  # 2 replicas
              "+actor_rollout_ref.rollout.request_timeout_s": REQUEST_TIMEOUT_S}
     metrics, log_path = tmp_path / "metrics.jsonl", tmp_path / "metrics.jsonl.log"
     proc = start_verl(demo_dir, extra, tmp_path)

@@ -148,7 +148,7 @@ def test_gpu_backend_needs_its_engine_package(name):
         assert get_rollout_replica_class(name).__name__ == {"vllm": "vLLMReplica", "sglang": "SGLangReplica"}[name]
 
 
-def test_cpu_backend_builds_one_replica_per_generate_slot(demo_dir):
+def test_cpu_backend_builds_the_replicas_asked_for(demo_dir):
     from async_rl.demo import demo_overrides
     from async_rl.rollout.cpu_replica import CPURolloutReplica
 
@@ -156,12 +156,12 @@ def test_cpu_backend_builds_one_replica_per_generate_slot(demo_dir):
 
     config = compose_ppo(demo_overrides(demo_dir))
     strip_async_keys(config)  # as the pipeline does before verl sees the config
-    replicas = make_rollout_replicas(config, generate_slots=3)
+    replicas = make_rollout_replicas(config, count=3)
     assert [type(r) for r in replicas] == [CPURolloutReplica] * 3
     assert [r.replica_rank for r in replicas] == [0, 1, 2]
     config.actor_rollout_ref.rollout.name = "vllm"
     with pytest.raises(ValueError, match="trainer.device=cpu"):
-        make_rollout_replicas(config, generate_slots=1)
+        make_rollout_replicas(config, count=1)
 
 
 # ---- the requests ------------------------------------------------------------------------

@@ -49,8 +49,10 @@ def test_checkpoints_round_trip_between_the_pipeline_and_verls_sync_trainer(demo
     ckpt, dumps = tmp_path / "ckpt", tmp_path / "dumps"
     common = {"trainer.save_freq": 2, "trainer.default_local_dir": str(ckpt), "trainer.rollout_data_dir": str(dumps),
               "trainer.resume_mode": "auto", "trainer.test_freq": -1, "trainer.val_before_train": False}
-    # 2 train/critic ranks, as verl has; k=1 (on-policy PPO; test_critic_e2e runs k=3)
-    pipeline = {**common, "+trainer.use_nodes_ratios": [1.0, 0.5, 0.5, 0.5, 1.0], "+trainer.generate_ahead_steps": 1}
+    # 2 train/critic ranks (sharing 2 devices), as verl has, and a replica on a third device; k=1 (on-policy
+    # PPO; test_critic_e2e runs k=3)
+    pipeline = {**common, "trainer.n_gpus_per_node": 4, "+trainer.use_nodes_ratios": [0.5, 0.25, 0.25, 0.25, 0.5],
+                "+trainer.generate_ahead_steps": 1}
 
     contents = {"actor_rollout_ref.actor.checkpoint.save_contents": ["model", "optimizer", "extra", "hf_model"]}
     code, out, rows = run_verl(demo_dir, {**pipeline, **contents, "trainer.total_training_steps": 2}, tmp_path / "first",

@@ -66,3 +66,5 @@ def test_every_receiver_holds_the_trainers_bytes(demo_dir, tmp_path):
     last = steps[-1]
     assert last["async/param_update/num_buckets"] > 10  # many buckets per version
     assert last["async/param_update/synced_version"] >= 2
+    # one Ray node: both servers and the logp stage read the trainer's shared memory, nothing went through the store
+    assert (last["async/param_update/shm_receivers"], last["async/param_update/store_receivers"]) == (3, 0)

@@ -25,6 +25,7 @@ class CPURolloutReplica(RolloutReplica):
     """
 
     num_cpus: float = 1
+    bundle: tuple | None = None  # (placement group, bundle index) of its device, set by the pipeline's placement
 
     def rollout_worker_use_gpu(self) -> bool:
         return False
@@ -61,10 +62,18 @@ class CPURolloutReplica(RolloutReplica):
         return f"cpu_rollout_server_{kind}{self.replica_rank}{self.name_suffix}"
 
     async def launch_servers(self):
-        """Create the server actor, load the model and record its handle and address."""
+        """Create the server actor (on its device's bundle when placed), load the model and record its
+        handle and address."""
+        placed = {}
+        if self.bundle is not None:
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            group, index = self.bundle
+            placed["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, index)
         server = (
             ray.remote(CPURolloutServer)
-            .options(name=self._server_name(), num_cpus=self.num_cpus, num_gpus=0, max_concurrency=self.max_concurrency)
+            .options(name=self._server_name(), num_cpus=self.num_cpus, num_gpus=0, max_concurrency=self.max_concurrency,
+                     **placed)
             .remote(
                 config=self.config,
                 model_config=self.model_config,

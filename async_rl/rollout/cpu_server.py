@@ -225,12 +225,23 @@ class CPURolloutServer:
         self._consume_bytes = int(consume_bucket_bytes)
         self._interrupt = partial_rollout
 
-    async def stage_weight_bucket(self, version: int, index: int, refs: list, slices: list) -> dict[str, float]:
-        """recv (fetch bucket `index` of `version` from Ray's object store) + register-buffer (stage it)."""
+    def weight_sync_nodes(self) -> list[str]:
+        """This server's Ray node: on the trainer's, buckets arrive through shared memory."""
+        import ray
+
+        return [ray.get_runtime_context().get_node_id()]
+
+    async def stage_weight_bucket(self, version: int, index: int, source, slices: list) -> dict[str, float]:
+        """recv (bucket `index` of `version`: views of the trainer's shared memory, or fetched from Ray's object
+        store) + register-buffer (stage it)."""
         from param_update.buckets import Bucket, join_arrays
+        from param_update.shared_buffer import SharedBucket, shared_arrays
 
         start = time.perf_counter()
-        data = join_arrays(await asyncio.gather(*refs))
+        if isinstance(source, SharedBucket):
+            data = shared_arrays(source, slices)
+        else:
+            data = join_arrays(await asyncio.gather(*source))
         fetched = time.perf_counter()
         await asyncio.to_thread(self._stager.stage, version, Bucket(version, index, data, slices))
         return {"recv_s": fetched - start, "register_s": time.perf_counter() - fetched}
@@ -240,13 +251,14 @@ class CPURolloutServer:
         self._stager.check_complete(version, num_buckets)
 
     async def commit_weights(self, version: int, num_buckets: int) -> dict[str, float]:
-        """load: serve the staged `version` from the next decoding step on."""
+        """load: serve the staged `version` from the next decoding step on. `keeps_buffer`: the
+        staged views now serve (dual buffer), else they were copied and released."""
         self._stager.check_complete(version, num_buckets)
         start = time.perf_counter()
         blocked_s = await self.engine.load_staged(
             self._stager, version, self._consume_bytes, swap=self._dual_buffer, interrupt=self._interrupt
         )
-        return {"load_s": time.perf_counter() - start, "blocked_s": blocked_s}
+        return {"load_s": time.perf_counter() - start, "blocked_s": blocked_s, "keeps_buffer": self._dual_buffer}
 
     def weight_digests(self) -> dict[str, str]:
         """name -> digest of the served weights (bit-identity checks against the trainer)."""

@@ -1,0 +1,439 @@
+"""The weight sync's transport per link: shared memory on the trainer's Ray node, the object store across nodes.
+
+Without Ray: the shared buffer (param_update/shared_buffer.py: bytes round trip, files unlinked,
+a dead run's files swept, a full tmpfs) and the region handshake (param_update/regions.py: a
+region still serving, syncing or retained is never handed out). With Ray: a CPU rollout server on
+the trainer's node gets a version bit-identical with no object-store put, and the sender waits
+while the region it would overwrite still serves; on a 2-node `ray.cluster_utils.Cluster` a
+server on the other node gets it through the object store, and a restarted server gets the
+newest version from the retained region, on either node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import ray
+import torch
+import transformers
+
+from param_update.buckets import Bucket, pack_buckets, tensor_digest, tensors_from_buckets
+from param_update.interface import WeightSyncError
+from param_update.regions import RETAINED, RegionLedger
+from param_update.shared_buffer import PREFIX, SharedBuffer, byte_runs, shared_arrays, sweep_stale
+
+TIMEOUT_S = 180
+# the actors below live in this file: Ray pickles them by value, whatever name pytest imported it under
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def tiny_model(seed: int):
+    config = transformers.Qwen2Config(
+        vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    return transformers.Qwen2ForCausalLM(config).eval()
+
+
+def digests(state: dict) -> dict:
+    return {name: tensor_digest(t) for name, t in state.items()}
+
+
+# ---- the shared buffer ------------------------------------------------------------------------
+
+
+def mixed_tensors(seed: int) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [("a", torch.randn(7, 5, generator=g)), ("empty", torch.zeros(0, 3)),
+            ("half", torch.randn(33, generator=g).to(torch.bfloat16)), ("big", torch.randn(64, 64, generator=g)),
+            ("scalar", torch.tensor(3.5))]
+
+
+def through_buffer(buffer: SharedBuffer, tensors, region: int, bucket_bytes: int, pool=None) -> list[Bucket]:
+    """Write every bucket into `region`, then read them back as a receiver does."""
+    out = []
+    for bucket in pack_buckets(tensors, bucket_bytes, version=1):
+        shared = buffer.write(region, bucket, pool, parts=3)
+        out.append(Bucket(1, bucket.index, shared_arrays(shared, bucket.slices), bucket.slices))
+    return out
+
+
+@pytest.mark.parametrize("bucket_bytes", [100, 4096, 1 << 20])
+def test_shared_buffer_round_trip_is_bit_identical_and_rewrites_in_place(tmp_path, bucket_bytes):
+    from concurrent.futures import ThreadPoolExecutor
+
+    buffer = SharedBuffer(str(tmp_path))
+    with ThreadPoolExecutor(3) as pool:
+        first = through_buffer(buffer, mixed_tensors(0), 0, bucket_bytes, pool)
+        assert digests(dict(tensors_from_buckets(first))) == digests(dict(mixed_tensors(0)))
+        assert not any(a.flags.writeable for b in first for a in b.data)  # receivers map read-only
+        files = sorted(os.listdir(tmp_path))
+        # the next version in the same region reuses the files: views mapped before see the new bytes
+        through_buffer(buffer, mixed_tensors(1), 0, bucket_bytes, pool)
+        assert sorted(os.listdir(tmp_path)) == files
+        assert digests(dict(tensors_from_buckets(first))) == digests(dict(mixed_tensors(1)))
+    buffer.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_byte_runs_split_the_bytes_in_order_into_about_equal_runs():
+    import numpy as np
+
+    arrays = [np.arange(n, dtype=np.uint8) for n in (10, 0, 3, 20)]
+    runs = byte_runs(arrays, 4)
+    assert [sum(len(p) for _, p in run) for run in runs] == [9, 9, 9, 6]
+    joined = np.zeros(33, dtype=np.uint8)
+    for run in runs:
+        for offset, piece in run:
+            joined[offset : offset + len(piece)] = piece
+    assert (joined == np.concatenate(arrays)).all()
+    assert byte_runs([np.zeros(0, dtype=np.uint8)], 4) == []
+
+
+def test_sweep_removes_only_the_files_of_runs_whose_sender_is_gone(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    stale = tmp_path / f"{PREFIX}{dead.stdout.strip()}-abc-r0-b0"
+    live = tmp_path / f"{PREFIX}{os.getpid()}-def-r1-b0"
+    other = tmp_path / "psm_unrelated"
+    for path in (stale, live, other):
+        path.write_bytes(b"x")
+    assert sweep_stale(str(tmp_path)) == [str(stale)]
+    assert sorted(os.listdir(tmp_path)) == sorted([live.name, other.name])
+    stale.write_bytes(b"x")
+    SharedBuffer(str(tmp_path))  # a new sender sweeps too
+    assert not stale.exists() and live.exists()
+
+
+def test_a_full_tmpfs_fails_at_the_write_naming_the_room(tmp_path, monkeypatch):
+    def no_room(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", no_room)
+    buffer = SharedBuffer(str(tmp_path))
+    bucket = next(pack_buckets(mixed_tensors(0), 1 << 20, version=1))
+    with pytest.raises(OSError, match="no room for .* MB of weights in"):
+        buffer.write(0, bucket)
+    assert os.listdir(tmp_path) == []
+
+
+# ---- the region handshake -----------------------------------------------------------------------
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, TIMEOUT_S))
+
+
+async def not_handed_out(ledger: RegionLedger, version: int) -> bool:
+    try:
+        await ledger.acquire(version, timeout_s=0.2)
+    except WeightSyncError as exc:
+        assert "no shared-memory region free" in str(exc)
+        return True
+    return False
+
+
+def test_a_region_serving_a_version_is_not_handed_out_until_every_receiver_loaded_a_later_one():
+    """Dual buffer: version 3 may overwrite version 1's region only once both servers serve version 2."""
+    async def main():
+        ledger = RegionLedger()
+        assert await ledger.acquire(1, 1.0) == 0
+        ledger.loaded(1, ["a", "b"], keeping=["a", "b"])  # both serve version 1 from region 0
+        assert await ledger.acquire(2, 1.0) == 1
+        assert await not_handed_out(ledger, 3)  # region 0 serves, region 1 is syncing
+        waiting = asyncio.ensure_future(ledger.acquire(3, 5.0))
+        await asyncio.sleep(0.05)
+        ledger.loaded(2, ["a"], keeping=["a"])  # b (still loading) serves version 1 from region 0
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        ledger.loaded(2, ["b"], keeping=["b"])
+        assert await waiting == 0
+
+    run(main())
+
+
+def test_copying_receivers_free_the_region_at_load_and_a_failed_sync_frees_its_own():
+    async def main():
+        ledger = RegionLedger()
+        assert await ledger.acquire(1, 1.0) == 0
+        ledger.loaded(1, ["logp"], keeping=[])  # copied into its own memory: region 0 free at once
+        assert await ledger.acquire(2, 1.0) == 0
+        ledger.loaded(2, ["server"], keeping=["server"])
+        assert await ledger.acquire(3, 1.0) == 1
+        ledger.ended(3)  # version 3 dropped everywhere: version 2 keeps serving from region 0
+        assert await ledger.acquire(4, 1.0) == 1
+        assert await not_handed_out(ledger, 5)
+
+    run(main())
+
+
+def test_the_retained_version_and_a_lost_receiver():
+    async def main():
+        ledger = RegionLedger()
+        await ledger.acquire(1, 1.0)
+        ledger.loaded(1, ["a"], keeping=[])
+        ledger.retain(1)  # restarts on: a restarted server loads version 1 from region 0
+        assert ledger.users[0] == {RETAINED}
+        assert await ledger.acquire(2, 1.0) == 1
+        ledger.loaded(2, ["a"], keeping=["a"])
+        assert await not_handed_out(ledger, 3)
+        ledger.retain(2)
+        assert await ledger.acquire(3, 1.0) == 0
+        ledger.loaded(3, [], keeping=[])  # "a" was lost mid-sync: it still holds region 1 ...
+        ledger.retain(3)
+        assert await not_handed_out(ledger, 4)
+        ledger.drop("a")  # ... until it is reported lost
+        assert await ledger.acquire(4, 1.0) == 1
+
+    run(main())
+
+
+# ---- through Ray ---------------------------------------------------------------------------------
+
+
+@ray.remote
+class Trainer:
+    """Sends its model as the train rank does (BucketSender); counts its `ray.put` calls."""
+
+    def __init__(self, seed: int):
+        from param_update.sender import BucketSender
+
+        self.model = tiny_model(seed)
+        self.sender = BucketSender()
+        self.puts = 0
+        put = ray.put
+
+        def counting_put(*args, **kwargs):
+            self.puts += 1
+            return put(*args, **kwargs)
+
+        ray.put = counting_put
+
+    def send(self, version: int, bucket_bytes: int, sink) -> dict:
+        from param_update.sender import live_storage_addresses
+
+        state = self.model.state_dict()
+        return self.sender.gather_and_send(state.items(), version, bucket_bytes, sink, True,
+                                           live_storage_addresses(state.values()))
+
+    def digests(self) -> dict:
+        return digests(self.model.state_dict())
+
+    def step(self) -> None:
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.add_(1.0)
+
+    def put_count(self) -> int:
+        return self.puts
+
+    def files(self) -> list:
+        directory, name = os.path.split(self.sender._buffer.prefix)
+        return sorted(f for f in os.listdir(directory) if f.startswith(name))
+
+    def close(self) -> None:
+        self.sender.close()
+
+
+@ray.remote
+class VersionLog:
+    def __init__(self):
+        self.versions = []
+
+    def set_served_version(self, version: int) -> None:
+        self.versions.append(version)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("transport_model")
+    tiny_model(0).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture
+def one_node():
+    ray.init(num_cpus=8, include_dashboard=False, _system_config={"max_direct_call_object_size": 1024})
+    yield
+    ray.shutdown()
+
+
+def on_node(node_id):
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return {} if node_id is None else {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
+
+
+def start_server(model_dir: str, dual: bool, node_id=None, configure: bool = True):
+    from verl.workers.config import HFModelConfig, RolloutConfig
+
+    from async_rl.rollout.cpu_server import CPURolloutServer
+
+    config = RolloutConfig(name="cpu", tensor_model_parallel_size=1, prompt_length=8, response_length=8)
+    server = ray.remote(CPURolloutServer).options(max_concurrency=64, num_cpus=1, **on_node(node_id)).remote(
+        config=config, model_config=HFModelConfig(path=model_dir, load_tokenizer=False))
+    ray.get(server.launch_server.remote(), timeout=TIMEOUT_S)
+    if configure:
+        ray.get(server.configure_weight_sync.remote(dual, 4096), timeout=TIMEOUT_S)
+    return server
+
+
+def start_stage(servers, restartable: bool = False, node_id=None):
+    from param_update.overlapped import ActorReceiver
+    from state_machines.param_update import ParamUpdateStage
+
+    receivers = [ActorReceiver(f"rollout_server_{i}", s, True, replica_index=i if restartable else None)
+                 for i, s in enumerate(servers)]
+    stage = ray.remote(ParamUpdateStage).options(max_concurrency=64, num_cpus=0, **on_node(node_id)).remote(
+        receivers, VersionLog.remote(), restartable_servers=restartable)
+    ray.get(stage.connect.remote([], 1), timeout=TIMEOUT_S)
+    stage.run.remote()
+    return stage
+
+
+def sync(stage, trainer, version: int, bucket_bytes: int = 2048) -> dict:
+    """One version through the stage; its metrics."""
+    from state_machines.param_update import NewWeights
+
+    ray.get(stage.put.remote(NewWeights(version, time.time())), timeout=TIMEOUT_S)
+    ray.get(trainer.send.remote(version, bucket_bytes, stage), timeout=TIMEOUT_S)
+    return wait_for_timings(stage, version)
+
+
+def wait_for_timings(stage, version: int) -> dict:
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline:
+        timings = ray.get(stage.pop_timings.remote(), timeout=TIMEOUT_S).get(version)
+        if timings is not None:
+            return timings
+        time.sleep(0.05)
+    raise TimeoutError(f"version {version} was not synced within {TIMEOUT_S} s")
+
+
+def served(server) -> tuple[int, dict]:
+    return (ray.get(server.get_param_version.remote(), timeout=TIMEOUT_S),
+            ray.get(server.weight_digests.remote(), timeout=TIMEOUT_S))
+
+
+@pytest.mark.parametrize("dual", [True, False])
+def test_same_node_server_gets_the_version_through_shared_memory_without_a_put(one_node, model_dir, dual):
+    server = start_server(model_dir, dual)
+    stage = start_stage([server])
+    trainer = Trainer.remote(seed=1)
+    want = ray.get(trainer.digests.remote(), timeout=TIMEOUT_S)
+    request = server.generate.remote(prompt_ids=[1, 2, 3], sampling_params={"max_tokens": 8}, request_id="r")
+    timings = sync(stage, trainer, 1)
+    assert served(server) == (1, want)
+    assert ray.get(trainer.put_count.remote(), timeout=TIMEOUT_S) == 0  # nothing went through the object store
+    assert (timings["async/param_update/shm_receivers"], timings["async/param_update/store_receivers"]) == (1, 0)
+    assert timings["async/param_update/num_buckets"] > 1 and timings["async/param_update/step_wait_s"] >= 0
+    files = ray.get(trainer.files.remote(), timeout=TIMEOUT_S)
+    assert len(files) == timings["async/param_update/num_buckets"] and all("-r0-" in f for f in files)
+    assert len(ray.get(request, timeout=TIMEOUT_S).token_ids) == 8
+    ray.get(trainer.step.remote(), timeout=TIMEOUT_S)  # the next version goes to the other region
+    sync(stage, trainer, 2)
+    assert served(server) == (2, ray.get(trainer.digests.remote(), timeout=TIMEOUT_S))
+    ray.get(trainer.close.remote(), timeout=TIMEOUT_S)
+    assert ray.get(trainer.files.remote(), timeout=TIMEOUT_S) == []  # unlinked; the server's views stay valid
+    assert served(server)[1] == ray.get(trainer.digests.remote(), timeout=TIMEOUT_S)
+
+
+def test_the_sender_does_not_overwrite_the_region_a_server_serves(one_node, model_dir):
+    """Version 2 is sent but not loaded, so the server serves version 1 from region 0 and version 2
+    holds region 1: version 3's send waits, and the served weights stay version 1's bytes, until
+    version 2 is loaded."""
+    from state_machines.param_update import NewWeights
+
+    server = start_server(model_dir, True)
+    stage = start_stage([server])
+    trainer = Trainer.remote(seed=1)
+    want = {1: ray.get(trainer.digests.remote(), timeout=TIMEOUT_S)}
+    sync(stage, trainer, 1, bucket_bytes=1 << 20)
+    for version in (2, 3):
+        ray.get(trainer.step.remote(), timeout=TIMEOUT_S)
+        want[version] = ray.get(trainer.digests.remote(), timeout=TIMEOUT_S)
+        sending = trainer.send.remote(version, 1 << 20, stage)  # NewWeights(2) not given yet: 2 is not loaded
+        if version == 2:
+            ray.get(sending, timeout=TIMEOUT_S)
+    ready, _ = ray.wait([sending], timeout=3.0)
+    assert not ready, "version 3 was written while region 0 still served version 1"
+    assert served(server) == (1, want[1])
+    ray.get(stage.put.remote(NewWeights(2, time.time())), timeout=TIMEOUT_S)
+    wait_for_timings(stage, 2)
+    ray.get(sending, timeout=TIMEOUT_S)  # region 0 is free now
+    ray.get(stage.put.remote(NewWeights(3, time.time())), timeout=TIMEOUT_S)
+    wait_for_timings(stage, 3)
+    assert served(server) == (3, want[3])
+    ray.get(trainer.close.remote(), timeout=TIMEOUT_S)
+
+
+# ---- two Ray nodes ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 8, "include_dashboard": False})
+    other = cluster.add_node(num_cpus=8)
+    cluster.wait_for_nodes()
+    yield cluster, cluster.head_node.node_id, other.node_id
+    cluster.shutdown()
+
+
+@pytest.fixture
+def two_nodes(cluster):
+    ray_cluster, head, other = cluster
+    ray.init(address=ray_cluster.address)
+    yield head, other
+    ray.shutdown()
+
+
+def test_a_server_on_another_node_gets_the_version_through_the_object_store(two_nodes, model_dir):
+    """Two servers, one on the trainer's node and one on the other node: one sync, both links."""
+    head, other = two_nodes
+    servers = [start_server(model_dir, True, head), start_server(model_dir, True, other)]
+    stage = start_stage(servers, node_id=other)
+    trainer = Trainer.options(**on_node(head)).remote(seed=1)
+    want = ray.get(trainer.digests.remote(), timeout=TIMEOUT_S)
+    timings = sync(stage, trainer, 1)
+    assert served(servers[0]) == served(servers[1]) == (1, want)
+    assert (timings["async/param_update/shm_receivers"], timings["async/param_update/store_receivers"]) == (1, 1)
+    assert ray.get(trainer.put_count.remote(), timeout=TIMEOUT_S) >= timings["async/param_update/num_buckets"]
+    ray.get(trainer.close.remote(), timeout=TIMEOUT_S)
+
+    # only a receiver on the other node: no shared buffer is made
+    remote_only = start_stage([start_server(model_dir, True, other)])
+    sender = Trainer.options(**on_node(head)).remote(seed=2)
+    timings = sync(remote_only, sender, 1)
+    assert (timings["async/param_update/shm_receivers"], timings["async/param_update/store_receivers"]) == (0, 1)
+    assert ray.get(sender.files.remote(), timeout=TIMEOUT_S) == []
+
+
+def test_a_restarted_server_gets_the_newest_version_from_the_retained_region(two_nodes, model_dir):
+    """Restarts on: version 1 went through shared memory only; a server restarted on the trainer's
+    node stages it from the retained region, one restarted on the other node from the object store
+    (copied there from the region on the trainer's node); the next version reaches it by its link."""
+    head, other = two_nodes
+    stage = start_stage([start_server(model_dir, True, head)], restartable=True)
+    ray.get(stage.configure_rollout_servers.remote(True, 4096), timeout=TIMEOUT_S)
+    trainer = Trainer.options(**on_node(head)).remote(seed=1)
+    want = ray.get(trainer.digests.remote(), timeout=TIMEOUT_S)
+    sync(stage, trainer, 1)
+    assert ray.get(trainer.put_count.remote(), timeout=TIMEOUT_S) == 0
+    for node in (head, other):
+        restarted = start_server(model_dir, True, node, configure=False)
+        assert ray.get(stage.replace_rollout_server.remote(0, restarted), timeout=TIMEOUT_S) == 1
+        assert served(restarted) == (1, want)
+    ray.get(trainer.step.remote(), timeout=TIMEOUT_S)
+    timings = sync(stage, trainer, 2)
+    assert (timings["async/param_update/shm_receivers"], timings["async/param_update/store_receivers"]) == (0, 1)
+    assert served(restarted) == (2, ray.get(trainer.digests.remote(), timeout=TIMEOUT_S))
+    ray.get(trainer.close.remote(), timeout=TIMEOUT_S)
