@@ -71,7 +71,7 @@ def ranks(values: list[float]) -> list[int]:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of every mean")
     parser.add_argument("--cooldown", type=int, default=1, help="last steps left out (generation ended before)")
     parser.add_argument("--node-cpus", type=int, default=4, help="logical CPUs per job node (2 devices x 2 roles)")
