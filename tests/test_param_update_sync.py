@@ -15,29 +15,19 @@ import time
 
 import pytest
 import ray
-import torch
 import transformers
 
 from async_rl.rollout.cpu_server import CPURolloutServer
 from param_update.buckets import pack_buckets, split_arrays, tensor_digest
 from param_update.interface import WeightSyncError
 from param_update.overlapped import ActorReceiver, BucketRef, BucketStream, OverlappedWeightSync, Route, VersionEnd
-from param_update.sender import BucketSender
 from state_machines.base import END_OF_STREAM
 from state_machines.param_update import NewWeights, ParamUpdateStage
+from sync_actors import Trainer, VersionLog, tiny_model
 
 TIMEOUT_S = 120
 # the actors below live in this file: Ray pickles them by value, whatever name pytest imported it under
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
-
-def tiny_model(seed: int):
-    config = transformers.Qwen2Config(
-        vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
-    )
-    torch.manual_seed(seed)
-    return transformers.Qwen2ForCausalLM(config).eval()
 
 
 @pytest.fixture(scope="module")
@@ -68,45 +58,6 @@ def start_server(model_dir: str, dual: bool):
     ray.get(server.launch_server.remote(), timeout=TIMEOUT_S)
     ray.get(server.configure_weight_sync.remote(dual, 4096), timeout=TIMEOUT_S)
     return server
-
-
-@ray.remote
-class Trainer:
-    """Holds a model and sends it the way the train workers do (BucketSender)."""
-
-    def __init__(self, seed: int):
-        self.model = tiny_model(seed)
-        self.sender = BucketSender()
-
-    def send(self, version: int, bucket_bytes: int, sink) -> dict:
-        from param_update.sender import live_storage_addresses
-
-        state = self.model.state_dict()
-        return self.sender.gather_and_send(state.items(), version, bucket_bytes, sink, True,
-                                           live_storage_addresses(state.values()))
-
-    def digests(self) -> dict:
-        return {name: tensor_digest(t) for name, t in self.model.state_dict().items()}
-
-    def step(self) -> None:
-        """What the next training step does to the weights while the buckets still travel."""
-        with torch.no_grad():
-            for p in self.model.parameters():
-                p.add_(1.0)
-
-
-@ray.remote
-class VersionLog:
-    """Stands in for the generate stage: records `set_served_version` calls."""
-
-    def __init__(self):
-        self.versions = []
-
-    def set_served_version(self, version: int) -> None:
-        self.versions.append(version)
-
-    def get(self) -> list:
-        return self.versions
 
 
 def digests_of(server) -> dict:

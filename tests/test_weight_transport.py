@@ -21,29 +21,14 @@ import time
 import pytest
 import ray
 import torch
-import transformers
 
-from param_update.buckets import Bucket, pack_buckets, tensor_digest, tensors_from_buckets
+from param_update.buckets import Bucket, pack_buckets, tensors_from_buckets
 from param_update.interface import WeightSyncError
 from param_update.regions import RETAINED, RegionLedger
 from param_update.shared_buffer import PREFIX, SharedBuffer, byte_runs, shared_arrays, sweep_stale
+from sync_actors import Trainer, VersionLog, digests, tiny_model
 
 TIMEOUT_S = 180
-# the actors below live in this file: Ray pickles them by value, whatever name pytest imported it under
-ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
-
-def tiny_model(seed: int):
-    config = transformers.Qwen2Config(
-        vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
-    )
-    torch.manual_seed(seed)
-    return transformers.Qwen2ForCausalLM(config).eval()
-
-
-def digests(state: dict) -> dict:
-    return {name: tensor_digest(t) for name, t in state.items()}
 
 
 # ---- the shared buffer ------------------------------------------------------------------------
@@ -196,59 +181,6 @@ def test_the_retained_version_and_a_lost_receiver():
 
 
 # ---- through Ray ---------------------------------------------------------------------------------
-
-
-@ray.remote
-class Trainer:
-    """Sends its model as the train rank does (BucketSender); counts its `ray.put` calls."""
-
-    def __init__(self, seed: int):
-        from param_update.sender import BucketSender
-
-        self.model = tiny_model(seed)
-        self.sender = BucketSender()
-        self.puts = 0
-        put = ray.put
-
-        def counting_put(*args, **kwargs):
-            self.puts += 1
-            return put(*args, **kwargs)
-
-        ray.put = counting_put
-
-    def send(self, version: int, bucket_bytes: int, sink) -> dict:
-        from param_update.sender import live_storage_addresses
-
-        state = self.model.state_dict()
-        return self.sender.gather_and_send(state.items(), version, bucket_bytes, sink, True,
-                                           live_storage_addresses(state.values()))
-
-    def digests(self) -> dict:
-        return digests(self.model.state_dict())
-
-    def step(self) -> None:
-        with torch.no_grad():
-            for p in self.model.parameters():
-                p.add_(1.0)
-
-    def put_count(self) -> int:
-        return self.puts
-
-    def files(self) -> list:
-        directory, name = os.path.split(self.sender._buffer.prefix)
-        return sorted(f for f in os.listdir(directory) if f.startswith(name))
-
-    def close(self) -> None:
-        self.sender.close()
-
-
-@ray.remote
-class VersionLog:
-    def __init__(self):
-        self.versions = []
-
-    def set_served_version(self, version: int) -> None:
-        self.versions.append(version)
 
 
 @pytest.fixture(scope="module")
