@@ -176,16 +176,17 @@ class PipelineBuild:
     def _reserve_devices(self) -> dict:
         """Reserve the job's nodes for `self.placement` and pick each stage actor's node; returns role ->
         GroupDevices, and "generate" -> one GroupDevices per rollout replica."""
-        from async_rl.resources import GroupDevices, node_id_of, reserve_nodes
+        from async_rl.resources import GroupDevices, reserve_nodes
 
         plan, per_node = self.placement, self.placement.devices_per_node
-        groups = self.node_groups = reserve_nodes(plan, str(self.config.trainer.device) == "cpu", SETUP_TIMEOUT_S)
+        groups, node_ids = reserve_nodes(plan, str(self.config.trainer.device) == "cpu", SETUP_TIMEOUT_S)
+        self.node_groups = groups
         logger.warning("placement: %s", plan.describe())
         devices = {role: GroupDevices(groups, r, per_node, plan.colocate_count) for role, r in plan.groups.items()}
         devices["generate"] = [GroupDevices(groups, r, per_node) for r in plan.replicas]
-        node_of = {role: node_id_of(groups[r.start // per_node]) for role, r in plan.groups.items()}
+        node_of = {role: node_ids[r.start // per_node] for role, r in plan.groups.items()}
         self.stage_nodes = {"actor_train": node_of["train"], "param_update": node_of["train"],
-                            "generate": node_id_of(groups[plan.replicas[0].start // per_node])}
+                            "generate": node_ids[plan.replicas[0].start // per_node]}
         self.stage_nodes.update({stage: node_of[role] for stage, role in
                                  (("logp", "logp"), ("ref_logp", "ref_logp"), ("critic_train", "critic"),
                                   ("values", "critic")) if role in node_of})

@@ -116,8 +116,7 @@ def plan_placement(nodes: int, devices_per_node: int, ratios: dict[str, float], 
         raise PlacementError(f"invalid config: a rollout replica spans {replica_devices} devices "
                              f"(actor_rollout_ref.rollout.tensor_model_parallel_size), which must divide the "
                              f"{per_node} devices of a node")
-    generate = max(1, math.floor(ratios["generate"] * total)) // replica_devices * replica_devices
-    generate = max(generate, replica_devices)
+    generate = max(replica_devices, math.floor(ratios["generate"] * total) // replica_devices * replica_devices)
     training = total - generate
     if training < 1:
         raise PlacementError(f"invalid config: {RATIOS_KEY} gives generate {generate} of the {total} devices of "

@@ -73,9 +73,10 @@ def pick_nodes(nodes: list[dict], count: int, per_node: int, bundle: dict[str, f
     return chosen
 
 
-def reserve_nodes(placement: Placement, on_cpu: bool, timeout_s: float) -> tuple:
+def reserve_nodes(placement: Placement, on_cpu: bool, timeout_s: float) -> tuple[tuple, list[str]]:
     """One STRICT_PACK placement group of `devices_per_node` bundles per job node, each pinned to its
-    Ray node; PlacementError naming the node when Ray cannot reserve it within `timeout_s`."""
+    Ray node; returns (the groups, their Ray node ids). PlacementError naming the node when Ray cannot
+    reserve it within `timeout_s`."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
     bundle = device_bundle(on_cpu, placement.colocate_count)
@@ -97,14 +98,7 @@ def reserve_nodes(placement: Placement, on_cpu: bool, timeout_s: float) -> tuple
             raise PlacementError(
                 f"could not reserve {per_node} devices ({bundle} each) on node {i} ({node['NodeID'][:8]}, "
                 f"{node.get('NodeManagerAddress', '?')}) within {timeout_s:g} s: other jobs hold its resources")
-    return groups
-
-
-def node_id_of(group) -> str:
-    """The Ray node a node placement group was reserved on."""
-    from ray.util.placement_group import placement_group_table
-
-    return placement_group_table(group)["bundles_to_node_id"][0]
+    return groups, [node["NodeID"] for node in nodes]
 
 
 def _prepare_platform(config: DictConfig) -> bool:
