@@ -262,9 +262,12 @@ class PipelineBuild:
 
     def _check_weight_sync(self) -> dict[str, int]:
         """Bucket sizes (bytes) after the start-time checks of param_update/capacity.py."""
-        from param_update.capacity import check_weight_sync, model_weight_bytes
+        from param_update.capacity import check_weight_sync, model_weight_bytes, weight_links
+        from param_update.shared_buffer import shm_free_bytes
 
         store = ray.cluster_resources().get("object_store_memory")
+        links = weight_links(self.placement, str(self.config.actor_rollout_ref.rollout.name) == "cpu",
+                             self.proximal_logp_workers() == "logp")
         return check_weight_sync(
             model_weight_bytes(self.config.actor_rollout_ref.model.path),
             self.async_cfg.preduce_bucket_size_mb,
@@ -272,6 +275,8 @@ class PipelineBuild:
             self.async_cfg.enable_dual_buffer,
             int(store) if store else None,
             retain_newest=bool(self.async_cfg.replica_max_restarts),
+            links=frozenset(links),
+            shm_free_bytes=shm_free_bytes(),  # the driver runs on node 0 of the placement: train rank 0's
         )
 
     def _wire(self) -> None:

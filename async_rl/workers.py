@@ -149,6 +149,14 @@ class PipelineWorker(ActorRolloutRefWorker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     @ray.method(concurrency_group=WEIGHTS_GROUP)
+    def stage_weight_buckets(self, version: int, buckets: list, num_buckets: int) -> dict[str, float]:
+        """recv + register-buffer of a whole version from shared memory, then its check."""
+        from param_update.staging import receive_version
+
+        return receive_version(self._stager, version, buckets, num_buckets)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    @ray.method(concurrency_group=WEIGHTS_GROUP)
     def check_weights(self, version: int, num_buckets: int) -> None:
         self._stager.check_complete(version, num_buckets)
 

@@ -7,21 +7,22 @@ raylets and object stores on this machine, told apart by node id as two machines
 - pipeline, same node: this project's sync (param_update/) with the CPU rollout server on
   the trainer's node: the trainer gathers into buckets and its send thread writes each
   once into its shared buffer (a /dev/shm region the server maps, no object-store put);
-  the param_update stage has the server register each bucket in its dual buffer while it
-  keeps generating; the load swaps the halves between two decoding steps.
+  once the last bucket is written, the param_update stage has the server register the whole
+  version in its dual buffer (views, one call) while it keeps generating; the load swaps
+  the halves between two decoding steps.
 - pipeline, other node: the same with the server on the second node: buckets travel
   through Ray's object store (put on the trainer's node, fetched to the server's).
 - naive: stop-the-world, as verl's standalone sync does it (abort and pause generation,
   gather everything, one put, load in full, resume): generation is blocked throughout.
 - raw copy: a copy of the same bytes in one process, the physical limit here: the faster
   of torch's `copy_` (on its intra-op threads) and memcpy split across every core
-  (`np.copyto` per core; 1.5-1.7x faster than torch's at 100M and 500M here).
-- the sender's puts alone: the model's buckets put into Ray's object store exactly as a
-  sync puts them, nothing else running: the one copy every sync through the object store
-  pays.
-- one put: the object store's fastest put of the same bytes, one contiguous array in one
-  `ray.put` (no per-tensor buffers), so the floor of any transport that hands the bytes to
-  the store with `ray.put` (why it is where it is: bench/store_floor.py).
+  (`np.copyto` per core; 1.5-1.7x faster than torch's at 100M and 500M here), each the best
+  of ten, measured twice (right after the idle syncs and at the end of the size) and the
+  faster kept: the baseline moved 0.053-0.075 s at 500M between runs.
+
+The object store's own floor (one put of the same bytes, the sender's puts alone) is
+bench/store_floor.py's: measured here after the syncs, the puts met a store full of what
+they had left and spilled, which made them 7-26x the raw copy.
 
 Per size: total sync latency, the time generation was blocked, and how much a training
 step (forward + backward) that runs while the pipeline's sync is in flight slows down
@@ -51,8 +52,7 @@ cycled once (other node) and measures after that: latency with generation decodi
 training slowdown in further syncs that run beside a training step (their latency is
 reported too: both share two cores). Last, with the generation load stopped, three more
 syncs measure the latency on an idle machine, as the raw copy is measured: the
-transport's own cost without contention; then the sender's puts alone and the one put
-(best of five each).
+transport's own cost without contention.
 
 The same-node part runs first, then its server is stopped and the other-node part runs
 (decoding, then the naive sync against that server).
@@ -151,27 +151,6 @@ class Trainer:
     def raw_copy_s(self, nbytes: int) -> dict[str, float]:
         """The raw copy measured in this process, while the rollout server keeps decoding."""
         return raw_copy_s(nbytes)
-
-    def sender_put_s(self, bucket_bytes: int, put_threads: int, repeats: int = 5) -> float:
-        """Seconds of the sender's puts alone, best of `repeats`: this model's buckets put into
-        the object store as a sync puts them (all of a version held at once, then freed)."""
-        from param_update.buckets import pack_buckets
-
-        sender = self.senders[put_threads]
-        # the refs of all buckets live until the call returns (a version at once), then are freed
-        return best_time_s(
-            lambda: [sender.put(bucket) for bucket in pack_buckets(self.model.state_dict().items(), bucket_bytes, 0)],
-            repeats,
-        )
-
-    def store_put_s(self, repeats: int = 5) -> float:
-        """Seconds of the object store's fastest put of this model's bytes, best of `repeats`: one
-        `ray.put` of one contiguous array (no per-tensor buffers, no threads; built outside the
-        timing), the floor of any transport that hands the bytes to the store with `ray.put`."""
-        from param_update.buckets import tensor_bytes
-
-        flat = torch.cat([tensor_bytes(t) for t in self.model.state_dict().values()])
-        return best_time_s(lambda: ray.put(flat.numpy()), repeats)
 
     def train_step(self) -> float:
         """Seconds of one forward + backward (no optimizer)."""
@@ -421,8 +400,7 @@ def bench_size(size: str, bucket_mb: float, consume_mb: float, put_threads: list
         tokens = ray.get(load.stop.remote(), timeout=TIMEOUT_S)
         ray.get(load_run, timeout=TIMEOUT_S)  # raises if the generation load failed
         idle = [pipeline_sync(trainer, stage, next(versions), bucket_bytes, main_threads)[0] for _ in range(3)]
-        sender_put = ray.get(trainer.sender_put_s.remote(bucket_bytes, main_threads), timeout=TIMEOUT_S)
-        store_put = ray.get(trainer.store_put_s.remote(), timeout=TIMEOUT_S)
+        raw_beside_idle = raw_copy_s(model_bytes)  # the same machine state as the idle syncs
         for actor in (stage, server, load):
             ray.kill(actor, no_restart=True)
         ray.get(trainer.close.remote(), timeout=TIMEOUT_S)  # the shared buffer's memory goes back
@@ -453,7 +431,7 @@ def bench_size(size: str, bucket_mb: float, consume_mb: float, put_threads: list
             "parts_s": {k.rsplit("/", 1)[-1]: v for k, v in best.items() if k.startswith("timing_s/")},
         }
     main = by_threads[main_threads]
-    raw_copy = raw_copy_s(model_bytes)
+    raw_copy = {way: min(t, raw_beside_idle[way]) for way, t in raw_copy_s(model_bytes).items()}  # the faster
     raw = min(raw_copy.values())
     return {
         "size": size,
@@ -472,8 +450,6 @@ def bench_size(size: str, bucket_mb: float, consume_mb: float, put_threads: list
         "raw_copy_s": raw,
         "raw_copy_torch_s": raw_copy["torch"],
         "raw_copy_decoding_s": raw_copy_decoding,
-        "sender_put_s": sender_put,
-        "store_put_s": store_put,
         "train_step_slowdown": main["train_step_slowdown"],
         "train_step_alone_s": alone_s,
         "parts_s": main["parts_s"],
@@ -523,7 +499,6 @@ def main(argv=None) -> list[dict]:
     header = (f"{'size':>5} {'params':>11} {'MB':>7} | {'first sync':>10} {'pipe total':>10} {'step wait':>9} "
               f"{'pipe blocked':>12} {'w/ train':>9} | "
               f"{'naive total':>11} {'naive blocked':>13} | {'raw copy':>8} {'torch':>8} {'decoding':>8} "
-              f"{'put only':>8} {'one put':>8} | "
               f"{'blocked ratio':>13} {'total/raw':>9} | {'train slowdown':>14}")
     print(f"\ncommand: {command}\ncpus: {os.cpu_count()}, torch {torch.__version__}, buckets {args.bucket_mb:g} MB "
           f"(preduce) / {args.consume_mb:g} MB (consume), dual buffer on, {put_threads[0]} put threads")
@@ -535,14 +510,11 @@ def main(argv=None) -> list[dict]:
               f"{r['pipeline_total_training_s']:>8.3f}s | "
               f"{r['naive_total_s']:>10.3f}s {r['naive_blocked_s']:>12.3f}s | "
               f"{r['raw_copy_s']:>7.4f}s {r['raw_copy_torch_s']:>7.4f}s {r['raw_copy_decoding_s']:>7.4f}s "
-              f"{r['sender_put_s']:>7.3f}s {r['store_put_s']:>7.4f}s | "
+              "| "
               f"{r['pipeline_blocked_s'] / r['naive_blocked_s']:>13.4f} "
               f"{r['pipeline_total_s'] / r['raw_copy_s']:>9.2f} | {r['train_step_slowdown']:>13.2f}x")
     print("goal: blocked ratio <= 0.1 (pipeline vs naive), total/raw <= 2.0; 'raw copy': the faster of torch's "
-          "copy_ ('torch') and memcpy on every core; 'put only': the sender's puts of the model's buckets alone, nothing else "
-          "running, the one copy every sync through Ray's object store pays; 'one put': the store's fastest put of "
-          "the same bytes (one contiguous array, one call), the floor of any transport through `ray.put`; "
-          "'pipe': the server on the trainer's node (shared memory); 'first sync': cold pages; "
+          "copy_ ('torch') and memcpy on every core (the faster of two measurements); 'pipe': the server on the trainer's node (shared memory); 'first sync': cold pages; "
           "'pipe total/blocked': after both shared-memory regions were written once, generation decoding; "
           "'step wait': the load's wait for the decoding step running when the weights were ready (the engine "
           "swaps between steps; not in any total); 'w/ train': the same with a "
@@ -565,13 +537,9 @@ def main(argv=None) -> list[dict]:
     for r in rows:
         parts = ", ".join(f"{k} {v:.3f}s" for k, v in r["parts_s"].items())
         print(f"{r['size']}: pipeline parts: {parts}")
-    print("\nno decoding (the rollout server idle, as the raw copy and the puts alone ran): "
+    print("\nno decoding (the rollout server idle, as the raw copy ran; the goal's row): "
           + ", ".join(f"{r['size']} pipe total {r['pipeline_total_idle_s']:.3f}s = "
-                      f"{r['pipeline_total_idle_s'] / r['raw_copy_s']:.2f}x raw copy, "
-                      f"{r['pipeline_total_idle_s'] / r['sender_put_s']:.2f}x put only" for r in rows))
-    print("the object store's floor: " + ", ".join(
-        f"{r['size']} one put {r['store_put_s'] / r['raw_copy_s']:.2f}x raw copy, the sender's puts "
-        f"{r['sender_put_s'] / r['raw_copy_s']:.2f}x" for r in rows))
+                      f"{r['pipeline_total_idle_s'] / r['raw_copy_s']:.2f}x raw copy" for r in rows))
     print(f"\nput threads (syncs interleaved): {'size':>5} {'threads':>7} | {'pipe total':>10} {'gather':>7} "
           f"{'w/ train':>9} {'total/raw':>9} {'train slowdown':>14}")
     for r in rows:
@@ -582,7 +550,7 @@ def main(argv=None) -> list[dict]:
     if args.json:
         keys = ("params", "pipeline_total_s", "pipeline_blocked_s", "naive_total_s", "naive_blocked_s",
                 "raw_copy_s", "train_step_slowdown", "pipeline_first_sync_s", "pipeline_total_training_s",
-                "sender_put_s", "store_put_s", "warmup_syncs", "raw_copy_torch_s", "raw_copy_decoding_s", "put_threads",
+                "warmup_syncs", "raw_copy_torch_s", "raw_copy_decoding_s", "put_threads",
                 "by_put_threads", "pipeline_total_idle_s", "pipeline_step_wait_s", "links")
         with open(args.json, "w") as f:
             json.dump([{"size": r["size"], **{k: r[k] for k in keys}} for r in rows], f, indent=1)

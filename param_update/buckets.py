@@ -12,6 +12,7 @@ travel verbatim, so a receiver rebuilds tensors that are bit-identical to the se
 from __future__ import annotations
 
 import hashlib
+import math
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -48,7 +49,7 @@ class TensorSlice:
 
 
 def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
-    return int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize
 
 
 @dataclass

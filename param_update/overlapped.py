@@ -1,13 +1,16 @@
 """recv + register-buffer + load: the receiving half of the five-part weight sync.
 
-Buckets of version v arrive from the trainer's send thread (`BucketStream`); each one is
-handed to every receiver as soon as it arrives, and each receiver fetches it (recv: views of
-the sender's shared memory on the sender's Ray node, else from Ray's object store; the link
-is chosen per receiver, `open_version`) and registers it in its staging buffer
-(register-buffer) while generation and logp go on with v - 1. When the last bucket is staged
-everywhere, every receiver checks that v is complete (phase 1); only then does each one load
-it (phase 2, between decoding steps), and generate is told that v is served. A failure before
-phase 2 drops the staged copy everywhere and leaves v - 1 serving.
+Buckets of version v arrive from the trainer's send thread (`BucketStream`). The link is chosen
+per receiver (`open_version`): a receiver on the sender's Ray node maps the sender's shared
+memory, the others fetch from Ray's object store. Each bucket in the store is handed to its
+receivers as soon as it arrives; they fetch it (recv) and register it in their staging buffer
+(register-buffer) while generation and logp go on with v - 1, then check that v is complete.
+A shared-memory receiver gets the whole version in one call once the last bucket is written
+(recv is a mapping, register-buffer builds views: no copy), which registers and checks it; a
+call per bucket would only take CPU from the copy still running. When v is staged and checked
+everywhere (phase 1), each receiver loads it (phase 2, between decoding steps), and generate
+is told that v is served. A failure before phase 2 drops the staged copy everywhere and leaves
+v - 1 serving.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class BucketRef:
     refs: Optional[list]
     slices: list
     shared: Optional[SharedBucket] = None
+    counted: bool = True  # announced by `BucketStream.put_bucket`: holds a place among the buckets in flight
 
 
 @dataclass(frozen=True)
@@ -70,7 +74,7 @@ class BucketStream:
 
     def __init__(self, max_in_flight: int = 4):
         self._queues: dict[int, asyncio.Queue] = {}
-        self._room = asyncio.Semaphore(max_in_flight)
+        self._room = asyncio.BoundedSemaphore(max_in_flight)  # a release without an acquire raises
 
     def _queue(self, version: int) -> asyncio.Queue:
         return self._queues.setdefault(version, asyncio.Queue())
@@ -79,7 +83,10 @@ class BucketStream:
         await self._room.acquire()
         self._queue(bucket.version).put_nowait(bucket)
 
-    def end_version(self, end: VersionEnd) -> None:
+    def end_version(self, end: VersionEnd, buckets: tuple = ()) -> None:
+        """The version's last announcement, after `buckets` (not counted in flight: in shared memory only)."""
+        for bucket in buckets:
+            self._queue(end.version).put_nowait(bucket)
         self._queue(end.version).put_nowait(end)
 
     def fail(self, version: int, message: str) -> None:
@@ -106,7 +113,8 @@ class ActorReceiver:
     """A receiver behind a Ray actor handle with the weight-sync methods.
 
     `stage_weight_bucket(version, index, source, slices) -> {recv_s, register_s}` (`source`: a
-    SharedBucket or the bucket's ObjectRefs), `check_weights(version, num_buckets)`,
+    SharedBucket or the bucket's ObjectRefs), `stage_weight_buckets(version, [(index, source, slices)],
+    num_buckets) -> {recv_s, register_s}` (a whole version, then its check), `check_weights(version, num_buckets)`,
     `commit_weights(version, num_buckets) -> {load_s, blocked_s, keeps_buffer}` (`keeps_buffer`:
     it serves the staged views, default True), `discard_weights(version)`, and optionally
     `weight_sync_nodes() -> [Ray node id of each of its processes]` (without it: the object store).
@@ -128,6 +136,11 @@ class ActorReceiver:
     async def stage(self, bucket: BucketRef) -> dict:
         source = bucket.shared if reads_shared(self, bucket) else bucket.refs
         return await self.handle.stage_weight_bucket.remote(bucket.version, bucket.index, source, bucket.slices)
+
+    async def stage_version(self, version: int, buckets: list, num_buckets: int) -> dict:
+        """Stage every bucket of `version` from shared memory and check it is complete, in one call."""
+        sources = [(b.index, b.shared, b.slices) for b in buckets]
+        return await self.handle.stage_weight_buckets.remote(version, sources, num_buckets)
 
     async def check(self, version: int, num_buckets: int) -> None:
         await self.handle.check_weights.remote(version, num_buckets)
@@ -242,15 +255,15 @@ class OverlappedWeightSync(WeightSync):
             bucket.refs = [copy_to_store.options(scheduling_strategy=on_sender).remote(bucket.shared, bucket.slices)]
 
     async def _stage_bucket(self, bucket: BucketRef, totals: dict) -> None:
+        """recv + register-buffer of one bucket on the receivers that read it from the object store."""
         try:
-            self._with_refs(bucket, self._live())
-            results = await self._on_all("register-buffer", bucket.version, lambda r: r.stage(bucket))
+            receivers = [r for r in self._live() if not reads_shared(r, bucket)]
+            self._with_refs(bucket, receivers)
+            results = await self._on_all("register-buffer", bucket.version, lambda r: r.stage(bucket), receivers)
         finally:
-            self.stream.release()
-        for name, t in results.items():
-            totals.setdefault(name, {"recv_s": 0.0, "register_s": 0.0})
-            totals[name]["recv_s"] += t["recv_s"]
-            totals[name]["register_s"] += t["register_s"]
+            if bucket.counted:
+                self.stream.release()
+        _add_times(totals, results)
 
     def _note_loaded(self, version: int, loads: dict, receivers: list, buckets: list) -> int:
         """Tell the region ledger who loaded `version` and who serves it from shared memory now; returns
@@ -279,7 +292,12 @@ class OverlappedWeightSync(WeightSync):
                 for task in done:  # surface a failed bucket without waiting for the rest
                     task.result()
             await asyncio.gather(*staging)
-            await self._on_all("check", version, lambda r: r.check(version, item.num_buckets))
+            shared = [r for r in self._live() if buckets and reads_shared(r, buckets[0])]
+            staged = await self._on_all("register-buffer and check", version,
+                                        lambda r: r.stage_version(version, buckets, item.num_buckets), shared)
+            _add_times(totals, staged)
+            await self._on_all("check", version, lambda r: r.check(version, item.num_buckets),
+                               [r for r in self._live() if r not in shared])
         except BaseException:
             for task in staging:
                 task.cancel()
@@ -290,6 +308,7 @@ class OverlappedWeightSync(WeightSync):
         hold_at("weight_sync", version)
         # a load that fails leaves the region held for good: some receivers may serve it
         loads = await self._on_all("load", version, lambda r: r.commit(version, item.num_buckets))
+        total_s = time.time() - started_at  # every receiver serves it now; generate is told next
         shm = self._note_loaded(version, loads, self._live(), buckets)
         if self.on_lost is not None:
             self.retained = (version, buckets, item.num_buckets)
@@ -303,7 +322,7 @@ class OverlappedWeightSync(WeightSync):
             "timing_s/param_update/recv": max((t["recv_s"] for t in totals.values()), default=0.0),
             "timing_s/param_update/register_buffer": max((t["register_s"] for t in totals.values()), default=0.0),
             "timing_s/param_update/load": max((t["load_s"] for t in loads.values()), default=0.0),
-            "timing_s/param_update/total": time.time() - started_at,
+            "timing_s/param_update/total": total_s,
             "async/param_update/blocked_s": max(blocked, default=0.0),
             "async/param_update/step_wait_s": max((loads[r.name]["load_s"] - loads[r.name]["blocked_s"]
                                                    for r in generation), default=0.0),
@@ -332,3 +351,11 @@ class OverlappedWeightSync(WeightSync):
                 raise WeightSyncError(f"the restarted {receiver.name} was lost while loading version {version}")
             self.receivers = [receiver if r.name == receiver.name else r for r in self.receivers]
             return version
+
+
+def _add_times(totals: dict, results: dict) -> None:
+    """Add each receiver's `{recv_s, register_s}` to its running totals."""
+    for name, t in results.items():
+        totals.setdefault(name, {"recv_s": 0.0, "register_s": 0.0})
+        totals[name]["recv_s"] += t["recv_s"]
+        totals[name]["register_s"] += t["register_s"]

@@ -10,9 +10,11 @@ send: a background thread of rank 0 copies each bucket once per link its route a
 (the sink's `open_version`, asked at the start of each gather): into a region of its shared
 buffer (param_update/shared_buffer.py) for receivers on its Ray node, into Ray's object store
 for the others (off the accelerator, no collective), and announces it to the sink (the
-param_update stage), so the next training step runs while the buckets travel. The sink's
-`put_bucket` returns only when it has room, which bounds the buckets in flight; its
-`open_version` hands out a region only once nothing reads or serves it (param_update/regions.py).
+param_update stage), so the next training step runs while the buckets travel. A bucket put
+into the store is announced at once (`put_bucket`, which returns only when the sink has room:
+that bounds the buckets in flight); one only in shared memory is announced with the version's
+end (`end_version`), one call for all of them, so no round trip competes with the copy. The
+sink's `open_version` hands out a region only once nothing reads or serves it (param_update/regions.py).
 
 Every put of a bucket is split into `put_threads` objects put at once from a thread pool
 (`split_arrays`). With one put thread the whole sync at 500M parameters took 1.2-2.0x as
@@ -127,21 +129,24 @@ class BucketSender:
 
     def _run(self) -> None:
         send_s = 0.0
+        shared_only: list = []  # (index, slices, SharedBucket) of this version's buckets sent only to shared memory
         while True:
             item, payload = self._queue.get()
             try:
                 if item is _END:
                     version, count, gather_s, sink = payload
-                    ray.get(sink.end_version.remote(version, count, {"gather": gather_s, "send": send_s}),
+                    ray.get(sink.end_version.remote(version, count, {"gather": gather_s, "send": send_s}, shared_only),
                             timeout=SINK_TIMEOUT_S)
-                    send_s = 0.0
+                    send_s, shared_only = 0.0, []
                     continue
                 sink, route, sent = payload
                 start = time.perf_counter()
                 refs, shared = self.send(item, route) if sent is None else sent
-                # the refs travel inside a list so that Ray passes them on instead of resolving them
-                ray.get(sink.put_bucket.remote(item.version, item.index, refs, item.slices, shared),
-                        timeout=SINK_TIMEOUT_S)
+                if refs is None:  # nothing in the object store to bound: announced with the version's end
+                    shared_only.append((item.index, item.slices, shared))
+                else:  # the refs travel inside a list so that Ray passes them on instead of resolving them
+                    ray.get(sink.put_bucket.remote(item.version, item.index, refs, item.slices, shared),
+                            timeout=SINK_TIMEOUT_S)
                 send_s += time.perf_counter() - start
             except BaseException as exc:  # noqa: BLE001 - reported to the sink and to the next gather
                 self._error = exc

@@ -117,6 +117,12 @@ def copy_to_store(shared: SharedBucket, slices: list) -> list[np.ndarray]:
     return _split(_map(shared.path, shared.nbytes, create=False), slices)
 
 
+def shm_free_bytes(directory: str = SHM_DIR) -> int:
+    """Bytes free in `directory` (the tmpfs the files go to), on this node."""
+    stat = os.statvfs(directory)
+    return stat.f_bavail * stat.f_frsize
+
+
 def sweep_stale(directory: str = SHM_DIR) -> list[str]:
     """Unlink the files of runs whose sender process is gone (a crash, a kill); returns their paths."""
     removed = []
@@ -150,9 +156,9 @@ def _map(path: str, nbytes: int, create: bool) -> np.ndarray:
                 os.posix_fallocate(fd, 0, nbytes)
             except OSError as exc:
                 _remove(path)
-                free = os.statvfs(os.path.dirname(path))
+                free = shm_free_bytes(os.path.dirname(path))
                 raise OSError(exc.errno, f"no room for {nbytes / 2**20:.0f} MB of weights in {os.path.dirname(path)} "
-                                         f"({free.f_bavail * free.f_frsize / 2**20:.0f} MB free): {path}") from exc
+                                         f"({free / 2**20:.0f} MB free): {path}") from exc
         view = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ | (mmap.PROT_WRITE if create else 0))
     finally:
         os.close(fd)

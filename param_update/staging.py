@@ -22,6 +22,7 @@ failed sync leaves the previous version serving.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -92,7 +93,7 @@ class VersionStager:
         self._serving: list[Bucket] = []  # buckets the swapped-in weights live in (kept pinned)
         self._registering: set[int] = set()  # buckets being registered right now (other threads)
         self._received: dict[str, int] = {}  # incoming name -> bytes
-        self._assembled: dict[str, torch.Tensor] = {}  # tensors split across buckets, put together
+        self._assembled: dict[str, torch.Tensor] = {}  # name -> full tensor (a view, or split pieces put together)
         self._changed = threading.Condition()
 
     def _check_slices(self, version: int, bucket: Bucket) -> None:
@@ -122,7 +123,15 @@ class VersionStager:
             if bucket.index in self._held or bucket.index in self._registering:
                 raise StagingError(f"version {version}: bucket {bucket.index} arrived twice")
             self._check_slices(version, bucket)
+            self._registering.add(bucket.index)
+        # the tensors over its whole slices, built now so that the load only swaps them in
+        views = {s.name: slice_tensor(s, array) for s, array in zip(bucket.slices, bucket.data) if s.whole}
+        with self._changed:
+            self._registering.discard(bucket.index)
+            if self.version != version:  # reset meanwhile (a dropped version)
+                raise StagingError(f"version {version} was dropped while bucket {bucket.index} was staged")
             self._held[bucket.index] = bucket
+            self._assembled.update(views)
             completed = []
             for s in bucket.slices:
                 self._received[s.name] = self._received.get(s.name, 0) + s.nbytes
@@ -179,7 +188,7 @@ class VersionStager:
                 if canonical in seen:
                     continue
                 seen.add(canonical)
-                yield canonical, slice_tensor(s, array) if s.whole else self._assembled[s.name]
+                yield canonical, self._assembled[s.name]
 
     def swap_into(self, params: dict[str, torch.Tensor]) -> None:
         """load (dual buffer): the staged tensors become `params` (`param.data = staged`), zero copy.
@@ -231,8 +240,19 @@ def receive_bucket(stager: VersionStager, version: int, index: int, source, slic
     return {"recv_s": fetched - start, "register_s": time.perf_counter() - fetched}
 
 
+def receive_version(stager: VersionStager, version: int, buckets: list, num_buckets: int) -> dict[str, float]:
+    """`receive_bucket` of each (index, source, slices) in `buckets`, then the check that `version` is
+    complete (StagingError if not). Returns the seconds of each part, summed: `{recv_s, register_s}`."""
+    totals = {"recv_s": 0.0, "register_s": 0.0}
+    for index, source, slices in buckets:
+        for part, seconds in receive_bucket(stager, version, index, source, slices).items():
+            totals[part] += seconds
+    stager.check_complete(version, num_buckets)
+    return totals
+
+
 def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
-    return int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize
 
 
 def _assemble(pieces) -> torch.Tensor:

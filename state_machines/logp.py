@@ -89,6 +89,10 @@ class LogpStage(StateMachine):
         per_rank = await asyncio.to_thread(self.worker_group.stage_weight_bucket, version, index, source, slices)
         return _slowest(per_rank)
 
+    async def stage_weight_buckets(self, version: int, buckets: list, num_buckets: int) -> dict:
+        per_rank = await asyncio.to_thread(self.worker_group.stage_weight_buckets, version, buckets, num_buckets)
+        return _slowest(per_rank)
+
     async def check_weights(self, version: int, num_buckets: int) -> None:
         await asyncio.to_thread(self.worker_group.check_weights, version, num_buckets)
 

@@ -82,8 +82,12 @@ class ParamUpdateStage(StateMachine):
         """Announce one bucket; returns when there is room for it (backpressure on the sender)."""
         await self.stream.put_bucket(BucketRef(version, index, refs, slices, shared))
 
-    def end_version(self, version: int, num_buckets: int, trainer_timings: dict) -> None:
-        self.stream.end_version(VersionEnd(version, num_buckets, trainer_timings))
+    def end_version(self, version: int, num_buckets: int, trainer_timings: dict, shared_only: tuple = ()) -> None:
+        """The last of `version`'s `num_buckets` buckets was sent; `shared_only`: (index, slices, SharedBucket)
+        of those sent only into shared memory (not announced by `put_bucket`)."""
+        buckets = [BucketRef(version, index, None, slices, shared, counted=False)
+                   for index, slices, shared in shared_only]
+        self.stream.end_version(VersionEnd(version, num_buckets, trainer_timings), buckets)
 
     def sender_failed(self, version: int, message: str) -> None:
         self.stream.fail(version, message)

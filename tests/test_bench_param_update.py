@@ -27,10 +27,8 @@ def test_bench_prints_table_and_json(tmp_path):
     assert 2 <= row["warmup_syncs"] <= 40
     assert row["pipeline_first_sync_s"] > 0 and row["pipeline_total_training_s"] > 0
     assert row["raw_copy_decoding_s"] > 0
-    # the physical limit is the faster of torch's copy and memcpy on every core; the transport's floor apart
+    # the physical limit is the faster of torch's copy and memcpy on every core
     assert 0 < row["raw_copy_s"] <= row["raw_copy_torch_s"]
-    assert row["sender_put_s"] > 0 and "put only" in proc.stdout
-    assert row["store_put_s"] > 0 and "the object store's floor: 2M one put" in proc.stdout
     # the put-thread counts ran in turn; the main columns are the first count's (the sender's default)
     from param_update.sender import PUT_THREADS
 

@@ -118,6 +118,34 @@ def test_object_store_must_hold_the_staged_versions():
     check_weight_sync(400 * MB, 128, 64, dual_buffer=False, object_store_bytes=1000 * MB)
 
 
+def test_the_links_follow_the_placement_and_each_link_checks_its_own_room():
+    """One node: every receiver maps the trainer's shared memory, the object store holds no version; generate
+    on the second node: its servers go through the store; verl's GPU replicas always do."""
+    from async_rl.config import read_async_config
+    from async_rl.placement import plan_placement
+    from omegaconf import OmegaConf
+
+    from param_update.capacity import weight_links
+
+    def placement(nodes, values):
+        ratios = read_async_config(OmegaConf.create({"trainer": {"use_nodes_ratios": values}})).ratios_by_role
+        return plan_placement(nodes, 2, ratios, ["train", "logp"], replica_devices=1)
+
+    one_node, two_nodes = placement(1, [0.5, 0.5, 0.5, 0.5]), placement(2, [0.5, 0.5, 0.5, 0.5])
+    assert weight_links(one_node, rollout_on_cpu=True, logp_receives=True) == {"shm"}
+    assert weight_links(two_nodes, rollout_on_cpu=True, logp_receives=True) == {"shm", "store"}  # logp on node 0
+    assert weight_links(two_nodes, rollout_on_cpu=True, logp_receives=False) == {"store"}
+    assert weight_links(one_node, rollout_on_cpu=False, logp_receives=False) == {"store"}
+
+    # shared memory only: an object store too small for two versions does not matter, a small /dev/shm does
+    check_weight_sync(400 * MB, 128, 64, True, 100 * MB, links=frozenset({"shm"}), shm_free_bytes=801 * MB)
+    with pytest.raises(BucketSizeError, match=r"needs 2 x 400 MB .* which has 799 MB free: give it more room"):
+        check_weight_sync(400 * MB, 128, 64, True, 10_000 * MB, links=frozenset({"shm"}), shm_free_bytes=799 * MB)
+    with pytest.raises(BucketSizeError, match="2 versions of the 400 MB model"):
+        check_weight_sync(400 * MB, 128, 64, True, 100 * MB, links=frozenset({"shm", "store"}),
+                          shm_free_bytes=10_000 * MB)
+
+
 def test_model_weight_bytes_counts_tied_weights_once(tmp_path):
     model = tiny_model(0)
     model.save_pretrained(tmp_path)

@@ -323,8 +323,8 @@ class GatedSink:
         await self.gate.wait()
         self.buckets.append((index, refs, slices))
 
-    def end_version(self, version, count, timings):
-        self.ended = (version, count)
+    def end_version(self, version, count, timings, shared_only=()):
+        self.ended = (version, count, len(shared_only))
 
     def open(self):
         self.gate.set()
@@ -352,7 +352,7 @@ def test_sent_version_is_unchanged_by_the_next_training_step(ray_session):
     while ray.get(sink.get.remote(), timeout=TIMEOUT_S)[1] is None and time.time() < deadline:
         time.sleep(0.05)
     announced, ended = ray.get(sink.get.remote(), timeout=TIMEOUT_S)
-    assert ended == (1, count) and [i for i, _, _ in announced] == list(range(count))
+    assert ended == (1, count, 0) and [i for i, _, _ in announced] == list(range(count))
     assert max(len(refs) for _, refs, _ in announced) > 1, "a bucket travels as several objects"
     buckets = [Bucket(1, i, join_arrays(ray.get(refs, timeout=TIMEOUT_S)), slices) for i, refs, slices in announced]
     assert {n: tensor_digest(t) for n, t in tensors_from_buckets(buckets)} == want

@@ -24,6 +24,7 @@ import torch
 
 from param_update.buckets import Bucket, pack_buckets, tensors_from_buckets
 from param_update.interface import WeightSyncError
+from param_update.overlapped import SHM, STORE
 from param_update.regions import RETAINED, RegionLedger
 from param_update.shared_buffer import PREFIX, SharedBuffer, byte_runs, shared_arrays, sweep_stale
 from sync_actors import Trainer, VersionLog, digests, tiny_model
@@ -54,6 +55,7 @@ def through_buffer(buffer: SharedBuffer, tensors, region: int, bucket_bytes: int
 def test_shared_buffer_round_trip_is_bit_identical_and_rewrites_in_place(tmp_path, bucket_bytes):
     from concurrent.futures import ThreadPoolExecutor
 
+    tmp_path.mkdir(exist_ok=True)
     buffer = SharedBuffer(str(tmp_path))
     with ThreadPoolExecutor(3) as pool:
         first = through_buffer(buffer, mixed_tensors(0), 0, bucket_bytes, pool)
@@ -102,6 +104,7 @@ def test_a_full_tmpfs_fails_at_the_write_naming_the_room(tmp_path, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "posix_fallocate", no_room)
+    tmp_path.mkdir(exist_ok=True)
     buffer = SharedBuffer(str(tmp_path))
     bucket = next(pack_buckets(mixed_tensors(0), 1 << 20, version=1))
     with pytest.raises(OSError, match="no room for .* MB of weights in"):
@@ -178,6 +181,123 @@ def test_the_retained_version_and_a_lost_receiver():
         assert await ledger.acquire(4, 1.0) == 1
 
     run(main())
+
+
+# ---- one call per version for shared-memory receivers (param_update/overlapped.py) -----------------
+
+
+class RecordingReceiver:
+    """A receiver that stages into a real VersionStager and records the calls it gets."""
+
+    def __init__(self, name: str, link: str, expected: dict):
+        from param_update.staging import VersionStager
+
+        self.name, self.link, self.serves_generation = name, link, True
+        self.stager = VersionStager(expected)
+        self.calls: list[tuple] = []
+
+    async def stage(self, bucket) -> dict:
+        self.calls.append(("stage", bucket.index))
+        data = shared_arrays(bucket.shared, bucket.slices)  # the fake's store: the same bytes
+        self.stager.stage(bucket.version, Bucket(bucket.version, bucket.index, data, bucket.slices))
+        return {"recv_s": 0.0, "register_s": 0.0}
+
+    async def stage_version(self, version: int, buckets: list, num_buckets: int) -> dict:
+        from param_update.staging import receive_version
+
+        self.calls.append(("stage_version", [b.index for b in buckets], num_buckets))
+        return receive_version(self.stager, version, [(b.index, b.shared, b.slices) for b in buckets], num_buckets)
+
+    async def check(self, version: int, num_buckets: int) -> None:
+        self.calls.append(("check",))
+        self.stager.check_complete(version, num_buckets)
+
+    async def commit(self, version: int, num_buckets: int) -> dict:
+        self.calls.append(("commit",))
+        self.stager.check_complete(version, num_buckets)
+        return {"load_s": 0.0, "blocked_s": 0.0}
+
+    async def discard(self, version: int) -> None:
+        self.calls.append(("discard",))
+
+
+class ServedLog:
+    def __init__(self):
+        self.versions = []
+
+        async def remote(version):
+            self.versions.append(version)
+
+        self.set_served_version = type("Method", (), {"remote": staticmethod(remote)})
+
+
+def sync_by_link(tmp_path, announce, links):
+    """Version 1 of `mixed_tensors` written into a shared buffer in `tmp_path`, announced by `announce(stream,
+    buckets)`, synced to one receiver per link in `links` (SHM, STORE). Returns (receivers, log, bucket count,
+    the sync's metrics or its WeightSyncError)."""
+    from param_update.overlapped import BucketRef, BucketStream, OverlappedWeightSync
+    from param_update.staging import weight_layout
+
+    tensors = mixed_tensors(1)
+    expected = weight_layout(dict(tensors))[0]
+    tmp_path.mkdir(exist_ok=True)
+    buffer = SharedBuffer(str(tmp_path))
+    refs = ["in the object store"] if STORE in links else None  # the fake store receiver reads the buffer too
+    buckets = [BucketRef(1, b.index, refs, b.slices, buffer.write(0, b)) for b in pack_buckets(tensors, 1500, 1)]
+    receivers = [RecordingReceiver(link, link, expected) for link in links]
+    stream, log = BucketStream(max_in_flight=2), ServedLog()
+    sync = OverlappedWeightSync(receivers, log, stream, timeout_s=5.0)
+
+    async def main():
+        sending = asyncio.ensure_future(announce(stream, buckets))
+        try:
+            return await sync.sync(1, time.time())
+        except WeightSyncError as exc:
+            return exc
+        finally:
+            await sending
+
+    try:
+        return receivers, log, len(buckets), run(main())
+    finally:
+        buffer.close()
+
+
+def test_a_shared_memory_receiver_gets_a_version_in_one_call_the_object_store_one_bucket_by_bucket(tmp_path):
+    from param_update.overlapped import VersionEnd
+
+    async def announce(stream, buckets):  # as the sender does when some receiver is on another node
+        for bucket in buckets:
+            await stream.put_bucket(bucket)
+        stream.end_version(VersionEnd(1, len(buckets), {"gather": 0.0, "send": 0.0}))
+
+    (shm, store), log, count, metrics = sync_by_link(tmp_path, announce, [SHM, STORE])
+    assert count > 2  # more buckets than the stream lets in flight: each store staging frees its place
+    assert shm.calls == [("stage_version", list(range(count)), count), ("commit",)]
+    assert sorted(store.calls[:count]) == [("stage", i) for i in range(count)]
+    assert store.calls[count:] == [("check",), ("commit",)]
+    assert log.versions == [1] and metrics["async/param_update/shm_receivers"] == 1.0
+
+
+def test_buckets_only_in_shared_memory_come_with_the_version_end_and_a_missing_one_fails_the_check(tmp_path):
+    from dataclasses import replace
+
+    from param_update.overlapped import VersionEnd
+
+    def end_with(keep):
+        async def announce(stream, buckets):  # as the sender does when every receiver is on its node
+            shared_only = [replace(b, counted=False) for b in buckets if keep(b.index)]
+            stream.end_version(VersionEnd(1, len(buckets), {"gather": 0.0, "send": 0.0}), shared_only)
+        return announce
+
+    (shm,), log, count, metrics = sync_by_link(tmp_path / "all", end_with(lambda i: True), [SHM])
+    assert shm.calls == [("stage_version", list(range(count)), count), ("commit",)]
+    assert isinstance(metrics, dict) and log.versions == [1]  # no place in flight was freed that was never taken
+
+    (shm,), log, count, error = sync_by_link(tmp_path / "one_lost", end_with(lambda i: i != 1), [SHM])
+    assert isinstance(error, WeightSyncError)
+    assert "register-buffer and check of version 1 failed on receiver 'shm'" in str(error) and "[1]" in str(error)
+    assert shm.calls[-1] == ("discard",) and ("commit",) not in shm.calls and log.versions == []
 
 
 # ---- through Ray ---------------------------------------------------------------------------------

@@ -246,6 +246,12 @@ class CPURolloutServer:
         await asyncio.to_thread(self._stager.stage, version, Bucket(version, index, data, slices))
         return {"recv_s": fetched - start, "register_s": time.perf_counter() - fetched}
 
+    async def stage_weight_buckets(self, version: int, buckets: list, num_buckets: int) -> dict[str, float]:
+        """recv + register-buffer of every (index, SharedBucket, slices) of `version`, then its check."""
+        from param_update.staging import receive_version
+
+        return await asyncio.to_thread(receive_version, self._stager, version, buckets, num_buckets)
+
     def check_weights(self, version: int, num_buckets: int) -> None:
         """Raise unless every bucket and tensor of `version` is staged."""
         self._stager.check_complete(version, num_buckets)

@@ -57,6 +57,13 @@ class WeightSwap:
 
         return weight_layout(self.model.state_dict(keep_vars=True))
 
+    def _load_targets(self) -> dict[str, torch.Tensor]:
+        """Canonical name -> the model's parameter a load sets (the same objects across loads: a swap
+        or a copy replaces their `.data`), found once."""
+        if getattr(self, "_weight_targets", None) is None:
+            self._weight_targets = self.weight_layout()[2]
+        return self._weight_targets
+
     async def load_staged(
         self, stager, version: int, consume_bytes: int, swap: bool, interrupt: bool = True
     ) -> float:
@@ -70,7 +77,7 @@ class WeightSwap:
         requests could not start or continue decoding (s).
         """
         self._ensure_started()
-        _, _, tensors = self.weight_layout()
+        tensors = self._load_targets()
         start = time.perf_counter()
         try:
             if not interrupt:
