@@ -14,7 +14,8 @@ import pytest
 from conftest import dumped_step_inputs, expected_step_inputs, load_bench, read_jsonl, start_verl, step_rows
 
 faults = load_bench("faults")
-STEPS = 30  # long enough for a restart (~10 s: a new process loads the model) before the end
+STEPS = 60  # long enough after the hang's detection (30 s) for its restart (~7 s) before the end: at ~0.35 s
+# a step, 30 steps once ended first
 K = 2
 REQUEST_TIMEOUT_S = 30
 
