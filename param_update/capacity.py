@@ -6,6 +6,9 @@ from __future__ import annotations
 import torch
 
 from param_update.buckets import MB, BucketSizeError, check_bucket_sizes
+from param_update.overlapped import SHM, STORE
+from param_update.regions import REGIONS
+from param_update.shared_buffer import SHM_DIR
 
 
 def model_weight_bytes(model_path: str) -> int:
@@ -24,8 +27,6 @@ def weight_links(placement, rollout_on_cpu: bool, logp_receives: bool) -> set[st
     """The links the weight sync will use under `placement` (async_rl/placement.py): SHM for a receiver
     whose devices are all on the node of train rank 0 (the sender), STORE for the others; verl's GPU
     replicas always take the object store (their checkpoint-engine path)."""
-    from param_update.overlapped import SHM, STORE
-
     per_node = placement.devices_per_node
     sender = placement.groups["train"].start // per_node
     receivers = (list(placement.replicas) if rollout_on_cpu else []) + (
@@ -36,7 +37,7 @@ def weight_links(placement, rollout_on_cpu: bool, logp_receives: bool) -> set[st
 
 def check_weight_sync(
     model_bytes: int, preduce_mb: float, consume_mb: float, dual_buffer: bool, object_store_bytes: int | None,
-    retain_newest: bool = False, links: frozenset = frozenset({"store"}), shm_free_bytes: int | None = None,
+    retain_newest: bool = False, links: frozenset = frozenset({STORE}), shm_free_bytes: int | None = None,
 ) -> dict[str, int]:
     """Raise BucketSizeError when the sync cannot work; returns the bucket sizes in bytes.
 
@@ -47,10 +48,6 @@ def check_weight_sync(
     trainer's node holds the shared buffer's regions, a whole version each, in `shm_free_bytes`
     (free bytes of /dev/shm there; None: not checked).
     """
-    from param_update.overlapped import SHM, STORE
-    from param_update.regions import REGIONS
-    from param_update.shared_buffer import SHM_DIR
-
     held = 2 if dual_buffer or retain_newest else 1
     sizes = check_bucket_sizes(model_bytes, preduce_mb, consume_mb, object_store_bytes if STORE in links else None, held)
     if SHM in links and shm_free_bytes is not None and REGIONS * model_bytes > shm_free_bytes:

@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import ray
@@ -222,13 +223,15 @@ class RecordingReceiver:
 
 
 class ServedLog:
+    """Stands in for the generate stage without Ray: `set_served_version.remote(version)` records it."""
+
     def __init__(self):
         self.versions = []
 
         async def remote(version):
             self.versions.append(version)
 
-        self.set_served_version = type("Method", (), {"remote": staticmethod(remote)})
+        self.set_served_version = SimpleNamespace(remote=remote)
 
 
 def sync_by_link(tmp_path, announce, links):
