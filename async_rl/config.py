@@ -19,7 +19,7 @@ Every key is added to a verl command with `+` (verl's schema does not know them)
 | algorithm.behav_imp_weight_cap | 5.0 | number > 1: tokens with pi_prox / pi_behav above it get weight 0 |
 | actor_rollout_ref.rollout.partial_rollout | True | bool: a weight load interrupts requests (False: it waits for them) |
 | algorithm.proximal_logp_workers | train | train or logp: which workers recompute pi_prox (old_log_probs) |
-| actor_rollout_ref.rollout.max_restarts | 3 (cpu), 0 (GPU servers) | int >= 0: restarts of each lost rollout replica over the run; > 0 only with rollout.name=cpu |
+| actor_rollout_ref.rollout.max_restarts | 3 (cpu), 0 (vllm) | int >= 0: restarts of each lost rollout replica over the run; > 0 with rollout.name cpu or vllm |
 | actor_rollout_ref.rollout.request_timeout_s | 600 | number > 0: a generate request unanswered this long marks its server lost |
 
 Validation runs in the driver before any Ray actor starts and raises
@@ -90,7 +90,7 @@ _KEYS = (
     ("actor_rollout_ref.rollout.max_restarts", "replica_max_restarts", None),
     ("actor_rollout_ref.rollout.request_timeout_s", "request_timeout_s", 600),
 )
-DEFAULT_REPLICA_RESTARTS = 3  # on rollout.name=cpu; verl's GPU servers are not restarted (0)
+DEFAULT_REPLICA_RESTARTS = 3  # on rollout.name=cpu; 0 on vllm (opt in: it keeps a weight copy)
 # Where pi_prox (verl's recomputed old_log_probs) is computed: "train" on the train ranks right
 # before their update (no weight hop, logp and train cannot take turns), "logp" on the logp
 # stage's own worker group, which then receives every version through the weight sync.
@@ -167,15 +167,19 @@ def _check_decoupled(config, enabled: bool) -> None:
         )
 
 
+RESTARTABLE_ROLLOUTS = ("cpu", "vllm")  # sglang's servers: restart not written yet
+
+
 def _replica_restarts(key: str, value, rollout_name) -> int:
-    """Restarts of a lost rollout replica: the CPU backend's servers can be started again in place;
-    verl's GPU servers (a worker group on a placement group) are not restarted by this pipeline yet."""
+    """Restarts of a lost rollout replica: the CPU backend's servers and verl's vLLM replicas (its
+    workers and servers started again on the same devices). Default 3 on cpu; 0 on vllm, where a
+    restart needs a copy of the newest weights kept in Ray's object store (opt in)."""
     if value is None:
         return DEFAULT_REPLICA_RESTARTS if rollout_name == "cpu" else 0
     value = _as_count(key, value)
-    if value and rollout_name != "cpu":
+    if value and rollout_name not in RESTARTABLE_ROLLOUTS:
         raise AsyncConfigError(key, value, f"0 with actor_rollout_ref.rollout.name={rollout_name!r} (restarting "
-                                           "a lost replica is supported for rollout.name=cpu only)")
+                                           f"a lost replica is supported for rollout.name in {RESTARTABLE_ROLLOUTS})")
     return value
 
 

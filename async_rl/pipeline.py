@@ -14,6 +14,7 @@ completes within `trainer.async_stall_timeout_s`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import time
@@ -147,14 +148,27 @@ class AsyncPipeline(PipelineBuild):
 
     def weight_digests(self) -> dict[str, dict[str, str]]:
         """Per-tensor digests of the weights held by the trainer, the logp workers (when they
-        compute) and every rollout server (name -> digest): equal digests mean bit-identical weights."""
+        compute) and every rollout server (name -> digest): equal digests mean bit-identical weights.
+        verl's vLLM replicas are read through param_update/vllm_digests.py (its conditions there)."""
         calls = {"actor_train": self.stages["actor_train"].weight_digests.remote()}
         if self.proximal_logp_workers() == "logp":
             calls["logp"] = self.stages["logp"].weight_digests.remote()
-        if str(self.config.actor_rollout_ref.rollout.name) == "cpu":
+        rollout = str(self.config.actor_rollout_ref.rollout.name)
+        if rollout == "cpu":
             calls.update({f"rollout_server_{i}": handle.weight_digests.remote()
                           for i, handle in enumerate(self._server_handles())})
-        return self._wait(calls, CALL_TIMEOUT_S, "read weight digests")
+        digests = self._wait(calls, CALL_TIMEOUT_S, "read weight digests")
+        if rollout == "vllm":  # each replica's current server, a restarted one included
+            from param_update.vllm_digests import replica_weight_digests
+
+            handles = self._server_handles()
+
+            async def read_all():  # gather needs the running loop
+                reads = asyncio.gather(*(replica_weight_digests(h) for h in handles))
+                return await asyncio.wait_for(reads, CALL_TIMEOUT_S)
+
+            digests.update({f"rollout_replica_{i}": d for i, d in enumerate(asyncio.run(read_all()))})
+        return digests
 
     def _server_handles(self) -> list:
         """Every replica's current rollout server (the generate stage restarts lost ones)."""

@@ -241,7 +241,8 @@ class PipelineBuild:
         rollout = [
             ActorReceiver(f"rollout_server_{i}", r.server_handle, True, replica_index=i if restartable else None)
             if on_cpu
-            else GPUReplicaReceiver(f"rollout_replica_{i}", r, self.async_cfg.partial_rollout)
+            else GPUReplicaReceiver(f"rollout_replica_{i}", r, self.async_cfg.partial_rollout,
+                                    replica_index=i if restartable else None)
             for i, r in enumerate(self.replicas)
         ]
         self.receivers = rollout + ([ActorReceiver("logp", logp, False)] if logp is not None else [])

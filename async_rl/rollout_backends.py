@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import time
 
 from omegaconf import DictConfig
 
@@ -91,8 +92,6 @@ def make_rollout_replicas(config: DictConfig, count: int) -> list:
 async def start_on_devices(replica, devices) -> None:
     """Start `replica` standalone on `devices` (async_rl.resources.GroupDevices): verl's
     `init_standalone` with the job's reserved bundles instead of a pool of its own."""
-    from verl.single_controller.ray import RayWorkerGroup
-    from verl.utils.device import get_device_name
     from verl.workers.rollout.replica import RolloutMode
 
     from async_rl.resources import device_pool
@@ -103,12 +102,58 @@ async def start_on_devices(replica, devices) -> None:
         return
     replica.rollout_mode = RolloutMode.STANDALONE
     replica.resource_pool = device_pool(devices, True, f"rollout_pool_{replica.replica_rank}")
-    replica.workers = RayWorkerGroup(
-        resource_pool=replica.resource_pool, ray_cls_with_init=replica.get_ray_class_with_init_args(),
-        bin_pack=False, name_prefix=f"rollout_standalone_{replica.replica_rank}", use_gpu=True,
-        device_name=get_device_name(),
-    ).workers
+    await _start_workers_and_servers(replica, f"rollout_standalone_{replica.replica_rank}")
+
+
+async def _start_workers_and_servers(replica, name_prefix: str) -> None:
+    """verl's standalone start on `replica.resource_pool`: its worker group, then its servers."""
+    from verl.single_controller.ray import RayWorkerGroup
+    from verl.utils.device import get_device_name
+
+    def make_workers():  # verl's RayWorkerGroup waits for its actors: off the event loop
+        return RayWorkerGroup(
+            resource_pool=replica.resource_pool, ray_cls_with_init=replica.get_ray_class_with_init_args(),
+            bin_pack=False, name_prefix=name_prefix, use_gpu=True, device_name=get_device_name(),
+        ).workers
+
+    replica.workers = await asyncio.to_thread(make_workers)
+    replica.servers = []
     await replica.launch_servers()
+
+
+async def relaunch_on_devices(replica, attempt: int, name_free_timeout_s: float = 60.0):
+    """A lost verl GPU replica (vllm) started again on its reserved devices (async_rl/replica_supervisor.py).
+
+    Its server and worker actors are killed; once the servers' names are free, new workers take the
+    same bundles and the servers start under the same names (verl's server adapter finds its server
+    by name). The caller loads the newest weights before it serves: verl's servers start on
+    `load_format=dummy` weights. Returns the new server handle."""
+    import ray
+
+    names = [f"{replica._get_server_name_prefix()}server_{replica.replica_rank}_{node}{replica.name_suffix}"
+             for node in range(len(replica.servers) or 1)]
+    for actor in [*replica.servers, *replica.workers]:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+
+    def wait_names_free():
+        deadline = time.monotonic() + name_free_timeout_s
+        for name in names:
+            while True:
+                try:
+                    ray.get_actor(name)
+                except ValueError:
+                    break  # no live actor holds the name
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the lost server's actor name {name!r} was not freed within "
+                                       f"{name_free_timeout_s:g} s")
+                time.sleep(0.2)
+
+    await asyncio.to_thread(wait_names_free)
+    await _start_workers_and_servers(replica, f"rollout_standalone_{replica.replica_rank}_restart{attempt}")
+    return replica.server_handle
 
 
 def launch_rollout_replicas(replicas: list, name: str, timeout_s: float, devices: list | None = None) -> list:

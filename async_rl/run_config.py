@@ -54,6 +54,10 @@ def ray_init_kwargs(config: DictConfig) -> dict:
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     env_vars = dict(kwargs.get("runtime_env", {}).get("env_vars", {}))
     env_vars.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if str(config.actor_rollout_ref.rollout.name) == "vllm":
+        # vLLM 0.30's API server imports model_hosting_container_standards, which sets the root logger to
+        # ERROR unless LOG_LEVEL is set: every warning (restarts, placement) of a process that imports it is lost
+        env_vars.setdefault("LOG_LEVEL", os.environ.get("LOG_LEVEL", "WARNING"))
     joins_cluster = bool(kwargs.get("address") or os.environ.get("RAY_ADDRESS"))  # its resources are set
     if not joins_cluster:  # a fresh local instance, never a cluster some other `ray start` left behind
         kwargs["address"] = "local"

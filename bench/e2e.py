@@ -81,7 +81,9 @@ FULLY_ASYNC_NOT_RUN = (
     "through a checkpoint engine's send_weights/receive_weights pair; verl 0.9.1's backends that send across "
     "processes (nccl, hccl, nixl, mooncake, kimi_ckpt_engine) need GPUs or RDMA, 'naive' is colocated only, and "
     "this package's 'async_rl' backend is receive-only (the pipeline sends through param_update/). vLLM's CPU "
-    "build now serves verl's standalone replicas here (docs/vllm_cpu.md); the missing piece is a send side"
+    "build now serves verl's standalone replicas here (docs/vllm_cpu.md); the missing pieces are a send side and "
+    "the CPU set-up on fully_async_main's path (it never calls verl's validate_config, where this package's CPU "
+    "set-up runs), more logical CPUs and GPUs for Ray, and a checkpoint-engine worker beside each CPU replica"
 )
 
 
@@ -246,7 +248,7 @@ def bottleneck(row: dict) -> str | None:
             "upstream stages: " + ", ".join(f"{s} {b:.2f}" for s, b in sorted(busy.items(), key=lambda x: -x[1])[1:4]))
 
 
-def plot(curves: dict, path: str, target: float) -> None:
+def plot(curves: dict, path: str, target: float, response_length: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -258,7 +260,7 @@ def plot(curves: dict, path: str, target: float) -> None:
     ax.axhline(target, color="grey", linestyle="--", linewidth=0.8)
     ax.set_xlabel("training time (s)")
     ax.set_ylabel("validation reward (mean@1)")
-    ax.set_title("copy-digits, long-tailed responses: verl vs async pipeline")
+    ax.set_title(f"copy-digits, responses up to {response_length} tokens: verl vs async pipeline")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -409,7 +411,7 @@ def main(argv=None) -> list[dict]:
               f" ({'-' if ratio is None else f'{ratio:.2f}x'}): goal {verdict}"
               + ("" if verdict == "met" else f"; {why_short_of_goal(r, base)}"))
     if args.png:
-        plot(curves, args.png, TARGET)
+        plot(curves, args.png, TARGET, args.response_length)
         print(f"plot: {args.png}")
     if args.json:
         keys = ("system", "seed", "generate_ahead_steps", "wall_s_per_sample", "time_to_target_s", "steps",

@@ -18,6 +18,7 @@ The pipeline selects it by setting, for its rollout replicas only:
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
 from collections.abc import Iterator
 from typing import Any, Optional
@@ -124,11 +125,24 @@ class GPUReplicaReceiver:
     ones to finish, so no response spans two versions.
     """
 
-    def __init__(self, name: str, replica: Any, partial: bool = True):
+    def __init__(self, name: str, replica: Any, partial: bool = True, replica_index: Optional[int] = None):
+        """`replica_index`: set when a lost replica is restarted (the sync then leaves it out and reports it)."""
         self.name = name
         self.replica = replica
         self.partial = partial
+        self.replica_index = replica_index
         self.serves_generation = True
+
+    @property
+    def handle(self):
+        """The replica's server the generate stage sends requests to (its losses are reported by it)."""
+        return self.replica.server_handle
+
+    def restarted(self, workers: list, servers: list) -> "GPUReplicaReceiver":
+        """This receiver for the replica restarted on the same devices with new `workers` and `servers`."""
+        replica = copy.copy(self.replica)
+        replica.workers, replica.servers, replica._server_handle = list(workers), list(servers), servers[0]
+        return GPUReplicaReceiver(self.name, replica, self.partial, self.replica_index)
 
     def _on_workers(self, method: str, *args) -> list:
         return [w.execute_checkpoint_engine.remote(method, *args) for w in self.replica.workers]

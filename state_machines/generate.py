@@ -146,12 +146,19 @@ class GenerateStage(StateMachine):
         self._weight_source = param_update
 
     async def _relaunch(self, index: int, attempt: int):
-        return await self.replicas[index].relaunch(attempt)
+        replica = self.replicas[index]
+        if hasattr(replica, "relaunch"):  # the CPU backend's replica
+            return await replica.relaunch(attempt)
+        from async_rl.rollout_backends import relaunch_on_devices  # verl's GPU replicas
+
+        return await relaunch_on_devices(replica, attempt)
 
     async def _feed_weights(self, index: int, handle) -> int:
         if self._weight_source is None:
             raise RuntimeError("no param_update stage attached to load the weights into the new server")
-        return await self._weight_source.replace_rollout_server.remote(index, handle)
+        replica = self.replicas[index]  # verl's GPU replica: its new workers load the weights
+        actors = None if hasattr(replica, "relaunch") else (list(replica.workers), list(replica.servers))
+        return await self._weight_source.replace_rollout_server.remote(index, handle, actors)
 
     def server_lost(self, index: int, handle, cause: str, hung: bool = False) -> None:
         """Reported by param_update when a server failed (or, `hung`, stopped answering) during a weight sync."""

@@ -64,11 +64,18 @@ class ParamUpdateStage(StateMachine):
     def _server_lost(self, receiver, cause: str, hung: bool) -> None:
         self.generate_stage.server_lost.remote(receiver.replica_index, receiver.handle, cause, hung)
 
-    async def replace_rollout_server(self, index: int, handle) -> int:
+    async def replace_rollout_server(self, index: int, handle, replica_actors: tuple | None = None) -> int:
         """Set up the restarted server of replica `index`, load the newest synced version into it (between
-        syncs) and sync it from now on. Returns the version it serves."""
-        await handle.configure_weight_sync.remote(*self._server_setup)
-        receiver = ActorReceiver(f"rollout_server_{index}", handle, True, replica_index=index)
+        syncs) and sync it from now on. Returns the version it serves. `replica_actors`: (workers, servers)
+        of a restarted verl GPU replica, whose workers receive the weights."""
+        if replica_actors is None:
+            await handle.configure_weight_sync.remote(*self._server_setup)
+            receiver = ActorReceiver(f"rollout_server_{index}", handle, True, replica_index=index)
+        else:
+            old = next(r for r in self.weight_sync.receivers if getattr(r, "replica_index", None) == index)
+            receiver = old.restarted(*replica_actors)
+            dual, _, layout, _ = self._server_setup
+            await receiver.configure(layout, dual)
         version = await self.weight_sync.replace(receiver)
         return self.synced_version if version is None else version
 

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,36 @@ def run_verl(demo_dir: Path, extra, workdir: Path, timeout_s: float = 600, criti
     return proc.returncode, proc.stdout + proc.stderr, rows
 
 
+DIGESTS_SCRIPT = """
+import json, os, sys
+import verl
+from hydra import compose, initialize_config_dir
+from async_rl.demo import demo_overrides
+from async_rl.pipeline import AsyncPipeline
+
+demo_dir, out_path, extra = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+with initialize_config_dir(config_dir=os.path.join(os.path.dirname(verl.__file__), "trainer", "config"),
+                           version_base=None):
+    config = compose("ppo_trainer", overrides=demo_overrides(demo_dir, extra=extra))
+result = {}
+history = AsyncPipeline(config).run(after_training=lambda p: result.update(p.weight_digests()))
+with open(out_path, "w") as f:
+    json.dump({"digests": result, "steps": [h for h in history if "training/global_step" in h]}, f)
+"""
+
+
+def run_pipeline_reading_digests(demo_dir: Path, extra: dict, workdir: Path, env=None, timeout_s: float = 900
+                                 ) -> tuple[subprocess.CompletedProcess, dict | None]:
+    """The pipeline on the demo (`AsyncPipeline(config).run()`), then `weight_digests()` of every weight
+    holder; returns the process and {"digests": holder -> name -> digest, "steps": the step metrics}."""
+    out = workdir / "result.json"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "VERL_FILE_LOGGER_PATH": str(workdir / "metrics.jsonl"),
+           **(env or {})}
+    proc = subprocess.run([sys.executable, "-c", DIGESTS_SCRIPT, str(demo_dir), str(out), json.dumps(extra)],
+                          cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout_s)
+    return proc, (json.loads(out.read_text()) if out.exists() else None)
+
+
 def step_rows(rows: list[dict]) -> dict[int, dict]:
     """Training-step metrics by step (rows carrying `training/global_step`)."""
     return {r["step"]: r["data"] for r in rows if "training/global_step" in r["data"]}
@@ -76,6 +107,20 @@ def start_verl(demo_dir: Path, extra, workdir: Path, metrics_name: str = "metric
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *demo_overrides(demo_dir, extra=extra)]
     log = open(workdir / f"{metrics_name}.log", "w")
     return subprocess.Popen(cmd, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_until(predicate, proc, what: str, timeout_s: float = 400):
+    """`predicate()`'s value once truthy (polled every 0.2 s); fails if `proc` exits first or after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if proc.poll() is not None:
+            raise AssertionError(f"the run exited ({proc.returncode}) before {what}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout_s:g} s")
+        time.sleep(0.2)
 
 
 def session_processes(sid: int) -> list[int]:

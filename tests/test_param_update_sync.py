@@ -266,11 +266,20 @@ class FakeCheckpointEngineWorker:
 
 
 class FakeReplica:
-    def __init__(self, workers):
+    def __init__(self, workers, servers=("server",), dead_servers=()):
         self.workers = workers
+        self.servers = list(servers)
+        self._server_handle = self.servers[0]
         self.events = []
+        self.dead_servers = set(dead_servers)  # a server's process is gone: calls to it raise
+
+    @property
+    def server_handle(self):
+        return self._server_handle
 
     async def abort_all_requests(self, reject_request=False):
+        if self.dead_servers & set(self.servers):
+            raise ray.exceptions.ActorDiedError()
         self.events.append("abort")
 
     async def resume_generation(self):
@@ -306,6 +315,41 @@ def test_gpu_replica_receiver_stages_then_loads_through_verl_update_weights(ray_
     assert replica.events == ["abort", "resume"]  # generation paused only around the load
     assert timings["async/param_update/blocked_s"] == timings["timing_s/param_update/load"]
     assert ray.get(log.get.remote(), timeout=TIMEOUT_S) == [1]
+
+
+def test_a_lost_gpu_replica_is_left_out_and_its_restart_loads_the_kept_version(ray_session):
+    """verl's GPU replica (restartable): a load that meets its dead server leaves it out and reports it;
+    the replica restarted with new workers (`GPUReplicaReceiver.restarted`) loads the kept version
+    bit-identical and takes its place in the next syncs."""
+    from param_update.checkpoint_engine import GPUReplicaReceiver
+
+    trained = tiny_model(1)
+    layout = {n: (t.dtype, tuple(t.shape)) for n, t in trained.state_dict().items()}
+    replica = FakeReplica([FakeCheckpointEngineWorker.remote()], servers=["old server"], dead_servers=["old server"])
+    receiver = GPUReplicaReceiver("rollout_replica_0", replica, replica_index=0)
+    lost = []
+    stream = BucketStream(max_in_flight=64)
+    sync = OverlappedWeightSync([receiver], VersionLog.remote(), stream, timeout_s=30,
+                                on_lost=lambda r, cause, hung: lost.append((r.replica_index, r.handle, cause)))
+    buckets = list(pack_buckets(trained.state_dict().items(), 3000, version=1))
+    refs = [[ray.put(b.data)] for b in buckets]
+    new_workers = [FakeCheckpointEngineWorker.remote()]
+
+    async def main():
+        await receiver.configure(layout, True)
+        await announce(stream, buckets, refs)
+        stream.end_version(VersionEnd(1, len(buckets), {"gather": 0.0, "send": 0.0}))
+        await sync.sync(1, time.time())  # the load meets the dead server: left out, not a failure
+        restarted = receiver.restarted(new_workers, ["new server"])
+        await restarted.configure(layout, True)
+        return restarted, await sync.replace(restarted)
+
+    restarted, version = asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
+    assert lost == [(0, "old server", "ActorDiedError during load")]
+    assert version == 1 and restarted.handle == "new server" and sync.receivers == [restarted]
+    loaded, calls = ray.get(new_workers[0].get.remote(), timeout=TIMEOUT_S)
+    assert loaded == {n: tensor_digest(t) for n, t in trained.state_dict().items()} and calls == [("update_weights", 1)]
+    assert receiver.replica.servers == ["old server"]  # the lost replica's own record is left as it was
 
 
 @ray.remote

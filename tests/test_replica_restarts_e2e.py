@@ -11,7 +11,7 @@ import signal
 import time
 
 import pytest
-from conftest import dumped_step_inputs, expected_step_inputs, load_bench, read_jsonl, start_verl, step_rows
+from conftest import dumped_step_inputs, expected_step_inputs, load_bench, read_jsonl, start_verl, step_rows, wait_until
 
 faults = load_bench("faults")
 STEPS = 60  # long enough after the hang's detection (30 s) for its restart (~7 s) before the end: at ~0.35 s
@@ -23,19 +23,6 @@ REQUEST_TIMEOUT_S = 30
 def rollout_servers(proc) -> list:
     """The run's CPU rollout server processes, oldest first."""
     return faults.titled_processes(proc.pid, "ray::CPURolloutServer")
-
-
-def wait_until(predicate, proc, what: str, timeout_s: float = 400):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if proc.poll() is not None:
-            raise AssertionError(f"the run exited ({proc.returncode}) before {what}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout_s:g} s")
-        time.sleep(0.2)
 
 
 def logged_steps(path) -> dict[int, dict]:

@@ -230,12 +230,13 @@ def keys(**values):
 
 def test_restart_keys_default_and_validation():
     assert keys().replica_max_restarts == 3 and keys().request_timeout_s == 600.0
-    assert keys(name="vllm").replica_max_restarts == 0  # verl's GPU servers are not restarted
+    assert keys(name="vllm").replica_max_restarts == 0  # opt in on verl's vLLM replicas (a weight copy is kept)
+    assert keys(name="vllm", max_restarts=2).replica_max_restarts == 2
     assert keys(max_restarts=0).replica_max_restarts == 0
     with pytest.raises(AsyncConfigError, match=r"actor_rollout_ref\.rollout\.max_restarts=-1"):
         keys(max_restarts=-1)
-    with pytest.raises(AsyncConfigError, match=r"supported for rollout\.name=cpu only"):
-        keys(name="vllm", max_restarts=2)
+    with pytest.raises(AsyncConfigError, match=r"max_restarts=2.*rollout\.name='sglang'.*supported for rollout\.name in"):
+        keys(name="sglang", max_restarts=2)
     with pytest.raises(AsyncConfigError, match=r"actor_rollout_ref\.rollout\.request_timeout_s=0"):
         keys(request_timeout_s=0)
 

@@ -106,3 +106,19 @@ def test_ray_joins_a_running_cluster_only_when_asked(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS")
     config = OmegaConf.merge(config, {"ray_kwargs": {"ray_init": {"address": "auto"}}})
     assert ray_init_kwargs(config)["address"] == "auto" and "num_cpus" not in ray_init_kwargs(config)
+
+
+def test_vllm_runs_keep_warnings(monkeypatch):
+    """vLLM's API server sets the root logger to ERROR on import unless LOG_LEVEL is set: a vLLM run
+    sets it for its workers (the user's own value wins); other backends are left alone."""
+    from async_rl.run_config import ray_init_kwargs
+
+    def env(name):
+        config = OmegaConf.create({"trainer": {"device": "cpu", "nnodes": 1, "n_gpus_per_node": 2},
+                                   "actor_rollout_ref": {"rollout": {"name": name}}, "ray_kwargs": {"ray_init": {}}})
+        return ray_init_kwargs(config)["runtime_env"]["env_vars"]
+
+    monkeypatch.delenv("LOG_LEVEL", raising=False)
+    assert env("vllm")["LOG_LEVEL"] == "WARNING" and "LOG_LEVEL" not in env("cpu")
+    monkeypatch.setenv("LOG_LEVEL", "INFO")
+    assert env("vllm")["LOG_LEVEL"] == "INFO"

@@ -7,11 +7,16 @@ only if every new version reached vLLM (one step of training moves them by ~1e-3
 
 from __future__ import annotations
 
-import pytest
+import signal
 
-from conftest import every_step_with, run_verl, val_rows
+import pytest
+from conftest import (dumped_step_inputs, every_step_with, expected_step_inputs, kill_session, load_bench, read_jsonl,
+                      run_pipeline_reading_digests, run_verl, start_verl, step_rows, val_rows, wait_until)
+
+from param_update.vllm_digests import ALLOW_PICKLE_ENV
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+faults = load_bench("faults")
 
 VLLM_ON_CPU = {
     "actor_rollout_ref.rollout.name": "vllm",
@@ -53,15 +58,24 @@ PIPELINE = {
 def test_pipeline_on_vllm_on_policy_every_version_reaches_vllm(demo_dir, tmp_path):
     """k=1: each step trains on responses of the newest version, and vLLM's log-probs equal the
     trainer's within fp32 noise at every step: every version reached vLLM (through the `async_rl`
-    checkpoint-engine backend), version 0 included (verl's servers start on dummy weights)."""
+    checkpoint-engine backend), version 0 included (verl's servers start on dummy weights). After
+    training, the weights vLLM computes with are the trainer's, bit for bit."""
     extra = {**PIPELINE, "+trainer.generate_ahead_steps": 1, "trainer.total_training_steps": 3, "trainer.test_freq": 3}
-    code, out, rows = run_verl(demo_dir, extra, tmp_path, timeout_s=900)
-    assert code == 0, out[-4000:]
+    proc, result = run_pipeline_reading_digests(demo_dir, extra, tmp_path, env={ALLOW_PICKLE_ENV: "1"})
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
     by_step = every_step_with(rows, 3, ["rollout_corr/log_ppl_abs_diff", "async/staleness/max"])
     for step, metrics in by_step.items():
         assert metrics["async/staleness/max"] == 0, step
         assert metrics["rollout_corr/log_ppl_abs_diff"] < FP32_NOISE, (step, metrics["rollout_corr/log_ppl_abs_diff"])
     assert 3 in val_rows(rows)  # validation through vLLM
+    digests = result["digests"]
+    assert set(digests) == {"actor_train", "rollout_replica_0"}
+    trainer, served = digests["actor_train"], digests["rollout_replica_0"]
+    assert any(".q_proj." in name for name in served)  # vLLM's fused qkv_proj, split back to the trainer's names
+    # every tensor vLLM serves is the trainer's; the trainer's lm_head is the tied embedding vLLM holds once
+    assert served == {name: d for name, d in trainer.items() if name != "lm_head.weight"}
+    assert trainer.get("lm_head.weight", trainer["model.embed_tokens.weight"]) == trainer["model.embed_tokens.weight"]
 
 
 def test_pipeline_on_vllm_runs_ahead_within_the_bound_and_loads_during_generation(demo_dir, tmp_path):
@@ -99,3 +113,41 @@ def test_pipeline_on_vllm_without_partial_rollout_waits_for_running_requests(dem
     for step, metrics in by_step.items():
         assert metrics["async/partial/max_versions_spanned"] == 1, step
         assert metrics["async/staleness/max"] <= k - 1, step
+
+
+def test_pipeline_on_vllm_restarts_a_killed_server_with_the_newest_weights(demo_dir, tmp_path):
+    """verl's vLLM replica SIGKILLed mid-run with `rollout.max_restarts=1`: its workers and server start
+    again on the same devices, load the newest version before serving (verl's servers start on dummy
+    weights), and the run ends with every step trained once on the prompts an unfaulted run trains.
+    k=1: vLLM's log-probs equal the trainer's at every step after the restart too."""
+    steps = 6
+    dumps = tmp_path / "dumps"
+    extra = {**PIPELINE, "+trainer.generate_ahead_steps": 1, "trainer.total_training_steps": steps,
+             "trainer.test_freq": -1, "trainer.rollout_data_dir": str(dumps),
+             "+actor_rollout_ref.rollout.max_restarts": 1}
+    metrics, log_path = tmp_path / "metrics.jsonl", tmp_path / "metrics.jsonl.log"
+    proc = start_verl(demo_dir, extra, tmp_path)
+    try:
+        wait_until(lambda: len(step_rows(read_jsonl(metrics))) >= 2, proc, "step 2", timeout_s=600)
+        servers = faults.titled_processes(proc.pid, "ray::vLLMHttpServer")
+        assert len(servers) == 1, [s.cmdline() for s in servers]
+        killed = servers[0].pid
+        servers[0].send_signal(signal.SIGKILL)
+        killed_after = max(step_rows(read_jsonl(metrics)))
+        wait_until(lambda: [s for s in faults.titled_processes(proc.pid, "ray::vLLMHttpServer") if s.pid != killed],
+                   proc, "a new vLLM server process", timeout_s=600)
+        proc.wait(timeout=900)
+    finally:
+        if proc.poll() is None:
+            kill_session(proc)
+    log = log_path.read_text()
+    assert proc.returncode == 0, log[-4000:]
+    by_step = every_step_with(read_jsonl(metrics), steps, ["rollout_corr/log_ppl_abs_diff", "async/faults/replica_restarts"])
+    assert killed_after < steps
+    assert by_step[steps]["async/faults/replica_restarts"] == 1.0
+    assert by_step[1]["async/faults/replica_restarts"] == 0.0
+    # the supervisor's warnings reach the log (LOG_LEVEL: vLLM's server import would silence them)
+    assert "lost (ActorDiedError" in log and "back (restart 1)" in log
+    for step, m in by_step.items():  # the restarted server served the trainer's newest weights, not dummy ones
+        assert m["rollout_corr/log_ppl_abs_diff"] < FP32_NOISE, (step, m["rollout_corr/log_ppl_abs_diff"])
+    assert dumped_step_inputs(dumps) == expected_step_inputs(demo_dir, steps)

@@ -7,30 +7,7 @@ and buckets smaller than most tensors: the paths the other end-to-end runs do no
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
-
-SCRIPT = textwrap.dedent(
-    """
-    import json, os, sys
-    import verl
-    from hydra import compose, initialize_config_dir
-    from async_rl.demo import demo_overrides
-    from async_rl.pipeline import AsyncPipeline
-
-    demo_dir, out_path, extra = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-    with initialize_config_dir(config_dir=os.path.join(os.path.dirname(verl.__file__), "trainer", "config"),
-                               version_base=None):
-        config = compose("ppo_trainer", overrides=demo_overrides(demo_dir, extra=extra))
-    result = {}
-    history = AsyncPipeline(config).run(after_training=lambda p: result.update(p.weight_digests()))
-    with open(out_path, "w") as f:
-        json.dump({"digests": result, "steps": [h for h in history if "training/global_step" in h]}, f)
-    """
-)
+from conftest import run_pipeline_reading_digests
 
 
 def test_every_receiver_holds_the_trainers_bytes(demo_dir, tmp_path):
@@ -44,13 +21,8 @@ def test_every_receiver_holds_the_trainers_bytes(demo_dir, tmp_path):
         "+actor_rollout_ref.rollout.param_update_preduce_bucket_size_mb": 0.01,  # 10 KB: tensors span buckets
         "+actor_rollout_ref.rollout.param_update_consume_bucket_size_mb": 0.005,
     }
-    out = tmp_path / "result.json"
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(demo_dir), str(out), json.dumps(extra)],
-        cwd=tmp_path, env={**os.environ, "PYTHONUNBUFFERED": "1", "VERL_FILE_LOGGER_PATH": str(tmp_path / "metrics.jsonl")}, capture_output=True, text=True, timeout=900,
-    )
+    proc, result = run_pipeline_reading_digests(demo_dir, extra, tmp_path)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    result = json.loads(out.read_text())
     digests = result["digests"]
     assert set(digests) == {"actor_train", "logp", "rollout_server_0", "rollout_server_1"}
     trainer = digests["actor_train"]
