@@ -154,14 +154,12 @@ class AsyncPipeline(PipelineBuild):
         if self.proximal_logp_workers() == "logp":
             calls["logp"] = self.stages["logp"].weight_digests.remote()
         rollout = str(self.config.actor_rollout_ref.rollout.name)
+        handles = self._server_handles()  # each replica's current server, a restarted one included
         if rollout == "cpu":
-            calls.update({f"rollout_server_{i}": handle.weight_digests.remote()
-                          for i, handle in enumerate(self._server_handles())})
+            calls.update({f"rollout_server_{i}": handle.weight_digests.remote() for i, handle in enumerate(handles)})
         digests = self._wait(calls, CALL_TIMEOUT_S, "read weight digests")
-        if rollout == "vllm":  # each replica's current server, a restarted one included
+        if rollout == "vllm":
             from param_update.vllm_digests import replica_weight_digests
-
-            handles = self._server_handles()
 
             async def read_all():  # gather needs the running loop
                 reads = asyncio.gather(*(replica_weight_digests(h) for h in handles))

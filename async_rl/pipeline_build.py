@@ -8,7 +8,6 @@ serves the running half too.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import time
@@ -254,12 +253,6 @@ class PipelineBuild:
         setup = self.stages["param_update"].configure_rollout_servers.remote(
             dual, consume_bytes, layout, self.async_cfg.partial_rollout)
         self._wait({"param_update": setup}, SETUP_TIMEOUT_S, "set up the rollout servers' weight staging")
-        gpu = self._gpu_receivers()
-        if gpu:
-            async def configure_all():  # gather needs the running loop
-                await asyncio.wait_for(asyncio.gather(*(r.configure(layout, dual) for r in gpu)), SETUP_TIMEOUT_S)
-
-            asyncio.run(configure_all())
 
     def _check_weight_sync(self) -> dict[str, int]:
         """Bucket sizes (bytes) after the start-time checks of param_update/capacity.py."""

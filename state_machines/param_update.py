@@ -55,11 +55,19 @@ class ParamUpdateStage(StateMachine):
 
     # ---- rollout servers restarted by the generate stage ------------------------------------
     async def configure_rollout_servers(self, *setup_args) -> None:
-        """`configure_weight_sync(*setup_args)` on every rollout server receiver (a layout mismatch fails
-        here, naming the server); the arguments are kept for the servers restarted later."""
+        """Set up weight staging on every rollout receiver for the trainer's layout (a mismatch fails
+        here, naming the server); `setup_args` = (dual, consume_bytes, layout, partial), kept for the
+        servers restarted later."""
         self._server_setup = setup_args
-        servers = [r for r in self.weight_sync.receivers if isinstance(r, ActorReceiver) and r.serves_generation]
-        await asyncio.gather(*(r.handle.configure_weight_sync.remote(*setup_args) for r in servers))
+        await asyncio.gather(*(self._configure(r) for r in self.weight_sync.receivers if r.serves_generation))
+
+    async def _configure(self, receiver) -> None:
+        """A CPU server's `configure_weight_sync`, or the checkpoint engines of a verl GPU replica's workers."""
+        if isinstance(receiver, ActorReceiver):
+            await receiver.handle.configure_weight_sync.remote(*self._server_setup)
+        else:
+            dual, _, layout, _ = self._server_setup
+            await receiver.configure(layout, dual)
 
     def _server_lost(self, receiver, cause: str, hung: bool) -> None:
         self.generate_stage.server_lost.remote(receiver.replica_index, receiver.handle, cause, hung)
@@ -69,13 +77,11 @@ class ParamUpdateStage(StateMachine):
         syncs) and sync it from now on. Returns the version it serves. `replica_actors`: (workers, servers)
         of a restarted verl GPU replica, whose workers receive the weights."""
         if replica_actors is None:
-            await handle.configure_weight_sync.remote(*self._server_setup)
             receiver = ActorReceiver(f"rollout_server_{index}", handle, True, replica_index=index)
         else:
             old = next(r for r in self.weight_sync.receivers if getattr(r, "replica_index", None) == index)
             receiver = old.restarted(*replica_actors)
-            dual, _, layout, _ = self._server_setup
-            await receiver.configure(layout, dual)
+        await self._configure(receiver)
         version = await self.weight_sync.replace(receiver)
         return self.synced_version if version is None else version
 
