@@ -221,15 +221,11 @@ def _fsync_tree(root: str) -> None:
     """Flush every file and directory under `root` to disk."""
     for dirpath, _, files in os.walk(root):
         for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(dirpath)
+            _fsync(os.path.join(dirpath, name))
+        _fsync(dirpath)
 
 
-def _fsync_dir(path: str) -> None:
+def _fsync(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -284,14 +280,14 @@ class CheckpointDir:
             shutil.rmtree(replaced, ignore_errors=True)
         else:
             os.rename(partial, final)
-        _fsync_dir(self.root)
+        _fsync(self.root)
         tracker = os.path.join(self.root, TRACKER_FILE)
         with open(tracker + ".tmp", "w") as f:
             f.write(str(step))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tracker + ".tmp", tracker)
-        _fsync_dir(self.root)
+        _fsync(self.root)
         return final
 
     def complete_steps(self) -> list[int]:

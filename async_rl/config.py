@@ -71,32 +71,12 @@ class AsyncPipelineConfig:
         return self.generate_ahead_steps - 1
 
 
-# (dotted key, dataclass field, default)
-_KEYS = (
-    ("actor_rollout_ref.async_pipeline", "enabled", False),
-    ("trainer.use_nodes_ratios", "use_nodes_ratios", [0.5, 0.5, 0.5, 0.5]),
-    ("actor_rollout_ref.rollout.enable_dual_buffer", "enable_dual_buffer", True),
-    ("actor_rollout_ref.rollout.param_update_preduce_bucket_size_mb", "preduce_bucket_size_mb", 512),
-    ("actor_rollout_ref.rollout.param_update_consume_bucket_size_mb", "consume_bucket_size_mb", 128),
-    ("trainer.generate_ahead_steps", "generate_ahead_steps", 2),
-    ("trainer.async_stall_timeout_s", "stall_timeout_s", 600),
-    ("reward.async_timeout_s", "reward_timeout_s", 60),
-    ("reward.on_error", "reward_on_error", "stop"),
-    ("trainer.max_restarts", "max_restarts", 0),
-    ("algorithm.decoupled_ppo", "decoupled_ppo", True),
-    ("algorithm.behav_imp_weight_cap", "behav_imp_weight_cap", 5.0),
-    ("actor_rollout_ref.rollout.partial_rollout", "partial_rollout", True),
-    ("algorithm.proximal_logp_workers", "proximal_logp_workers", "train"),
-    ("actor_rollout_ref.rollout.max_restarts", "replica_max_restarts", None),
-    ("actor_rollout_ref.rollout.request_timeout_s", "request_timeout_s", 600),
-)
 DEFAULT_REPLICA_RESTARTS = 3  # on rollout.name=cpu; 0 on vllm (opt in: it keeps a weight copy)
 # Where pi_prox (verl's recomputed old_log_probs) is computed: "train" on the train ranks right
 # before their update (no weight hop, logp and train cannot take turns), "logp" on the logp
 # stage's own worker group, which then receives every version through the weight sync.
 PROXIMAL_LOGP_WORKERS = ("train", "logp")
 REWARD_ON_ERROR = ("stop", "zero")  # a raising / hanging reward function: fail the run, or score 0 and count
-CONFIG_KEYS = tuple(k for k, _, _ in _KEYS) + (STAGES_KEY,)
 
 
 def select_value(config, key: str, default):
@@ -183,6 +163,31 @@ def _replica_restarts(key: str, value, rollout_name) -> int:
     return value
 
 
+# (dotted key, dataclass field, default, check(key, value) -> the value; None: checked on its own)
+_KEYS = (
+    ("actor_rollout_ref.async_pipeline", "enabled", False, _as_bool),
+    ("trainer.use_nodes_ratios", "use_nodes_ratios", [0.5, 0.5, 0.5, 0.5], _as_ratios),
+    ("actor_rollout_ref.rollout.enable_dual_buffer", "enable_dual_buffer", True, _as_bool),
+    ("actor_rollout_ref.rollout.param_update_preduce_bucket_size_mb", "preduce_bucket_size_mb", 512,
+     _as_positive_number),
+    ("actor_rollout_ref.rollout.param_update_consume_bucket_size_mb", "consume_bucket_size_mb", 128,
+     _as_positive_number),
+    ("trainer.generate_ahead_steps", "generate_ahead_steps", 2, _as_ahead_steps),
+    ("trainer.async_stall_timeout_s", "stall_timeout_s", 600, _as_positive_number),
+    ("reward.async_timeout_s", "reward_timeout_s", 60, _as_positive_number),
+    ("reward.on_error", "reward_on_error", "stop", lambda key, value: _as_choice(key, value, REWARD_ON_ERROR)),
+    ("trainer.max_restarts", "max_restarts", 0, _as_count),
+    ("algorithm.decoupled_ppo", "decoupled_ppo", True, _as_bool),
+    ("algorithm.behav_imp_weight_cap", "behav_imp_weight_cap", 5.0, _as_cap),
+    ("actor_rollout_ref.rollout.partial_rollout", "partial_rollout", True, _as_bool),
+    ("algorithm.proximal_logp_workers", "proximal_logp_workers", "train",
+     lambda key, value: _as_choice(key, value, PROXIMAL_LOGP_WORKERS)),
+    ("actor_rollout_ref.rollout.max_restarts", "replica_max_restarts", None, None),  # by rollout.name
+    ("actor_rollout_ref.rollout.request_timeout_s", "request_timeout_s", 600, _as_positive_number),
+)
+CONFIG_KEYS = tuple(k for k, _, _, _ in _KEYS) + (STAGES_KEY,)
+
+
 def critic_enabled(config) -> bool:
     """verl's rule (`verl.trainer.ppo.utils.need_critic`): `critic.enable` when set, else whether the
     estimator is gae. gae with `critic.enable=False` is refused naming both keys (verl's step would
@@ -217,38 +222,21 @@ def dynamic_sampling_enabled(config) -> bool:
 
 def read_async_config(config) -> AsyncPipelineConfig:
     """Read and validate the pipeline keys from a verl config; raises AsyncConfigError."""
-    raw = {fld: select_value(config, key, default) for key, fld, default in _KEYS}
-    keys = {fld: key for key, fld, _ in _KEYS}
+    raw = {fld: select_value(config, key, default) for key, fld, default, _ in _KEYS}
     _check_decoupled(config, raw["decoupled_ppo"] is True)
     user_stages = parse_user_stages(select_value(config, STAGES_KEY, None))
     dynamic_sampling = dynamic_sampling_enabled(config)
     if dynamic_sampling and any(spec.name == "dynamic_sampling" for spec in user_stages):
         raise AsyncConfigError(f"{STAGES_KEY}.dynamic_sampling", "...",
                                "another name: algorithm.filter_groups.enable=True adds a stage of this name")
-    ratios = _as_ratios(keys["use_nodes_ratios"], raw["use_nodes_ratios"])
+    values = {fld: check(key, raw[fld]) for key, fld, _, check in _KEYS if check is not None}
+    values["replica_max_restarts"] = _replica_restarts("actor_rollout_ref.rollout.max_restarts",
+                                                       raw["replica_max_restarts"],
+                                                       select_value(config, "actor_rollout_ref.rollout.name", "vllm"))
+    ratios = values["use_nodes_ratios"]
     return AsyncPipelineConfig(
-        enabled=_as_bool(keys["enabled"], raw["enabled"]),
-        use_nodes_ratios=ratios,
-        enable_dual_buffer=_as_bool(keys["enable_dual_buffer"], raw["enable_dual_buffer"]),
-        preduce_bucket_size_mb=_as_positive_number(keys["preduce_bucket_size_mb"], raw["preduce_bucket_size_mb"]),
-        consume_bucket_size_mb=_as_positive_number(keys["consume_bucket_size_mb"], raw["consume_bucket_size_mb"]),
-        generate_ahead_steps=_as_ahead_steps(keys["generate_ahead_steps"], raw["generate_ahead_steps"]),
-        stall_timeout_s=_as_positive_number(keys["stall_timeout_s"], raw["stall_timeout_s"]),
-        reward_timeout_s=_as_positive_number(keys["reward_timeout_s"], raw["reward_timeout_s"]),
-        max_restarts=_as_count(keys["max_restarts"], raw["max_restarts"]),
-        reward_on_error=_as_choice(keys["reward_on_error"], raw["reward_on_error"], REWARD_ON_ERROR),
+        **values, user_stages=user_stages, dynamic_sampling=dynamic_sampling,
         ratios_by_role={**dict(zip(USE_NODES_ROLES, ratios)), CRITIC_ROLE: ratios[4] if len(ratios) > 4 else ratios[0]},
-        user_stages=user_stages,
-        decoupled_ppo=_as_bool(keys["decoupled_ppo"], raw["decoupled_ppo"]),
-        behav_imp_weight_cap=_as_cap(keys["behav_imp_weight_cap"], raw["behav_imp_weight_cap"]),
-        partial_rollout=_as_bool(keys["partial_rollout"], raw["partial_rollout"]),
-        dynamic_sampling=dynamic_sampling,
-        proximal_logp_workers=_as_choice(
-            keys["proximal_logp_workers"], raw["proximal_logp_workers"], PROXIMAL_LOGP_WORKERS
-        ),
-        replica_max_restarts=_replica_restarts(keys["replica_max_restarts"], raw["replica_max_restarts"],
-                                               select_value(config, "actor_rollout_ref.rollout.name", "vllm")),
-        request_timeout_s=_as_positive_number(keys["request_timeout_s"], raw["request_timeout_s"]),
     )
 
 

@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from async_rl.checkpoints import read_checkpoint_config
 from async_rl.config import critic_enabled, strip_async_keys
 from async_rl.pipeline_build import CALL_TIMEOUT_S, SETUP_TIMEOUT_S, PipelineBuild, PipelineError
+from async_rl.replica_supervisor import kill_actor
 from async_rl.run_config import (
     count_rows,
     resolve_output_dirs,
@@ -154,7 +155,8 @@ class AsyncPipeline(PipelineBuild):
         if self.proximal_logp_workers() == "logp":
             calls["logp"] = self.stages["logp"].weight_digests.remote()
         rollout = str(self.config.actor_rollout_ref.rollout.name)
-        handles = self._server_handles()  # each replica's current server, a restarted one included
+        # each replica's current server, a restarted one included
+        handles = ray.get(self.stages["generate"].server_handles.remote(), timeout=CALL_TIMEOUT_S)
         if rollout == "cpu":
             calls.update({f"rollout_server_{i}": handle.weight_digests.remote() for i, handle in enumerate(handles)})
         digests = self._wait(calls, CALL_TIMEOUT_S, "read weight digests")
@@ -167,10 +169,6 @@ class AsyncPipeline(PipelineBuild):
 
             digests.update({f"rollout_replica_{i}": d for i, d in enumerate(asyncio.run(read_all()))})
         return digests
-
-    def _server_handles(self) -> list:
-        """Every replica's current rollout server (the generate stage restarts lost ones)."""
-        return ray.get(self.stages["generate"].server_handles.remote(), timeout=CALL_TIMEOUT_S)
 
     def _loop(self) -> None:
         from tqdm import tqdm
@@ -283,32 +281,25 @@ class AsyncPipeline(PipelineBuild):
                 ray.get(self.stages["actor_train"].close_weight_sender.remote(), timeout=CLOSE_TIMEOUT_S)
             except Exception:  # noqa: BLE001 - best effort: a dead sender's files go at the next run's start
                 logger.warning("the weight sync's shared-memory files were not unlinked; the next run removes them")
-        for handle in list(self.stages.values()):
-            try:
-                ray.kill(handle, no_restart=True)
-            except Exception:  # noqa: BLE001 - best effort on teardown
-                pass
-        for replica in self.replicas:
-            for server in getattr(replica, "servers", []):
-                try:
-                    ray.kill(server, no_restart=True)
-                except Exception:  # noqa: BLE001
-                    pass
+        for actor in [*self.stages.values(), *(s for r in self.replicas for s in getattr(r, "servers", []))]:
+            kill_actor(actor)
         if self.node_groups and ray.is_initialized():
             from ray.util.placement_group import remove_placement_group
 
             for group in self.node_groups:
-                try:
-                    remove_placement_group(group)
-                except Exception:  # noqa: BLE001
-                    pass
-        if self.tracking is not None and self._finish_tracking:
-            try:
-                self.tracking.finish() if hasattr(self.tracking, "finish") else None
-            except Exception:  # noqa: BLE001
-                pass
+                _quietly(remove_placement_group, group)
+        if self.tracking is not None and self._finish_tracking and hasattr(self.tracking, "finish"):
+            _quietly(self.tracking.finish)
         if getattr(self, "_owns_ray", False) and ray.is_initialized():
             ray.shutdown()
+
+
+def _quietly(call, *args, **kwargs) -> None:
+    """Best effort on teardown: an actor or group already gone is what we wanted."""
+    try:
+        call(*args, **kwargs)
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def blame_stage(runs: dict, failed_ref, exc: BaseException, pending: list) -> tuple[str, BaseException]:

@@ -154,7 +154,7 @@ class PipelineBuild:
         self._wire()
         if resume is not None:
             self._load_resume_point(resume)
-        elif self._gpu_receivers():  # verl's servers start on load_format=dummy weights: serve step 0
+        elif str(cfg.actor_rollout_ref.rollout.name) != "cpu":  # verl's servers start on dummy weights: serve step 0
             self._serve_weights(0)
 
     def plan_placement(self):
@@ -218,11 +218,6 @@ class PipelineBuild:
         self._wait({"param_update": self.stages["param_update"].process_data.remote(NewWeights(step, time.time())),
                     "actor_train": self.stages["actor_train"].send_weights.remote()},
                    SETUP_TIMEOUT_S, f"send the weights of step {step} to the rollout servers")
-
-    def _gpu_receivers(self) -> list:
-        from param_update.checkpoint_engine import GPUReplicaReceiver
-
-        return [r for r in self.receivers if isinstance(r, GPUReplicaReceiver)]
 
     def proximal_logp_workers(self) -> str | None:
         """Which workers recompute pi_prox: "train", "logp", or None (verl's bypass mode: none do)."""

@@ -62,7 +62,7 @@ class ReplicaSupervisor:
         self.handles = list(handles)
         self.max_restarts = int(max_restarts)
         self._relaunch, self._feed_weights = relaunch, feed_weights
-        self._kill = kill or _ray_kill
+        self._kill = kill or kill_actor
         self.restart_timeout_s = restart_timeout_s
         self.restarts = [0] * len(self.handles)
         self.requests_resubmitted = 0
@@ -167,7 +167,8 @@ class ReplicaSupervisor:
             raise self.failure
 
 
-def _ray_kill(handle: Any) -> None:
+def kill_actor(handle: Any) -> None:
+    """ray.kill, without restart; an actor already gone is what we wanted."""
     import ray
 
     try:

@@ -130,13 +130,12 @@ async def relaunch_on_devices(replica, attempt: int, name_free_timeout_s: float 
     `load_format=dummy` weights. Returns the new server handle."""
     import ray
 
+    from async_rl.replica_supervisor import kill_actor
+
     names = [f"{replica._get_server_name_prefix()}server_{replica.replica_rank}_{node}{replica.name_suffix}"
              for node in range(len(replica.servers) or 1)]
     for actor in [*replica.servers, *replica.workers]:
-        try:
-            ray.kill(actor, no_restart=True)
-        except Exception:  # noqa: BLE001 - already gone
-            pass
+        kill_actor(actor)
 
     def wait_names_free():
         deadline = time.monotonic() + name_free_timeout_s

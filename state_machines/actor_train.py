@@ -328,8 +328,7 @@ class ActorTrainStage(StateMachine):
             }
         )
         self._last_step_end = now
-        self._metrics.append(metrics)
-        return None  # NewWeights already went downstream
+        self._metrics.append(metrics)  # nothing returned: NewWeights already went downstream
 
     async def _send_to_critic(self, train_batch, num_rows: int, values: ValuesResult, metrics: dict) -> None:
         """Hand the step's rows, with their values and returns, to critic_train (it trains beside the
@@ -343,9 +342,6 @@ class ActorTrainStage(StateMachine):
         rows = train_batch if num_rows else None
         ref = ray.put(rows) if ray.is_initialized() else rows
         await call_put(self.critic_sink, CriticBatch(index=self.version, batch_ref=ref))
-
-    async def send_output_data(self, data) -> bool:
-        return await self.send_downstream(data)
 
     async def on_end(self) -> None:
         """The last checkpoint and rollout dumps are on disk before the stage ends."""

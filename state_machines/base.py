@@ -1,6 +1,7 @@
 """The abstract async state machine every pipeline stage subclasses.
 
-A stage is a producer/consumer: `get_input_data` -> `process_data` -> `send_output_data`.
+A stage is a producer/consumer: `get_input_data` -> `process_data` -> `send_output_data`;
+a subclass writes `process_data` (the other two default to the inbox and every downstream).
 The base class owns everything else:
 
 - the loop, with up to `max_inflight` items processed concurrently and outputs sent in
@@ -179,17 +180,19 @@ class StateMachine(ABC):
         return True
 
     # ---- the three methods a stage implements ----------------------------------------
-    @abstractmethod
     async def get_input_data(self) -> Optional[Any]:
-        """Next unit of work, or END_OF_STREAM when there is no more."""
+        """Next unit of work, or END_OF_STREAM when there is no more (default: the next inbox item;
+        override to join or reorder upstream items)."""
+        return await self.next_from_inbox()
 
     @abstractmethod
     async def process_data(self, data: Any) -> Any:
         """Do the stage's work on one unit; return the output (None: nothing to send)."""
 
-    @abstractmethod
     async def send_output_data(self, data: Any) -> bool:
-        """Send one output downstream; return True when sent."""
+        """Send one output downstream; return True when sent (default: to every downstream inbox;
+        override to route)."""
+        return await self.send_downstream(data)
 
     # ---- lifecycle ----------------------------------------------------------------
     async def on_start(self) -> None:

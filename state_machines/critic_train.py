@@ -130,10 +130,6 @@ class CriticTrainStage(StateMachine):
         async with self._version_changed:
             self.version += 1
             self._version_changed.notify_all()
-        return None
-
-    async def send_output_data(self, data) -> bool:
-        return True
 
     def pop_metrics(self) -> dict[int, dict[str, float]]:
         """global step -> verl's critic metrics of the update that made it, once each."""

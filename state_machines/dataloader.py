@@ -145,6 +145,3 @@ class DataloaderStage(StateMachine):
         tokenized = [tokenize_row(r, self.tokenizer, self.max_prompt_length, self.truncation, self.files,
                                   self.prompt_key) for r in rows]
         return PromptBatch(index=step, prompt_ids=[t[0] for t in tokenized], non_tensor=[t[1] for t in tokenized])
-
-    async def send_output_data(self, data: PromptBatch) -> bool:
-        return await self.send_downstream(data)

@@ -171,6 +171,3 @@ class DynamicSamplingStage(StateMachine):
             del self._snapshots[old]
         generated, pool = self._snapshots[step]
         return generated, [vars(g) for g in pool]
-
-    async def send_output_data(self, data: TrainingBatch) -> bool:
-        return await self.send_downstream(data)

@@ -31,21 +31,14 @@ class GeneratedBatch:
 
 
 def sampling_params_from_config(rollout_cfg, validate: bool = False) -> dict:
-    """verl's rollout sampling keys -> server sampling params (vllm/sglang names)."""
-    if validate:
-        val = rollout_cfg.val_kwargs
-        greedy = not val.do_sample
-        return {
-            "temperature": 0.0 if greedy else float(val.temperature),
-            "top_p": 1.0 if greedy else float(val.top_p),
-            "top_k": -1 if greedy else int(val.top_k),
-            "max_tokens": int(rollout_cfg.response_length),
-            "logprobs": True,
-        }
+    """verl's rollout sampling keys (`val_kwargs` for validation, greedy unless it samples) -> server
+    sampling params (vllm/sglang names)."""
+    keys = rollout_cfg.val_kwargs if validate else rollout_cfg
+    greedy = validate and not keys.do_sample
     return {
-        "temperature": float(rollout_cfg.temperature),
-        "top_p": float(rollout_cfg.top_p),
-        "top_k": int(rollout_cfg.top_k),
+        "temperature": 0.0 if greedy else float(keys.temperature),
+        "top_p": 1.0 if greedy else float(keys.top_p),
+        "top_k": -1 if greedy else int(keys.top_k),
         "max_tokens": int(rollout_cfg.response_length),
         "logprobs": True,
     }
@@ -236,6 +229,3 @@ class GenerateStage(StateMachine):
                 )
             )
         return GeneratedBatch(index=batch.index, samples=samples, start_version=start_version)
-
-    async def send_output_data(self, data: GeneratedBatch) -> bool:
-        return await self.send_downstream(data)

@@ -112,8 +112,6 @@ class LogpStage(StateMachine):
         return {"load_s": load_s, "blocked_s": load_s, "keeps_buffer": False}  # copied into the shards
 
     # ---- the state machine -----------------------------------------------------------------
-    async def get_input_data(self):
-        return await self.next_from_inbox()
 
     async def process_data(self, data: RolloutBatch) -> LogpResult:
         if not self.compute:
@@ -128,6 +126,3 @@ class LogpStage(StateMachine):
                 engine_calls.compute_log_prob, self.worker_group, batch, self.temperature
             )
         return LogpResult(index=data.index, batch_ref=data.batch_ref, old_log_probs=log_probs, logp_version=version)
-
-    async def send_output_data(self, data: LogpResult) -> bool:
-        return await self.send_downstream(data)

@@ -106,16 +106,9 @@ class ParamUpdateStage(StateMachine):
         self.stream.fail(version, message)
 
     # ---- the state machine ---------------------------------------------------------------
-    async def get_input_data(self):
-        return await self.next_from_inbox()
-
     async def process_data(self, data: NewWeights) -> None:
         self.timings[data.version] = await self.weight_sync.sync(data.version, data.started_at)
-        self.synced_version = data.version
-        return None  # nothing flows downstream: receivers are called directly
-
-    async def send_output_data(self, data) -> bool:
-        return True
+        self.synced_version = data.version  # nothing flows downstream: receivers are called directly
 
     def pop_timings(self) -> dict[int, dict[str, float]]:
         out, self.timings = self.timings, {}

@@ -42,15 +42,9 @@ class RefLogpStage(StateMachine):
             self.worker_group = make_worker_group(self.config, "ref", self.devices, "ref")
         return self.world_size if self.enabled else 0
 
-    async def get_input_data(self):
-        return await self.next_from_inbox()
-
     async def process_data(self, data: RolloutBatch) -> RefLogpResult:
         if not self.enabled:
             return RefLogpResult(index=data.index, ref_log_prob=None)
         batch = await data.get()
         ref = await asyncio.to_thread(engine_calls.compute_ref_log_prob, self.worker_group, batch, self.temperature)
         return RefLogpResult(index=data.index, ref_log_prob=ref)
-
-    async def send_output_data(self, data: RefLogpResult) -> bool:
-        return await self.send_downstream(data)

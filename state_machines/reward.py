@@ -192,9 +192,6 @@ class RewardStage(StateMachine):
         self.timeout_s = timeout_s
         self.on_error = on_error  # "stop" or "zero" (async_rl.config.REWARD_ON_ERROR, validated there)
 
-    async def get_input_data(self):
-        return await self.next_from_inbox()
-
     async def process_data(self, data: RolloutBatch) -> ScoredBatch:
         batch = await data.get()
         if self.on_error == "zero":
@@ -227,6 +224,3 @@ class RewardStage(StateMachine):
                 f"reward function {self.score_fn_name} raised {type(exc).__name__}: {exc} (batch {index}; "
                 "reward.on_error=zero scores such samples 0 instead)"
             ) from exc
-
-    async def send_output_data(self, data: ScoredBatch) -> bool:
-        return await self.send_downstream(data)

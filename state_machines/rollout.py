@@ -42,13 +42,7 @@ class RolloutStage(StateMachine):
         self.max_response_length = max_response_length
         self.pad_token_id = pad_token_id
 
-    async def get_input_data(self):
-        return await self.next_from_inbox()
-
     async def process_data(self, data: GeneratedBatch) -> RolloutBatch:
         batch = build_batch(data.samples, self.max_prompt_length, self.max_response_length, self.pad_token_id)
         ref = ray.put(batch) if ray.is_initialized() else batch
         return RolloutBatch(index=data.index, batch_ref=ref, start_version=data.start_version)
-
-    async def send_output_data(self, data: RolloutBatch) -> bool:
-        return await self.send_downstream(data)

@@ -31,13 +31,7 @@ class ValuesStage(StateMachine):
         super().__init__("values")
         self.critic_train = critic_train
 
-    async def get_input_data(self):
-        return await self.next_from_inbox()
-
     async def process_data(self, data: RolloutBatch) -> ValuesResult:
         with self.waiting():  # the critic's previous update, then its forward, on critic_train's workers
             values, version, seconds = await self.critic_train.compute_values.remote(data.index, data.batch_ref)
         return ValuesResult(index=data.index, values=values, critic_version=version, seconds=seconds)
-
-    async def send_output_data(self, data: ValuesResult) -> bool:
-        return await self.send_downstream(data)

@@ -3,7 +3,8 @@
 Real Ray actors: two CPU rollout servers (the engine serving requests), the param_update
 stage, a trainer actor running the bucket sender. Failures: a lost bucket, a receiver
 that dies, a bucket that never comes, a send that fails; each leaves the previous
-version serving.
+version serving. Also the `async_rl` checkpoint-engine backend under verl's own manager (its
+send side, as verl's fully_async_policy uses it): bit-identical weights, a failed or missing send.
 """
 
 from __future__ import annotations
@@ -455,3 +456,77 @@ def test_lost_restartable_server_is_left_out_then_its_restart_gets_the_newest_ve
     want_2 = {n: tensor_digest(t) for n, t in tiny_model(2).state_dict().items()}
     assert digests_of(servers[0]) == digests_of(restarted) == want_2
     assert len(lost) == 1
+
+
+@ray.remote
+class EngineRank:
+    """A process holding the `async_rl` checkpoint engine as verl's trainer ranks and
+    CheckpointEngineWorkers do; `send` iterates the weights as verl's actor worker hands them over."""
+
+    def __init__(self, **engine_kwargs):
+        from param_update.checkpoint_engine import StagedCheckpointEngine
+
+        self.engine = StagedCheckpointEngine(**engine_kwargs)
+
+    def execute_checkpoint_engine(self, method, *args, **kwargs):
+        return getattr(self.engine, method)(*args, **kwargs)
+
+    async def send(self, seed, fail_after=None):
+        def weights():
+            for i, (name, tensor) in enumerate(tiny_model(seed).state_dict().items()):
+                if fail_after is not None and i == fail_after:
+                    raise RuntimeError("gather failed on this rank")
+                yield name, tensor
+
+        return await self.engine.send_weights(weights())
+
+    async def receive(self):
+        return {name: tensor_digest(t) async for name, t in self.engine.receive_weights()}
+
+
+def connect(trainer_ranks, receivers):
+    """What verl's CheckpointEngineManager.build_process_group does, for this backend."""
+    from param_update.checkpoint_engine import StagedCheckpointEngine
+
+    ranks = trainer_ranks + receivers
+    metadata = ray.get([r.execute_checkpoint_engine.remote("prepare") for r in ranks], timeout=TIMEOUT_S)
+    actor_kwargs, rollout_kwargs = StagedCheckpointEngine.build_topology(len(trainer_ranks), len(receivers), metadata)
+    ray.get([r.execute_checkpoint_engine.remote("init_process_group", **{k: v[i] for k, v in actor_kwargs.items()})
+             for i, r in enumerate(trainer_ranks)]
+            + [r.execute_checkpoint_engine.remote("init_process_group", **{k: v[i] for k, v in rollout_kwargs.items()})
+               for i, r in enumerate(receivers)], timeout=TIMEOUT_S)
+
+
+def test_the_async_rl_backend_sends_under_verls_checkpoint_engine_manager(ray_session):
+    """verl's manager (its fully_async_policy) with `checkpoint_engine.backend=async_rl`: trainer rank 0
+    hands buckets to every receiver through the object store while the others only iterate their
+    weights; both receivers get the trainer's weights bit for bit, twice (the handoff is reused)."""
+    trainer_ranks = [EngineRank.remote(bucket_size=4096, is_master=rank == 0) for rank in range(2)]
+    receivers = [EngineRank.remote(bucket_size=4096) for _ in range(2)]
+    for seed in (1, 2):
+        connect(trainer_ranks, receivers)
+        received = ray.get([r.receive.remote() for r in receivers] + [t.send.remote(seed) for t in trainer_ranks],
+                           timeout=TIMEOUT_S)
+        want = {n: tensor_digest(t) for n, t in tiny_model(seed).state_dict().items()}
+        assert received[0] == want and received[1] == want
+        ray.get([r.execute_checkpoint_engine.remote("finalize") for r in trainer_ranks + receivers], timeout=TIMEOUT_S)
+    assert len(want) > 3 and sum(t.numel() * 4 for t in tiny_model(1).state_dict().values()) > 4 * 4096  # buckets
+
+
+def test_the_async_rl_backend_fails_the_receivers_when_the_send_fails_or_never_comes(ray_session):
+    """A send that fails midway fails the receivers naming its cause; the next update (verl calls no
+    finalize after a failure) starts clean; a send that never comes fails them after the timeout."""
+    trainer = EngineRank.remote(bucket_size=4096, is_master=True)
+    receiver = EngineRank.remote(bucket_size=4096, handoff_timeout_s=2)
+    connect([trainer], [receiver])
+    failed = receiver.receive.remote()
+    with pytest.raises(ray.exceptions.RayTaskError, match="gather failed on this rank"):
+        ray.get(trainer.send.remote(1, fail_after=3), timeout=TIMEOUT_S)
+    with pytest.raises(ray.exceptions.RayTaskError, match="the trainer's weight send failed: RuntimeError: gather failed"):
+        ray.get(failed, timeout=TIMEOUT_S)
+    connect([trainer], [receiver])
+    received, _ = ray.get([receiver.receive.remote(), trainer.send.remote(2)], timeout=TIMEOUT_S)
+    assert received == {n: tensor_digest(t) for n, t in tiny_model(2).state_dict().items()}
+    connect([trainer], [receiver])
+    with pytest.raises(ray.exceptions.RayTaskError, match="no weight bucket 0 from the trainer within 2 s"):
+        ray.get(receiver.receive.remote(), timeout=TIMEOUT_S)  # no send at all

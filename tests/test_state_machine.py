@@ -48,7 +48,8 @@ class Source(StateMachine):
 
 
 class Mapper(StateMachine):
-    """Applies `fn` after sleeping `delay(item)` seconds; records concurrency and cancellations."""
+    """Applies `fn` after sleeping `delay(item)` seconds; records concurrency and cancellations.
+    It writes only `process_data`: the base class's inbox and downstream defaults do the rest."""
 
     def __init__(self, name="mapper", fn=lambda x: x, delay=lambda x: 0.0, **kw):
         super().__init__(name, **kw)
@@ -59,9 +60,6 @@ class Mapper(StateMachine):
         self.started = []
         self.finished = []
         self.cancelled = []
-
-    async def get_input_data(self):
-        return await self.next_from_inbox()
 
     async def process_data(self, data):
         self.started.append(data)
@@ -77,9 +75,6 @@ class Mapper(StateMachine):
             self.active -= 1
         self.finished.append(data)
         return out
-
-    async def send_output_data(self, data):
-        return await self.send_downstream(data)
 
 
 class Sink(StateMachine):

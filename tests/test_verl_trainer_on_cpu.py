@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 
 from conftest import (
     compose_ppo,
@@ -38,6 +38,25 @@ def test_prepare_sets_up_ray_for_cpu_workers(demo_dir, monkeypatch):
     assert all(OmegaConf.select(config, key) is None for key in CONFIG_KEYS)  # verl's dataclasses reject them
     ray_init = config.ray_kwargs.ray_init
     assert ray_init.num_gpus == 2 and ray_init.num_cpus >= 16  # logical: one "GPU" per trainer process
+    assert dict(ray_init.runtime_env.env_vars) == WORKER_ENV
+
+
+def test_verls_fully_async_main_is_set_up_for_cpu_at_auto_set_device(demo_dir, monkeypatch):
+    """verl's fully_async_main never calls validate_config: its auto_set_device call sets up the CPU run,
+    with Ray devices for its trainer and its rollout and logical CPUs for its 23-CPU actors."""
+    import verl.utils.device as device_module
+
+    from async_rl.demo import demo_overrides
+
+    for key in WORKER_ENV:
+        monkeypatch.delenv(key, raising=False)
+    config = compose_ppo(demo_overrides(demo_dir, extra=FLAG_OFF))
+    with open_dict(config):  # what fully_async_ppo_trainer.yaml adds to verl's ppo_trainer
+        config.async_training = {"staleness_threshold": 1.0}
+        config.rollout = {"nnodes": 1, "n_gpus_per_node": 1}
+    device_module.auto_set_device(config)
+    ray_init = config.ray_kwargs.ray_init
+    assert config.trainer.device == "cpu" and ray_init.num_gpus == 2 + 1 and ray_init.num_cpus >= 48
     assert dict(ray_init.runtime_env.env_vars) == WORKER_ENV
 
 

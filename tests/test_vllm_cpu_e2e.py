@@ -3,7 +3,9 @@
 Flag off: verl's synchronous trainer with `rollout.name=vllm` on CPU, through verl's
 `vLLMReplica` / `vLLMHttpServer` and its weight sync. With `rollout.dtype=float32` the log-probs
 vLLM returns equal the trainer's recomputed ones within fp32 noise at every step, which holds
-only if every new version reached vLLM (one step of training moves them by ~1e-3)."""
+only if every new version reached vLLM (one step of training moves them by ~1e-3). The same check
+holds for verl's own async trainer, `fully_async_policy`, its weights sent by the `async_rl`
+checkpoint-engine backend."""
 
 from __future__ import annotations
 
@@ -151,3 +153,23 @@ def test_pipeline_on_vllm_restarts_a_killed_server_with_the_newest_weights(demo_
     for step, m in by_step.items():  # the restarted server served the trainer's newest weights, not dummy ones
         assert m["rollout_corr/log_ppl_abs_diff"] < FP32_NOISE, (step, m["rollout_corr/log_ppl_abs_diff"])
     assert dumped_step_inputs(dumps) == expected_step_inputs(demo_dir, steps)
+
+
+def test_verls_fully_async_policy_runs_on_cpu_with_the_async_rl_checkpoint_engine(demo_dir, tmp_path):
+    """verl's own async trainer (`fully_async_policy`, as bench/e2e.py runs it) on vLLM's CPU build, its
+    weights sent by the `async_rl` checkpoint-engine backend. With nothing generated ahead
+    (`staleness_threshold=0`) and pi_old recomputed by the trainer, the log-probs vLLM returned equal
+    the trainer's within fp32 noise at every logged step: every version reached vLLM."""
+    e2e = load_bench("e2e")
+    extra = {**e2e.VLLM_ON_CPU, **e2e.fully_async_overrides(steps=3, prompts_per_step=32),
+             "async_training.staleness_threshold": 0, "algorithm.rollout_correction.bypass_mode": False,
+             "trainer.val_before_train": False, "trainer.test_freq": 2, "trainer.save_freq": -1}
+    rows = e2e.run_system("verl-fully-async", demo_dir, tmp_path, tmp_path / "metrics.jsonl", extra, timeout_s=600,
+                          main=e2e.FULLY_ASYNC_MAIN)
+    assert "Checkpoint manager initialized (backend=async_rl)" in (tmp_path / "metrics.log").read_text()
+    trained = [r["data"] for r in rows if "training/rollout_probs_diff_max" in r["data"]]
+    assert len(trained) >= 2 and {m["training/global_step"] for m in trained} >= {1.0, 2.0}
+    for metrics in trained:
+        assert metrics["training/rollout_probs_diff_max"] < FP32_NOISE, metrics["training/global_step"]
+        assert metrics["rollout_corr/log_ppl_abs_diff"] < FP32_NOISE
+    assert val_rows(rows) or any(k.startswith("val-aux/") for r in rows for k in r["data"])  # validation ran

@@ -108,8 +108,3 @@ def apply_cpu_worker_patches() -> None:
     patch_gloo_process_group()
     patch_unpinned_cpu_offload()
     patch_value_model_attention()
-
-
-def applied_patches() -> frozenset[str]:
-    """Names of the patches applied in this process."""
-    return frozenset(_APPLIED)

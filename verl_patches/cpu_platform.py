@@ -13,109 +13,59 @@ Without the flag verl behaves as if this package were absent.
 from __future__ import annotations
 
 import contextlib
+import time
 import types
-from typing import Any, Optional
-
 import torch
 
 CPU_PLATFORM_NAME = "cpu"
 
 
-class _CPUDeviceModule(types.SimpleNamespace):
-    """Stands in for `torch.cuda` where verl calls memory/RNG helpers on its device module."""
+def _none(*_args, **_kwargs) -> None:
+    return None
 
-    def __init__(self):
-        super().__init__()
 
-    @staticmethod
-    def is_available() -> bool:
-        return True
+def _returns(value):
+    """A function of any arguments returning ``value`` (a fresh copy of a dict or list)."""
+    return lambda *_args, **_kwargs: value.copy() if isinstance(value, (dict, list)) else value
 
-    @staticmethod
-    def current_device() -> str:
-        return "cpu"
 
-    @staticmethod
-    def device_count() -> int:
-        return 1
+_zero = _returns(0)
 
-    @staticmethod
-    def set_device(_index) -> None:
-        return None
 
-    @staticmethod
-    def synchronize(_index=None) -> None:
-        return None
+def _mem_get_info(_device=None) -> tuple[int, int]:
+    import psutil
 
-    @staticmethod
-    def empty_cache() -> None:
-        return None
+    vm = psutil.virtual_memory()
+    return vm.available, vm.total
 
-    @staticmethod
-    def manual_seed(seed: int) -> None:
-        torch.manual_seed(seed)
 
-    @staticmethod
-    def manual_seed_all(seed: int) -> None:
-        torch.manual_seed(seed)
+class _WallClockEvent:
+    """verl's timers create device events; wall time is enough on CPU (torch.cpu.Event has no timing)."""
 
-    @staticmethod
-    def get_rng_state():
-        return torch.get_rng_state()
+    def __init__(self, enable_timing: bool = False):
+        self._t = None
 
-    @staticmethod
-    def set_rng_state(state) -> None:
-        torch.set_rng_state(state)
+    def record(self, *_args, **_kwargs):
+        self._t = time.perf_counter()
 
-    @staticmethod
-    def memory_allocated(_device=None) -> int:
-        return 0
+    def elapsed_time(self, other) -> float:
+        """Milliseconds from this event to ``other``."""
+        return (other._t - self._t) * 1000.0
 
-    @staticmethod
-    def memory_reserved(_device=None) -> int:
-        return 0
+    synchronize = _none
 
-    @staticmethod
-    def max_memory_allocated(_device=None) -> int:
-        return 0
 
-    @staticmethod
-    def max_memory_reserved(_device=None) -> int:
-        return 0
-
-    @staticmethod
-    def reset_peak_memory_stats(_device=None) -> None:
-        return None
-
-    @staticmethod
-    def mem_get_info(_device=None) -> tuple[int, int]:
-        import psutil
-
-        vm = psutil.virtual_memory()
-        return vm.available, vm.total
-
-    @staticmethod
-    def get_device_name(_device=None) -> str:
-        return "cpu"
-
-    @staticmethod
-    def get_device_properties(_device=None):
-        return types.SimpleNamespace(name="cpu", total_memory=0)
-
-    class Event:  # verl's timers create device events; wall time is enough on CPU
-        def __init__(self, enable_timing: bool = False):
-            self._t = None
-
-        def record(self, *_a, **_k):
-            import time
-
-            self._t = time.perf_counter()
-
-        def elapsed_time(self, other) -> float:
-            return (other._t - self._t) * 1000.0
-
-        def synchronize(self):
-            return None
+# stands in for `torch.cuda` where verl calls memory/RNG helpers on its device module
+_CPU_DEVICE_MODULE = types.SimpleNamespace(
+    is_available=torch.cpu.is_available, current_device=torch.cpu.current_device,
+    device_count=torch.cpu.device_count, set_device=_none, synchronize=_none, empty_cache=_none,
+    manual_seed=torch.manual_seed, manual_seed_all=torch.manual_seed,
+    get_rng_state=torch.get_rng_state, set_rng_state=torch.set_rng_state,
+    memory_allocated=_zero, memory_reserved=_zero, max_memory_allocated=_zero, max_memory_reserved=_zero,
+    reset_peak_memory_stats=_none, mem_get_info=_mem_get_info, get_device_name=lambda _device=None: "cpu",
+    get_device_properties=lambda _device=None: types.SimpleNamespace(name="cpu", total_memory=0),
+    Event=_WallClockEvent,
+)
 
 
 def make_cpu_platform_class():
@@ -126,85 +76,27 @@ def make_cpu_platform_class():
     if existing is not None and existing.__name__ == "PlatformCPU":
         return existing
 
-    device_module = _CPUDeviceModule()
-
     class PlatformCPU(PlatformBase):
-        @property
-        def device_name(self) -> str:
-            return "cpu"
-
-        @property
-        def vendor_name(self) -> str:
-            return "cpu"
-
-        @property
-        def device_module(self):
-            return device_module
-
-        def is_available(self) -> bool:
-            return True
-
-        def is_platform_available(self, use_smi_check=False) -> bool:
-            return False  # chosen only explicitly, through VERL_PLATFORM=cpu
-
-        def current_device(self) -> str:
-            # verl passes this to `.to(...)`/`to_empty(device=...)`; an int means an accelerator.
-            return "cpu"
-
-        def device_count(self) -> int:
-            return 1
-
-        def set_device(self, device_index: int) -> None:
-            return None
-
-        def synchronize(self, device_index: Optional[int] = None) -> None:
-            return None
-
-        def manual_seed(self, seed: int) -> None:
-            torch.manual_seed(seed)
-
-        def manual_seed_all(self, seed: int) -> None:
-            torch.manual_seed(seed)
-
-        def set_allocator_settings(self, settings: str) -> None:
-            return None
-
-        def empty_cache(self) -> None:
-            return None
-
-        def get_device_capability(self, device_index: int = 0):
-            return None, None
-
-        def communication_backend_name(self) -> str:
-            return "gloo"
-
-        def visible_devices_envvar(self) -> str:
-            return "CUDA_VISIBLE_DEVICES"
+        device_name = vendor_name = property(_returns("cpu"))
+        device_module = property(_returns(_CPU_DEVICE_MODULE))
+        is_available = _returns(True)
+        is_platform_available = _returns(False)  # chosen only explicitly, through VERL_PLATFORM=cpu
+        current_device = _returns("cpu")  # verl passes it to `.to(...)`; an int would mean an accelerator
+        device_count = _returns(1)
+        set_device = synchronize = set_allocator_settings = empty_cache = _none
+        profiler_start = profiler_stop = cudart = _none
+        manual_seed = manual_seed_all = staticmethod(torch.manual_seed)
+        get_device_capability = _returns((None, None))
+        communication_backend_name = _returns("gloo")
+        visible_devices_envvar = _returns("CUDA_VISIBLE_DEVICES")
+        ray_resource_name = _returns("CPU")
+        ray_resource_options = _returns({})
+        ray_noset_envvars = _returns([])
+        is_ipc_supported = _returns(False)
 
         @contextlib.contextmanager
         def nvtx_range(self, msg: str):
             yield
-
-        def profiler_start(self) -> None:
-            return None
-
-        def profiler_stop(self) -> None:
-            return None
-
-        def ray_resource_name(self) -> str:
-            return "CPU"
-
-        def ray_resource_options(self, num_gpus: float) -> dict[str, Any]:
-            return {}
-
-        def ray_noset_envvars(self) -> list[str]:
-            return []
-
-        def is_ipc_supported(self) -> bool:
-            return False
-
-        def cudart(self) -> Any:
-            return None
 
     PlatformRegistry.register(platform=CPU_PLATFORM_NAME)(PlatformCPU)
     return PlatformCPU

@@ -62,7 +62,8 @@ def wrap_validate_config() -> None:
 
 
 def wrap_auto_set_device() -> None:
-    """Keep `trainer.device=cpu` for the pipeline.
+    """Keep `trainer.device=cpu` for the pipeline (and set up verl's `fully_async_policy` on CPU, whose
+    main calls this function and not `validate_config`).
 
     verl 0.9.1's `auto_set_device` falls back to the nvidia platform on a machine with
     no accelerator and rewrites `trainer.device=cpu` to `cuda`. With the flag set and
@@ -81,6 +82,10 @@ def wrap_auto_set_device() -> None:
 
         on_cpu = str(config.trainer.get("device", "")) == "cpu"
         if on_cpu and (async_pipeline_enabled(config) or wants_cpu_rollout(config)):
+            if "async_training" in config and wants_cpu_rollout(config):  # fully_async_main: no validate_config
+                from verl_patches.verl_trainer_on_cpu import prepare
+
+                prepare(config)
             return None
         return original(config)
 

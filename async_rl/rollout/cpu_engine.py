@@ -130,11 +130,6 @@ class ContinuousBatchingEngine(WeightSwap):
     def paused(self) -> bool:
         return self._paused
 
-    @property
-    def num_running(self) -> int:
-        """Live requests (waiting + decoding)."""
-        return len(self._requests)
-
     def num_tokens(self, request_id: str) -> Optional[int]:
         """Tokens generated so far by a live request; None if it is not live."""
         seq = self._requests.get(request_id)

@@ -130,15 +130,10 @@ class CPURolloutServer:
                 f"Prompt length ({len(prompt_ids)}) leaves no room to generate within max_model_len "
                 f"({self.max_model_len})"
             )
-        if "max_new_tokens" in params:
-            max_new = params.pop("max_new_tokens")
-            params.pop("max_tokens", None)
-        elif "max_tokens" in params:
-            max_new = params.pop("max_tokens")
-        else:
-            max_new = min(
-                self.config.response_length, self.config.prompt_length + self.config.response_length - len(prompt_ids)
-            )
+        default = min(self.config.response_length,
+                      self.config.prompt_length + self.config.response_length - len(prompt_ids))
+        given = [params.pop(key, None) for key in ("max_new_tokens", "max_tokens")]  # sglang's name, vLLM's
+        max_new = next((value for value in given if value is not None), default)
         params["max_new_tokens"] = max(0, min(int(max_new), max_possible))
         params.setdefault("ignore_eos", self.config.ignore_eos)
 
@@ -320,14 +315,8 @@ def _node_ip() -> str:
 def _eos_ids(model_config: HFModelConfig) -> set[int]:
     """EOS ids from the generation config, the (tokenizer-patched) hf config and the tokenizer."""
     eos: set[int] = set()
-    sources = (
-        getattr(model_config, "generation_config", None),
-        getattr(model_config, "hf_config", None),
-        getattr(model_config, "tokenizer", None),
-    )
-    for source in sources:
-        value = getattr(source, "eos_token_id", None) if source is not None else None
-        if value is None:
-            continue
-        eos.update([value] if isinstance(value, int) else value)
+    for source in ("generation_config", "hf_config", "tokenizer"):
+        value = getattr(getattr(model_config, source, None), "eos_token_id", None)
+        if value is not None:
+            eos.update([value] if isinstance(value, int) else value)
     return eos
