@@ -121,12 +121,11 @@ class AsyncPipeline(PipelineBuild):
         last.update(stats)
         return ratios
 
-    def _validate(self, step: int) -> dict:
+    def _validate(self, step: int) -> None:
+        """Validate through the rollout servers and log it with the served version (`val-aux/param_version`)."""
         version = ray.get(self.stages["generate"].served_version.remote(), timeout=CALL_TIMEOUT_S)
         metrics = self.validator.run(timeout_s=SETUP_TIMEOUT_S, step=step)
-        metrics["val-aux/param_version"] = float(version)
-        self._log(metrics, step)
-        return metrics
+        self._log({**metrics, "val-aux/param_version": float(version)}, step)
 
     def run(self, after_training=None) -> list[dict]:
         """Train to the end; returns every logged step's metrics. Raises PipelineError on failure.

