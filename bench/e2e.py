@@ -322,6 +322,15 @@ def explain(row: dict, base: dict) -> str:
     return line
 
 
+def time_to_target_ratio(row: dict, base: dict) -> tuple[float | None, str]:
+    """How many times sooner `row` reached TARGET than `base` (None if either did not), and
+    "<row> s against <base> s (<ratio>x)"."""
+    mine, theirs = row["time_to_target_s"], base["time_to_target_s"]
+    ratio = theirs / mine if mine and theirs else None
+    fmt = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
+    return ratio, f"{fmt(mine)} s against {fmt(theirs)} s ({'-' if ratio is None else f'{ratio:.2f}x'})"
+
+
 def why_short_of_goal(row: dict, base: dict) -> str:
     """What bounds a pipeline run that reaches TARGET less than GOAL_SPEEDUP times sooner than verl-sync."""
     path = row["breakdown"]
@@ -415,9 +424,9 @@ def main(argv=None) -> list[dict]:
                         from async_rl.demo import prepare
 
                         prepare(demo_dir, seed=seed)
-                    main = FULLY_ASYNC_MAIN if name == "verl-fully-async" else "verl.trainer.main_ppo"
+                    entry = FULLY_ASYNC_MAIN if name == "verl-fully-async" else "verl.trainer.main_ppo"
                     metrics = run_system(name, demo_dir, Path(tmp), path, {**common, **extra}, args.timeout_s,
-                                         critic, stop_at, main)
+                                         critic, stop_at, entry)
                 row, curve = summarize(name, k, metrics, TRAIN_BATCH_SIZE * GROUP_SIZE, TARGET)
                 row["seed"] = seed
                 rows.append(row)
@@ -451,18 +460,13 @@ def main(argv=None) -> list[dict]:
         peer = next((b for b in rows if b["system"] == "verl-fully-async" and b["seed"] == r["seed"]), None)
         if base:
             print(explain(r, base))
-            ratio = (base["time_to_target_s"] / r["time_to_target_s"]
-                     if base["time_to_target_s"] and r["time_to_target_s"] else None)
+            ratio, against = time_to_target_ratio(r, base)
             verdict = ("met" if ratio is not None and ratio >= GOAL_SPEEDUP else "missed")
-            print(f"  time to {TARGET}: {fmt(r['time_to_target_s'], '.0f')} s against "
-                  f"{fmt(base['time_to_target_s'], '.0f')} s ({'-' if ratio is None else f'{ratio:.2f}x'}): goal "
-                  f"{verdict}" + ("" if verdict == "met" else f"; {why_short_of_goal(r, base)}"))
+            print(f"  time to {TARGET}: {against}: goal {verdict}"
+                  + ("" if verdict == "met" else f"; {why_short_of_goal(r, base)}"))
         if peer:
             print(explain(r, peer))
-            ratio = (peer["time_to_target_s"] / r["time_to_target_s"]
-                     if peer["time_to_target_s"] and r["time_to_target_s"] else None)
-            print(f"  against verl-fully-async: time to {TARGET} {fmt(r['time_to_target_s'], '.0f')} s against "
-                  f"{fmt(peer['time_to_target_s'], '.0f')} s ({'-' if ratio is None else f'{ratio:.2f}x'})")
+            print(f"  against verl-fully-async: time to {TARGET} {time_to_target_ratio(r, peer)[1]}")
     if args.png and importlib.util.find_spec("matplotlib") is None:
         print("plot: not drawn (matplotlib is not installed in this venv)")
     elif args.png:

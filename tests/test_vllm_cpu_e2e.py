@@ -19,12 +19,9 @@ from param_update.vllm_digests import ALLOW_PICKLE_ENV
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 faults = load_bench("faults")
+e2e = load_bench("e2e")
 
-VLLM_ON_CPU = {
-    "actor_rollout_ref.rollout.name": "vllm",
-    "actor_rollout_ref.rollout.dtype": "float32",  # the trainer's dtype: log-probs comparable to fp32 noise
-    "actor_rollout_ref.rollout.enforce_eager": True,
-}
+VLLM_ON_CPU = e2e.VLLM_ON_CPU  # fp32, the trainer's dtype: log-probs comparable to fp32 noise
 FP32_NOISE = 1e-5  # measured: 7e-8 to 8e-8 (bf16 rollout: 4e-4)
 
 
@@ -160,8 +157,7 @@ def test_verls_fully_async_policy_runs_on_cpu_with_the_async_rl_checkpoint_engin
     weights sent by the `async_rl` checkpoint-engine backend. With nothing generated ahead
     (`staleness_threshold=0`) and pi_old recomputed by the trainer, the log-probs vLLM returned equal
     the trainer's within fp32 noise at every logged step: every version reached vLLM."""
-    e2e = load_bench("e2e")
-    extra = {**e2e.VLLM_ON_CPU, **e2e.fully_async_overrides(steps=3, prompts_per_step=32),
+    extra = {**VLLM_ON_CPU, **e2e.fully_async_overrides(steps=3, prompts_per_step=32),
              "async_training.staleness_threshold": 0, "algorithm.rollout_correction.bypass_mode": False,
              "trainer.val_before_train": False, "trainer.test_freq": 2, "trainer.save_freq": -1}
     rows = e2e.run_system("verl-fully-async", demo_dir, tmp_path, tmp_path / "metrics.jsonl", extra, timeout_s=600,
