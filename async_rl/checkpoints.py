@@ -35,9 +35,9 @@ from typing import Any, Optional
 
 import torch
 
-from async_rl.checkpoint_writer import write_durably
-from async_rl.config import select_value
-from async_rl.config_error import AsyncConfigError
+from async_rl.core.config import select_value
+from async_rl.core.errors import AsyncConfigError
+from async_rl.training.checkpoint_writer import write_durably
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"  # verl's name (checkpoint_manager.get_checkpoint_tracker_filename)
 DATA_FILE = "data.pt"  # verl's name for the dataloader state

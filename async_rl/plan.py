@@ -26,7 +26,7 @@ import sys
 from bisect import bisect_left
 from dataclasses import asdict, dataclass, field
 
-from async_rl.placement import TRAINING_ROLES, DeviceRange, Placement, PlacementError, plan_placement
+from async_rl.core.placement import TRAINING_ROLES, DeviceRange, Placement, PlacementError, plan_placement
 
 STAGE_ROLE = {"actor_train": "train", "logp": "logp", "ref_logp": "ref_logp", "critic_train": "critic",
               "values": "critic", "generate": "generate"}

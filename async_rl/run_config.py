@@ -1,36 +1,133 @@
-"""The driver's work on a verl config before Ray starts: check every key, derive the run's
-numbers (training steps, Ray's init arguments), and prepare the config the workers get."""
+"""The driver's work on a verl config before Ray starts, done once: check every key, derive the
+run's numbers and layout, and prepare the config verl's workers get (`RunConfig`)."""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import os
+from dataclasses import dataclass
+from typing import Optional
 
-from omegaconf import DictConfig, OmegaConf
+import pyarrow.parquet as pq
+from omegaconf import DictConfig, OmegaConf, open_dict
+from verl.trainer.ppo.utils import need_reference_policy
 
-from async_rl.checkpoints import read_checkpoint_config
-from async_rl.config import AsyncPipelineConfig, critic_enabled, read_async_config
-from async_rl.config_error import AsyncConfigError
+import async_rl.rollout.backends  # noqa: F401 - registers the built-in rollout backends
+from async_rl.api.rollout import RolloutBackend, rollout_backend
+from async_rl.checkpoints import CheckpointConfig, read_checkpoint_config
+from async_rl.core.config import AsyncPipelineConfig, critic_enabled, read_async_config, strip_async_keys
+from async_rl.core.data_checks import check_rl_files
+from async_rl.core.decoupled_ppo import apply_to_config, uses_behaviour_as_old
+from async_rl.core.errors import AsyncConfigError
+from async_rl.core.placement import Placement, plan_placement
+from async_rl.core.scoring import overlong_shaping
+from async_rl.core.stage_graph import STAGES_KEY, UserStageSpec, build_edges
+from state_machines.base import StateMachine
+
+REPLICA_RESTARTS_KEY = "actor_rollout_ref.rollout.max_restarts"
 
 
-def validate_pipeline_config(config: DictConfig) -> AsyncPipelineConfig:
-    """Everything checkable before Ray starts; raises AsyncConfigError / ValueError naming the key."""
-    from async_rl.data_checks import check_rl_files
-    from async_rl.rollout_backends import check_rollout_name
-    from state_machines.reward import overlong_shaping
+@dataclass(frozen=True)
+class RunConfig:
+    """One run, read and checked before Ray starts.
 
+    config: what verl's workers get (the pipeline's keys stripped, output directories absolute,
+        the optimizer's horizon, decoupled PPO's rollout correction and the backend's own keys set).
+    async_cfg: the pipeline's keys (`replica_max_restarts` resolved for the backend).
+    proximal_logp_workers: which workers recompute pi_prox: "train", "logp", or None (verl's
+        bypass mode: none do).
+    edges: the stage graph, stage name -> its downstreams.
+    user_stages: user stage name -> its class.
+    """
+
+    config: DictConfig
+    async_cfg: AsyncPipelineConfig
+    backend: RolloutBackend
+    checkpoint: CheckpointConfig
+    total_steps: int
+    critic: bool
+    proximal_logp_workers: Optional[str]
+    edges: dict
+    user_stages: dict
+    placement: Placement
+
+    def resumed(self) -> "RunConfig":
+        """The same run, resuming from the newest checkpoint it wrote (`trainer.resume_mode=auto`)."""
+        config = self.config.copy()
+        with open_dict(config.trainer):
+            config.trainer.resume_mode = "auto"
+        return dataclasses.replace(self, config=config, checkpoint=read_checkpoint_config(config))
+
+
+def read_run_config(config: DictConfig) -> RunConfig:
+    """Every check that needs no Ray, then the run's derived values; raises AsyncConfigError, ValueError
+    or FileNotFoundError naming the key."""
     async_cfg = read_async_config(config)
-    critic_enabled(config)
+    critic = critic_enabled(config)
     read_checkpoint_config(config)
-    for spec in async_cfg.user_stages:
-        spec.load_class()
-    check_rollout_name(config.actor_rollout_ref.rollout.name, config.trainer.device)
+    user_stages = {spec.name: load_stage_class(spec) for spec in async_cfg.user_stages}
+    backend = rollout_backend(str(config.actor_rollout_ref.rollout.name), str(config.trainer.device))
+    async_cfg = dataclasses.replace(async_cfg, replica_max_restarts=_replica_restarts(async_cfg, backend))
     overlong_shaping(config)
-    if not async_cfg.partial_rollout and str(config.actor_rollout_ref.rollout.name) not in ("cpu", "vllm"):
+    if not async_cfg.partial_rollout and not backend.waits_for_running:
         raise AsyncConfigError(
             "actor_rollout_ref.rollout.partial_rollout", False,
-            f"True with rollout.name={config.actor_rollout_ref.rollout.name} (its server aborts requests around a "
-            "weight load; waiting for them instead is implemented for the cpu and vllm backends)",
+            f"True with rollout.name={backend.name} (its server aborts requests around a weight load; waiting for "
+            "them instead needs a backend that can: cpu, vllm)",
         )
+    check_files(config)
+
+    config = config.copy()
+    strip_async_keys(config)
+    resolve_output_dirs(config)
+    checkpoint = read_checkpoint_config(config)
+    total_steps = total_training_steps(config, count_rows(config.data.train_files))
+    set_optimizer_horizon(config, total_steps)
+    if async_cfg.decoupled_ppo:
+        apply_to_config(config, async_cfg.behav_imp_weight_cap)
+    backend.prepare_config(config, async_cfg.consume_bucket_size_mb, async_cfg.enable_dual_buffer)
+    proximal = None if uses_behaviour_as_old(config) else async_cfg.proximal_logp_workers
+    roles = (["train"] + (["critic"] if critic else []) + (["logp"] if proximal == "logp" else [])
+             + (["ref_logp"] if need_reference_policy(config) else []))
+    placement = plan_placement(int(config.trainer.nnodes), int(config.trainer.n_gpus_per_node),
+                               async_cfg.ratios_by_role, roles, backend.replica_world_size(config.actor_rollout_ref.rollout))
+    edges = build_edges(async_cfg.user_stages, async_cfg.dynamic_sampling, critic)
+    return RunConfig(config, async_cfg, backend, checkpoint, total_steps, critic, proximal, edges, user_stages,
+                     placement)
+
+
+def _replica_restarts(async_cfg: AsyncPipelineConfig, backend: RolloutBackend) -> int:
+    """`actor_rollout_ref.rollout.max_restarts`: the backend's default when unset; above 0 only where the
+    backend can restart a lost replica."""
+    value = async_cfg.replica_max_restarts
+    if value is None:
+        return backend.default_max_restarts
+    if value and backend.relaunch is None:
+        raise AsyncConfigError(REPLICA_RESTARTS_KEY, value, f"0 with actor_rollout_ref.rollout.name={backend.name!r} "
+                                                            "(its lost replicas are not restarted)")
+    return value
+
+
+def load_stage_class(spec: UserStageSpec) -> type:
+    """Import a user stage's class ("package.module.Class"); AsyncConfigError naming its key."""
+    key = f"{STAGES_KEY}.{spec.name}.cls"
+    module_name, _, class_name = spec.cls_path.rpartition(".")
+    if not module_name:
+        raise AsyncConfigError(key, spec.cls_path, "a dotted path 'package.module.Class'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise AsyncConfigError(key, spec.cls_path, f"an importable module ({type(exc).__name__}: {exc})") from exc
+    cls = getattr(module, class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, StateMachine)):
+        raise AsyncConfigError(key, spec.cls_path, f"a subclass of state_machines.base.StateMachine in {module_name}")
+    return cls
+
+
+def check_files(config: DictConfig) -> None:
+    """The model and data files exist, the data's rows are usable (named by file and row) and the run
+    has steps to train."""
     for key in ("data.train_files", "actor_rollout_ref.model.path"):
         value = OmegaConf.select(config, key)
         paths = list(value) if isinstance(value, (list, tuple)) or OmegaConf.is_list(value) else [value]
@@ -42,39 +139,31 @@ def validate_pipeline_config(config: DictConfig) -> AsyncPipelineConfig:
         check_rl_files(OmegaConf.select(config, key), prompt_key, key)
     if int(config.trainer.get("total_training_steps") or 0) <= 0 and int(config.trainer.total_epochs) <= 0:
         raise ValueError("set trainer.total_training_steps or trainer.total_epochs to a positive number")
-    return async_cfg
 
 
 def ray_init_kwargs(config: DictConfig) -> dict:
-    """verl's `ray_kwargs.ray_init` plus what a small CPU machine needs (logical CPUs, no dashboard).
+    """verl's `ray_kwargs.ray_init` plus what a small CPU machine needs (logical CPUs, no dashboard) and
+    the rollout backend's environment.
 
     A running cluster is joined only when asked (`RAY_ADDRESS`, or `+ray_kwargs.ray_init.address`);
     otherwise a local instance starts, whatever `ray start` ran on this machine before."""
+    backend = rollout_backend(str(config.actor_rollout_ref.rollout.name))
     kwargs = OmegaConf.to_container(config.get("ray_kwargs", {}).get("ray_init", {}), resolve=True) or {}
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     env_vars = dict(kwargs.get("runtime_env", {}).get("env_vars", {}))
     env_vars.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if str(config.actor_rollout_ref.rollout.name) == "vllm":
-        # vLLM 0.30's API server imports model_hosting_container_standards, which sets the root logger to
-        # ERROR unless LOG_LEVEL is set: every warning (restarts, placement) of a process that imports it is lost
-        env_vars.setdefault("LOG_LEVEL", os.environ.get("LOG_LEVEL", "WARNING"))
+    for key, value in backend.ray_env(config).items():
+        env_vars.setdefault(key, value)
     joins_cluster = bool(kwargs.get("address") or os.environ.get("RAY_ADDRESS"))  # its resources are set
     if not joins_cluster:  # a fresh local instance, never a cluster some other `ray start` left behind
         kwargs["address"] = "local"
+        kwargs.setdefault("include_dashboard", False)
     if str(config.trainer.device) == "cpu":
         env_vars.update({"VERL_PLATFORM": "cpu", "VERL_ENGINE_DEVICE": "cuda"})
-        if str(config.actor_rollout_ref.rollout.name) == "vllm":  # vLLM's CPU build
-            from verl_patches.vllm_cpu import WORKER_ENV
-
-            for key, value in WORKER_ENV.items():
-                env_vars.setdefault(key, os.environ.get(key, value))
-            # verl's replica places its server workers in a resource pool of "GPUs": logical, one a slot
-            if not joins_cluster:
-                kwargs.setdefault("num_gpus", int(config.trainer.nnodes) * int(config.trainer.n_gpus_per_node))
         if not joins_cluster:
+            if backend.logical_gpus_on_cpu:  # verl's replica pool asks for "GPUs": logical, one a slot
+                kwargs.setdefault("num_gpus", int(config.trainer.nnodes) * int(config.trainer.n_gpus_per_node))
             kwargs.setdefault("num_cpus", max(16, os.cpu_count() or 1))  # logical: stages mostly wait
-    if not joins_cluster:
-        kwargs.setdefault("include_dashboard", False)
     runtime_env = {k: v for k, v in kwargs.get("runtime_env", {}).items() if v is not None}
     kwargs["runtime_env"] = {**runtime_env, "env_vars": env_vars}
     return kwargs
@@ -82,8 +171,6 @@ def ray_init_kwargs(config: DictConfig) -> dict:
 
 def count_rows(files) -> int:
     """Rows in the parquet training files (before verl's length filter)."""
-    import pyarrow.parquet as pq
-
     paths = list(files) if isinstance(files, (list, tuple)) or OmegaConf.is_list(files) else [files]
     return sum(pq.ParquetFile(str(p)).metadata.num_rows for p in paths)
 
@@ -100,8 +187,6 @@ OUTPUT_DIR_KEYS = ("trainer.default_local_dir", "trainer.rollout_data_dir", "tra
 
 def resolve_output_dirs(config: DictConfig) -> None:
     """Relative output directories are the driver's (its working directory), not each actor's."""
-    from omegaconf import open_dict
-
     for key in OUTPUT_DIR_KEYS:
         value = OmegaConf.select(config, key)
         if isinstance(value, str) and value and not os.path.isabs(value):
@@ -112,8 +197,6 @@ def resolve_output_dirs(config: DictConfig) -> None:
 
 def set_optimizer_horizon(config: DictConfig, total_steps: int) -> None:
     """As verl's trainer: the optimizer's `total_training_steps` (lr warmup / decay schedules) is the run's."""
-    from omegaconf import open_dict
-
     with open_dict(config):
         config.actor_rollout_ref.actor.optim.total_training_steps = total_steps
         if OmegaConf.select(config, "critic.optim") is not None:

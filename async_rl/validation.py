@@ -10,10 +10,10 @@ import asyncio
 
 import numpy as np
 
-from async_rl.generation_dumps import GenerationDumps
-from state_machines.dataloader import load_prompt_dataset, tokenize_row
-from state_machines.generate import generate_one, sampling_params_from_config
-from state_machines.reward import RewardFunctionError, ResponseToScore, load_score_fn, score_each_zeroing_failures
+from async_rl.core.generation_dumps import GenerationDumps
+from async_rl.core.prompts import load_prompt_dataset, tokenize_row
+from async_rl.core.scoring import ResponseToScore, RewardFunctionError, load_score_fn, score_each_zeroing_failures
+from async_rl.rollout.requests import generate_one, sampling_params_from_config
 
 
 class Validator:

@@ -51,7 +51,7 @@ def run_once(demo_dir: Path, workdir: Path, eta: int, decoupled: bool, steps: in
     """One training run; returns the row and its validation curve [(wall_s, reward)].
 
     ``setting``: verl overrides that make the task harder for every run alike (`--set`)."""
-    from async_rl.config import AsyncPipelineConfig
+    from async_rl.core.config import AsyncPipelineConfig
     from async_rl.demo import demo_overrides
 
     extra = {

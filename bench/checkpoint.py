@@ -4,7 +4,7 @@
    with AdamW state, after one training step), each way in turn, `--repeats` times:
    - sync: verl's own `save_checkpoint`, training waits for every file (verl's trainer);
    - pipeline: `snapshot_checkpoint` (verl's save with its writes captured as host copies,
-     async_rl/checkpoint_writer.py), the only part training waits for, then the files
+     async_rl/training/checkpoint_writer.py), the only part training waits for, then the files
      written by a background thread (fsync'ed) while a training step runs beside it.
    Goal: blocked (the snapshot) <= 10% of the sync save. Also the step's slowdown while the
    write runs beside it, against the same step alone.
@@ -60,7 +60,7 @@ def verl_config(demo_dir: Path, model_path: Path):
     import verl
     from hydra import compose, initialize_config_dir
 
-    from async_rl.config import strip_async_keys
+    from async_rl.core.config import strip_async_keys
     from async_rl.demo import demo_overrides
 
     extra = {"actor_rollout_ref.model.path": str(model_path), "actor_rollout_ref.rollout.n": 1,
@@ -74,7 +74,7 @@ def verl_config(demo_dir: Path, model_path: Path):
 
 def training_batch(vocab: int, rows: int = 16, seed: int = 0):
     """A fixed batch of short random responses (what the step trains does not matter here)."""
-    from async_rl.batch import Sample, build_batch
+    from async_rl.core.messages import Sample, build_batch
 
     rng = np.random.default_rng(seed)
     samples = [Sample(uid=f"r{i}", prompt_ids=[1, 2, 3], response_ids=[int(t) for t in rng.integers(1, vocab, 24)],
@@ -87,9 +87,9 @@ def training_batch(vocab: int, rows: int = 16, seed: int = 0):
 def bench_save(size: str, demo_dir: Path, work: Path, repeats: int) -> dict:
     import ray
 
-    from async_rl import engine_calls
-    from async_rl.resources import make_worker_group
     from async_rl.run_config import ray_init_kwargs
+    from async_rl.training import engine_calls
+    from async_rl.training.worker_groups import make_worker_group
 
     path = model_dir(size, work)
     config = verl_config(demo_dir, path)
@@ -155,7 +155,7 @@ def first_step_s(demo_dir: Path, work: Path, name: str, extra: dict, timeout_s: 
 
 def rollout_batch_bytes(demo_dir: Path) -> int:
     """Bytes of one demo training batch as a checkpoint would hold it (its DataProto, pickled)."""
-    from async_rl.batch import Sample, build_batch
+    from async_rl.core.messages import Sample, build_batch
     from async_rl.demo.task import GROUP_SIZE, MAX_PROMPT_LENGTH, RESPONSE_LENGTH, TRAIN_BATCH_SIZE
 
     samples = [Sample(uid=str(i // GROUP_SIZE), prompt_ids=[5] * 5, response_ids=[6] * RESPONSE_LENGTH,

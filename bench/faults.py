@@ -40,6 +40,7 @@ from pathlib import Path
 
 # bench/param_update.py would shadow the `param_update` package: drop this folder from the path
 sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+TESTS = Path(__file__).resolve().parents[1] / "tests"  # the test oracle of what each step trains (tests/lineage.py)
 
 FAULTS = ("none", "rollout_server_sigkill", "rollout_server_hang", "train_rank_sigkill", "reward_actor_sigkill",
           "driver_sigterm", "reward_hangs", "reward_raises")
@@ -168,7 +169,8 @@ def inject(fault: str, segment: Segment, trigger: Path) -> None:
 def lineage_counts(demo: Path, dumps: Path, steps: int) -> tuple[int, int]:
     """(samples lost, samples trained twice) of the final lineage: verl's rollout dumps against the
     prompts verl's dataloader gives steps 1..`steps`."""
-    from async_rl.demo.lineage import dumped_step_inputs, expected_step_inputs
+    sys.path.insert(0, str(TESTS))
+    from lineage import dumped_step_inputs, expected_step_inputs
 
     return compare_lineage(expected_step_inputs(demo, steps), dumped_step_inputs(dumps))
 

@@ -117,11 +117,13 @@ class Trainer:
 
     def __init__(self, size: str, seed: int, put_threads: list[int]):
         from param_update.sender import BucketSender
-        from param_update.shared_buffer import SharedBuffer
+        from param_update.transports.object_store import ObjectStore
+        from param_update.transports.shared_memory import SharedMemory
 
         self.model = build_model(size, seed)
-        self.buffer = SharedBuffer()  # one set of files whatever the put-thread count
-        self.senders = {n: BucketSender(put_threads=n, shared_buffer=self.buffer) for n in put_threads}
+        # one set of shared-memory files whatever the put-thread count
+        self.transports = {"shm": SharedMemory(), "store": ObjectStore()}
+        self.senders = {n: BucketSender(put_threads=n, transports=self.transports) for n in put_threads}
         self.batch = torch.randint(0, VOCAB, (4, 64))
 
     def save(self, path: str) -> None:
@@ -142,7 +144,8 @@ class Trainer:
 
     def close(self) -> None:
         """Unlink the senders' shared-memory files."""
-        self.buffer.close()
+        for transport in self.transports.values():
+            transport.close()
 
     def gather_all(self):
         """naive gather + put: every tensor in one object (one copy, as the pipeline's put)."""
@@ -164,7 +167,7 @@ class Trainer:
 
 def rollout_server_class():
     """The CPU rollout server, counting its steps since its last load (the bench spaces syncs by them)."""
-    from async_rl.rollout.cpu_server import CPURolloutServer
+    from async_rl.rollout.cpu.server import CPURolloutServer
 
     class BenchRolloutServer(CPURolloutServer):
         _steps_at_load = 0
@@ -281,7 +284,7 @@ def pipeline_sync(
     """One sync through the param_update stage; with `train_during`, a training step starts as
     soon as the gather returns (as actor_train's next step does) and its seconds are returned.
     `decoding_server`: starts once it has run SETTLE_STEPS steps since its last load."""
-    from state_machines.param_update import NewWeights
+    from async_rl.core.messages import NewWeights
 
     if decoding_server is not None:
         wait_for(lambda: ray.get(decoding_server.steps_since_load.remote(), timeout=TIMEOUT_S) >= SETTLE_STEPS,
@@ -318,7 +321,7 @@ def start_link(model_dir: str, consume_mb: float, node: str, stage_node: str) ->
     `stage_node` syncing it. Returns (server, stage, load, load's run)."""
     from verl.workers.config import HFModelConfig, RolloutConfig
 
-    from param_update.overlapped import ActorReceiver
+    from param_update.receivers import ActorReceiver
     from state_machines.param_update import ParamUpdateStage
 
     config = RolloutConfig(name="cpu", tensor_model_parallel_size=1, prompt_length=8, response_length=32)
@@ -361,7 +364,7 @@ def link_row(first: dict, runs: list[dict], naive: dict, raw_copy_s: float, warm
 def bench_size(size: str, bucket_mb: float, consume_mb: float, put_threads: list[int], nodes: tuple) -> dict:
     """Every measurement of one model size; `nodes`: (the trainer's node id, the other node's)."""
     from param_update.capacity import model_weight_bytes
-    from param_update.regions import REGIONS
+    from param_update.transports.shared_memory import REGIONS
 
     head, other = nodes
     trainer = Trainer.options(**on_node(head)).remote(size, seed=1, put_threads=put_threads)

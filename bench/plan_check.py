@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path = [p for p in sys.path if os.path.abspath(p or ".") != str(ROOT / "bench")]  # bench/param_update.py
 sys.path.insert(0, str(ROOT))
 
-from async_rl.placement import plan_placement  # noqa: E402
+from async_rl.core.placement import plan_placement  # noqa: E402
 from async_rl.plan import RATIO_ROLES, candidates, devices_text, predict, read_run  # noqa: E402
 
 NODES, PER_NODE = 2, 2

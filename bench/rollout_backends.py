@@ -58,7 +58,7 @@ def best(times: list[float]) -> float:
 
 
 def bench_cpu_engine(model_path, requests, max_tokens, weights, repeats) -> dict:
-    from async_rl.rollout.cpu_engine import ContinuousBatchingEngine
+    from async_rl.rollout.cpu.engine import ContinuousBatchingEngine
 
     async def run():
         engine = ContinuousBatchingEngine.from_pretrained(model_path, max_num_seqs=len(requests))

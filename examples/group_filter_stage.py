@@ -21,22 +21,9 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
-import torch
-
+from async_rl.core.messages import ScoredBatch
+from async_rl.core.scoring import groups_with_distinct_rewards
 from state_machines.base import StateMachine
-from state_machines.reward import ScoredBatch
-
-
-def groups_with_distinct_rewards(uids: np.ndarray, scores: torch.Tensor, min_std: float = 0.0) -> torch.Tensor:
-    """(bs,) bool: True for rows whose prompt group's rewards have std > `min_std`, or that are
-    alone in their group (verl's `filter_groups` rule: a one-sample group is kept)."""
-    keep = torch.zeros(len(uids), dtype=torch.bool)
-    for uid in dict.fromkeys(uids.tolist()):
-        rows = torch.from_numpy(uids == uid)
-        group = scores[rows]
-        keep[rows] = len(group) == 1 or float(group.std()) > min_std
-    return keep
 
 
 class GroupFilterStage(StateMachine):

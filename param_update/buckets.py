@@ -1,69 +1,27 @@
 """Weight buckets: groups of named tensors of a bounded total size, as byte views.
 
-A bucket is a list of `uint8` arrays, one per `TensorSlice`: on the sender, views of the
-tensors themselves (packing copies nothing); `ray.put` of the bucket then copies every
-array once into Ray's shared-memory object store, and a receiver on the node gets the
-same arrays back as zero-copy, read-only views. A bucket travels as a few objects
-(`split_arrays`), put from several threads at once (see `sender.py`). A tensor larger
-than the bucket is split across consecutive buckets; small tensors share one. Bytes
-travel verbatim, so a receiver rebuilds tensors that are bit-identical to the sender's.
+A bucket is a list of `uint8` arrays, one per `TensorSlice` (async_rl/api/weights.py): on the
+sender, views of the tensors themselves (packing copies nothing); a transport then copies every
+array once (param_update/transports/), and a receiver gets the same arrays back as zero-copy,
+read-only views. A tensor larger than the bucket is split across consecutive buckets; small
+tensors share one. Bytes travel verbatim, so a receiver rebuilds tensors that are bit-identical
+to the sender's.
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
 import warnings
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-MB = 1 << 20
+from async_rl.api.weights import Bucket, TensorSlice
+from async_rl.core.config import CONSUME_BUCKET_KEY, MB, PREDUCE_BUCKET_KEY
+from async_rl.core.errors import BucketSizeError
+
 MAX_BUCKETS_PER_VERSION = 100_000  # more means per-bucket overhead dominates the sync
-
-
-class BucketSizeError(ValueError):
-    """A bucket size that cannot work for this model or machine (raised at start)."""
-
-
-@dataclass(frozen=True)
-class TensorSlice:
-    """Bytes [start, start + nbytes) of tensor `name` (its dtype and full shape)."""
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    start: int  # byte offset inside the tensor
-    nbytes: int
-
-    @property
-    def tensor_nbytes(self) -> int:
-        return _nbytes(self.dtype, self.shape)
-
-    @property
-    def whole(self) -> bool:
-        """The slice is the whole tensor."""
-        return self.start == 0 and self.nbytes == self.tensor_nbytes
-
-
-def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
-    return math.prod(shape) * dtype.itemsize
-
-
-@dataclass
-class Bucket:
-    """One bucket of a version: `data[i]` (uint8, 1-D) holds the bytes of `slices[i]`."""
-
-    version: int
-    index: int
-    data: list[np.ndarray]
-    slices: list[TensorSlice]
-
-    @property
-    def nbytes(self) -> int:
-        return int(sum(a.nbytes for a in self.data))
 
 
 def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -119,24 +77,6 @@ def pack_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes
         yield Bucket(version, index, data, slices)
 
 
-def split_arrays(data: list[np.ndarray], parts: int) -> list[list[np.ndarray]]:
-    """`data`, in order, as at most `parts` consecutive runs of about equal bytes (one object each)."""
-    total = sum(a.nbytes for a in data)
-    runs: list[list[np.ndarray]] = [[]]
-    done = 0
-    for array in data:
-        if runs[-1] and len(runs) < parts and done >= total * len(runs) / parts:
-            runs.append([])
-        runs[-1].append(array)
-        done += array.nbytes
-    return runs
-
-
-def join_arrays(runs: Iterable[list[np.ndarray]]) -> list[np.ndarray]:
-    """A bucket's arrays from the runs `split_arrays` made, as a receiver fetched them."""
-    return [array for run in runs for array in run]
-
-
 def slice_tensor(s: TensorSlice, array: np.ndarray) -> torch.Tensor:
     """A whole-tensor slice as the tensor itself: a view of `array`, no copy."""
     flat = as_tensor(array)
@@ -177,20 +117,10 @@ def tensors_from_buckets(buckets: Iterable[Bucket]) -> Iterator[tuple[str, torch
         raise ValueError(f"buckets ended with incomplete tensors: {sorted(pending)}")
 
 
-def check_bucket_sizes(
-    model_bytes: int, preduce_mb: float, consume_mb: float, object_store_bytes: int | None, versions_held: int = 2
-) -> dict[str, int]:
-    """Validate the two bucket sizes against the model and the object store; returns them in bytes.
-
-    Raises BucketSizeError naming the key when a size cannot work: so small that a
-    version needs more than MAX_BUCKETS_PER_VERSION buckets, or an object store that
-    cannot hold `versions_held` versions (the dual buffer: serving and arriving) plus two
-    buckets in flight.
-    """
-    keys = {
-        "preduce": "actor_rollout_ref.rollout.param_update_preduce_bucket_size_mb",
-        "consume": "actor_rollout_ref.rollout.param_update_consume_bucket_size_mb",
-    }
+def check_bucket_sizes(model_bytes: int, preduce_mb: float, consume_mb: float) -> dict[str, int]:
+    """The two bucket sizes in bytes; BucketSizeError naming the key when one cannot work: under one
+    byte, or so small that a version needs more than MAX_BUCKETS_PER_VERSION buckets."""
+    keys = {"preduce": PREDUCE_BUCKET_KEY, "consume": CONSUME_BUCKET_KEY}
     given = {"preduce": preduce_mb, "consume": consume_mb}
     sizes = {part: int(mb * MB) for part, mb in given.items()}
     for part, size in sizes.items():
@@ -202,12 +132,4 @@ def check_bucket_sizes(
                 f"{keys[part]}={given[part]:g} splits the {model_bytes / MB:.1f} MB model into {count} buckets "
                 f"(at most {MAX_BUCKETS_PER_VERSION}); use at least {model_bytes / MAX_BUCKETS_PER_VERSION / MB:.3g} MB"
             )
-    needed = versions_held * model_bytes + 2 * min(sizes["preduce"], max(model_bytes, 1))
-    if object_store_bytes is not None and needed > object_store_bytes:
-        raise BucketSizeError(
-            f"{keys['preduce']}={preduce_mb:g}: {versions_held} versions of the {model_bytes / MB:.0f} MB model "
-            f"and two buckets in flight need {needed / MB:.0f} MB, Ray's object store holds "
-            f"{object_store_bytes / MB:.0f} MB; raise ray_kwargs.ray_init.object_store_memory"
-            + (" or set actor_rollout_ref.rollout.enable_dual_buffer=False" if versions_held > 1 else "")
-        )
     return sizes  # any size works for any tensor: large ones are split across buckets

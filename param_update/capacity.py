@@ -1,14 +1,13 @@
-"""Start-time checks of the weight sync: bucket sizes, object-store room and shared-memory room that
-cannot work fail here, with the key to change, instead of as an out-of-memory error mid-run."""
+"""Start-time checks of the weight sync: bucket sizes, and the room of every transport the sync will
+use, that cannot work fail here, with the key to change, instead of as an out-of-memory error mid-run."""
 
 from __future__ import annotations
 
 import torch
 
-from param_update.buckets import MB, BucketSizeError, check_bucket_sizes
-from param_update.overlapped import SHM, STORE
-from param_update.regions import REGIONS
-from param_update.shared_buffer import SHM_DIR
+import param_update.transports  # noqa: F401 - registers the built-in transports
+from async_rl.api.weights import link_of, transport_class
+from param_update.buckets import check_bucket_sizes
 
 
 def model_weight_bytes(model_path: str) -> int:
@@ -23,38 +22,27 @@ def model_weight_bytes(model_path: str) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def weight_links(placement, rollout_on_cpu: bool, logp_receives: bool) -> set[str]:
-    """The links the weight sync will use under `placement` (async_rl/placement.py): SHM for a receiver
-    whose devices are all on the node of train rank 0 (the sender), STORE for the others; verl's GPU
-    replicas always take the object store (their checkpoint-engine path)."""
+def planned_links(placement, replicas_read_same_node: bool, logp_receives: bool) -> set[str]:
+    """The links the weight sync will use under `placement` (async_rl/core/placement.py), by node
+    index: the sender is train rank 0. `replicas_read_same_node`: the rollout backend's receivers
+    tell their nodes (else their node is unknown: verl's replicas read through their workers)."""
     per_node = placement.devices_per_node
     sender = placement.groups["train"].start // per_node
-    receivers = (list(placement.replicas) if rollout_on_cpu else []) + (
-        [placement.groups["logp"]] if logp_receives and "logp" in placement.groups else [])
-    links = {SHM if r.nodes(per_node) == [sender] else STORE for r in receivers}
-    return links | ({STORE} if not rollout_on_cpu else set())
+    nodes = [r.nodes(per_node) if replicas_read_same_node else None for r in placement.replicas]
+    if logp_receives and "logp" in placement.groups:
+        nodes.append(placement.groups["logp"].nodes(per_node))
+    return {link_of(n, sender) for n in nodes}
 
 
-def check_weight_sync(
-    model_bytes: int, preduce_mb: float, consume_mb: float, dual_buffer: bool, object_store_bytes: int | None,
-    retain_newest: bool = False, links: frozenset = frozenset({STORE}), shm_free_bytes: int | None = None,
-) -> dict[str, int]:
+def check_weight_sync(model_bytes: int, preduce_mb: float, consume_mb: float, versions_held: int,
+                      links: set[str], rooms: dict) -> dict[str, int]:
     """Raise BucketSizeError when the sync cannot work; returns the bucket sizes in bytes.
 
-    `links` (`weight_links`): through Ray's object store ("store"), staged versions live in the
-    node's object store, shared by its receivers: two of them with the dual buffer (the serving
-    one and the arriving one), one without; `retain_newest` (rollout servers may be restarted):
-    the newest version stays there too, so two either way. Through shared memory ("shm"), the
-    trainer's node holds the shared buffer's regions, a whole version each, in `shm_free_bytes`
-    (free bytes of /dev/shm there; None: not checked).
+    `versions_held`: versions a receiver keeps staged at once (2 with the dual buffer or with
+    restartable servers, which keep the newest, else 1); `links`: the transports in use
+    (`planned_links`); `rooms`: transport name -> its room in bytes (None: not checked).
     """
-    held = 2 if dual_buffer or retain_newest else 1
-    sizes = check_bucket_sizes(model_bytes, preduce_mb, consume_mb, object_store_bytes if STORE in links else None, held)
-    if SHM in links and shm_free_bytes is not None and REGIONS * model_bytes > shm_free_bytes:
-        raise BucketSizeError(
-            f"the weight sync's shared buffer needs {REGIONS} x {model_bytes / MB:.0f} MB (a version being written, "
-            f"one being served) in {SHM_DIR} on the trainer's node, which has {shm_free_bytes / MB:.0f} MB free: give "
-            f"it more room (a container's --shm-size), or put the rollout on other nodes (trainer.use_nodes_ratios), "
-            f"whose weights go through Ray's object store"
-        )
+    sizes = check_bucket_sizes(model_bytes, preduce_mb, consume_mb)
+    for name in sorted(links):
+        transport_class(name)().check_room(model_bytes, sizes["preduce"], versions_held, rooms.get(name))
     return sizes

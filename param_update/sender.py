@@ -6,18 +6,18 @@ FSDP2 shards -> full tensors, a collective), rank 0 groups the tensors into buck
 with one exception: a tensor that is the live weight itself (one rank, no gather copy)
 is sent (copied) before training may change it.
 
-send: a background thread of rank 0 copies each bucket once per link its route asks for
-(the sink's `open_version`, asked at the start of each gather): into a region of its shared
-buffer (param_update/shared_buffer.py) for receivers on its Ray node, into Ray's object store
-for the others (off the accelerator, no collective), and announces it to the sink (the
-param_update stage), so the next training step runs while the buckets travel. A bucket put
-into the store is announced at once (`put_bucket`, which returns only when the sink has room:
-that bounds the buckets in flight); one only in shared memory is announced with the version's
-end (`end_version`), one call for all of them, so no round trip competes with the copy. The
-sink's `open_version` hands out a region only once nothing reads or serves it (param_update/regions.py).
+send: a background thread of rank 0 copies each bucket once per transport its route names
+(the sink's `open_version`, asked at the start of each gather; param_update/transports/): into a
+region of its shared buffer for receivers on its Ray node, into Ray's object store for the
+others (off the accelerator, no collective), and announces it to the sink (the param_update
+stage), so the next training step runs while the buckets travel. A bucket written through a
+transport that announces each bucket (the store) is announced at once (`put_bucket`, which
+returns only when the sink has room: that bounds the buckets in flight); one only in shared
+memory is announced with the version's end (`end_version`), one call for all of them, so no
+round trip competes with the copy.
 
-Every put of a bucket is split into `put_threads` objects put at once from a thread pool
-(`split_arrays`). With one put thread the whole sync at 500M parameters took 1.2-2.0x as
+Every write of a bucket is split into `put_threads` pieces written at once from a thread pool
+(the object store's `split_arrays`). With one put thread the whole sync at 500M parameters took 1.2-2.0x as
 long on this 2-core machine in four runs (`bench/param_update.py --put-threads 4,1`); at
 100M and 10M it moved 0.6-1.2x either way. The gain is not a copy on more cores: Ray's
 serializer already copies every array over 1 MB on six threads (its `serialization.pxi`;
@@ -37,8 +37,8 @@ from typing import Any, Optional
 import ray
 import torch
 
-from param_update.buckets import Bucket, pack_buckets, split_arrays
-from param_update.shared_buffer import SharedBucket, SharedBuffer
+from async_rl.api.weights import Bucket, WeightTransport
+from param_update.buckets import pack_buckets
 
 logger = logging.getLogger(__name__)
 
@@ -53,19 +53,19 @@ class BucketSender:
 
     Args:
         max_queued: packed buckets waiting for the thread before gather waits (memory bound).
-        put_threads: a bucket is put as this many objects, from this many threads at once (and
-            written into shared memory in as many pieces).
-        shared_buffer: the shared-memory files to write (default: its own; senders used in turn may share one).
+        put_threads: a bucket is written in this many pieces, from this many threads at once.
+        transports: name -> the transport to write through (default: one of each class a route names,
+            made at its first use; senders used in turn may share them).
     """
 
     def __init__(self, max_queued: int = 2, put_threads: int = PUT_THREADS,
-                 shared_buffer: Optional[SharedBuffer] = None):
+                 transports: Optional[dict[str, WeightTransport]] = None):
         if put_threads < 1:
             raise ValueError(f"put_threads must be at least 1, got {put_threads}")
         self._put_threads = put_threads
         self._put_pool = ThreadPoolExecutor(put_threads, thread_name_prefix="weight-bucket-put")
         self._queue: queue.Queue = queue.Queue(maxsize=max_queued)
-        self._buffer = shared_buffer or SharedBuffer()  # files are made at the first write (a same-node receiver)
+        self._transports: dict[str, WeightTransport] = dict(transports or {})
         self._error: Optional[BaseException] = None
         self._thread = threading.Thread(target=self._run, name="weight-bucket-sender", daemon=True)
         self._thread.start()
@@ -105,23 +105,23 @@ class BucketSender:
         self._queue.put((_END, (version, count, gather_s, sink)))
         return {"gather_s": gather_s}
 
-    def send(self, bucket: Bucket, route) -> tuple[Optional[list], Optional[SharedBucket]]:
-        """Copy `bucket` once per link of `route` (an ObjectRef of the sink's `Route`): into the shared
-        buffer's region, into the object store. Returns (its refs, its SharedBucket), None where not sent."""
+    def _transport(self, name: str, cls: type[WeightTransport]) -> WeightTransport:
+        if name not in self._transports:
+            self._transports[name] = cls()
+        return self._transports[name]
+
+    def send(self, bucket: Bucket, route) -> dict:
+        """Copy `bucket` once through each transport of `route` (an ObjectRef of the sink's route:
+        transport name -> (class, ticket)). Returns transport name -> the bucket's handle there."""
         plan = ray.get(route, timeout=ROUTE_TIMEOUT_S)
-        shared = None
-        if plan.region is not None:
-            shared = self._buffer.write(plan.region, bucket, self._put_pool, self._put_threads)
-        return (self.put(bucket) if plan.store else None), shared
+        return {name: self._transport(name, cls).write(ticket, bucket, self._put_pool, self._put_threads)
+                for name, (cls, ticket) in plan.items()}
 
     def close(self) -> None:
-        """Unlink the shared buffer's files (the pipeline's shutdown; receivers' views stay valid)."""
-        self._buffer.close()
-
-    def put(self, bucket: Bucket) -> list:
-        """Put `bucket`'s arrays into the object store as up to `put_threads` objects, at once; their refs."""
-        futures = [self._put_pool.submit(ray.put, run) for run in split_arrays(bucket.data, self._put_threads)]
-        return [future.result() for future in futures]
+        """Free what the transports hold (the pipeline's shutdown: shared-memory files are unlinked,
+        receivers' views stay valid)."""
+        for transport in self._transports.values():
+            transport.close()
 
     def raise_if_failed(self) -> None:
         if self._error is not None:
@@ -129,24 +129,24 @@ class BucketSender:
 
     def _run(self) -> None:
         send_s = 0.0
-        shared_only: list = []  # (index, slices, SharedBucket) of this version's buckets sent only to shared memory
+        at_end: list = []  # (index, slices, handles) of this version's buckets announced with its end
         while True:
             item, payload = self._queue.get()
             try:
                 if item is _END:
                     version, count, gather_s, sink = payload
-                    ray.get(sink.end_version.remote(version, count, {"gather": gather_s, "send": send_s}, shared_only),
+                    ray.get(sink.end_version.remote(version, count, {"gather": gather_s, "send": send_s}, at_end),
                             timeout=SINK_TIMEOUT_S)
-                    send_s, shared_only = 0.0, []
+                    send_s, at_end = 0.0, []
                     continue
                 sink, route, sent = payload
                 start = time.perf_counter()
-                refs, shared = self.send(item, route) if sent is None else sent
-                if refs is None:  # nothing in the object store to bound: announced with the version's end
-                    shared_only.append((item.index, item.slices, shared))
-                else:  # the refs travel inside a list so that Ray passes them on instead of resolving them
-                    ray.get(sink.put_bucket.remote(item.version, item.index, refs, item.slices, shared),
+                handles = self.send(item, route) if sent is None else sent
+                if any(self._transports[name].announces_each_bucket for name in handles):
+                    ray.get(sink.put_bucket.remote(item.version, item.index, handles, item.slices),
                             timeout=SINK_TIMEOUT_S)
+                else:  # nothing in flight to bound: announced with the version's end
+                    at_end.append((item.index, item.slices, handles))
                 send_s += time.perf_counter() - start
             except BaseException as exc:  # noqa: BLE001 - reported to the sink and to the next gather
                 self._error = exc

@@ -3,9 +3,11 @@
 A receiver (rollout engine, logp worker, GPU checkpoint-engine worker) stages version v
 bucket by bucket while it keeps serving v - 1; v becomes loadable only once every bucket
 (0 .. num_buckets - 1) and every byte of every expected tensor has arrived. A staged
-bucket is not copied: the receiver keeps zero-copy views, of the sender's shared buffer
-on the sender's node (param_update/shared_buffer.py), else of what Ray's object store
-hands out, so a node's shared memory holds each version once for all its receivers.
+bucket is not copied: the receiver keeps zero-copy views of what its transport hands out
+(the sender's shared buffer on the sender's node, Ray's object store elsewhere:
+param_update/transports/), so a node's shared memory holds each version once for all its
+receivers. `WeightStaging` is the receiving actor's side of the sync, the one implementation
+every weight holder (CPU rollout server, logp worker, verl checkpoint-engine worker) uses.
 
 The load then either
 - swaps (`swap_into`, the dual buffer, `enable_dual_buffer=True`): the staged tensors
@@ -28,13 +30,10 @@ import time
 from collections.abc import Iterator
 from typing import Optional
 
-import ray
 import torch
 
-from param_update.buckets import Bucket, as_tensor, join_arrays, slice_tensor, tensor_bytes, write_slices
-from param_update.shared_buffer import SharedBucket, shared_arrays
-
-RECV_TIMEOUT_S = 300.0  # one bucket's fetch from Ray's object store may take this long
+from async_rl.api.weights import Bucket, BucketHandle
+from param_update.buckets import as_tensor, slice_tensor, tensor_bytes, write_slices
 
 
 class StagingError(RuntimeError):
@@ -225,30 +224,45 @@ class VersionStager:
         return copied
 
 
-def receive_bucket(stager: VersionStager, version: int, index: int, source, slices: list) -> dict[str, float]:
-    """recv (bucket `index` of `version`: views of the sender's shared memory when `source` is a
-    SharedBucket, else the runs of arrays the ObjectRefs `source` point to, fetched from Ray's object
-    store: zero-copy views on this node) + register-buffer (stage it in `stager`).
-    Returns seconds of each: `{recv_s, register_s}`."""
-    start = time.perf_counter()
-    if isinstance(source, SharedBucket):
-        data = shared_arrays(source, slices)
-    else:
-        data = join_arrays(ray.get(source, timeout=RECV_TIMEOUT_S))
-    fetched = time.perf_counter()
-    stager.stage(version, Bucket(version, index, data, slices))
-    return {"recv_s": fetched - start, "register_s": time.perf_counter() - fetched}
+class WeightStaging:
+    """The receiving actor's side of the weight sync (async_rl/api/weights.py `WeightHolder`, all
+    but its load): a `VersionStager` for the trainer's layout and the calls that fill it. Timings
+    in seconds, `{recv_s, register_s}`.
 
+    Args:
+        expected: canonical name -> (dtype, shape) of every tensor a version carries.
+        aliases: incoming name -> canonical name (tied weights).
+    """
 
-def receive_version(stager: VersionStager, version: int, buckets: list, num_buckets: int) -> dict[str, float]:
-    """`receive_bucket` of each (index, source, slices) in `buckets`, then the check that `version` is
-    complete (StagingError if not). Returns the seconds of each part, summed: `{recv_s, register_s}`."""
-    totals = {"recv_s": 0.0, "register_s": 0.0}
-    for index, source, slices in buckets:
-        for part, seconds in receive_bucket(stager, version, index, source, slices).items():
-            totals[part] += seconds
-    stager.check_complete(version, num_buckets)
-    return totals
+    def __init__(self, expected: dict, aliases: Optional[dict] = None):
+        self.stager = VersionStager(expected, aliases)
+
+    def stage_bucket(self, version: int, index: int, source: BucketHandle, slices: list) -> dict[str, float]:
+        """recv (bucket `index` of `version`, read through its transport's handle: zero-copy views
+        where the transport allows) + register-buffer (stage it)."""
+        start = time.perf_counter()
+        data = source.read(slices)
+        fetched = time.perf_counter()
+        self.stager.stage(version, Bucket(version, index, data, slices))
+        return {"recv_s": fetched - start, "register_s": time.perf_counter() - fetched}
+
+    def stage_version(self, version: int, buckets: list, num_buckets: int) -> dict[str, float]:
+        """`stage_bucket` of each (index, source, slices) in `buckets`, then `check`; the seconds summed."""
+        totals = {"recv_s": 0.0, "register_s": 0.0}
+        for index, source, slices in buckets:
+            for part, seconds in self.stage_bucket(version, index, source, slices).items():
+                totals[part] += seconds
+        self.check(version, num_buckets)
+        return totals
+
+    def check(self, version: int, num_buckets: int) -> None:
+        """StagingError unless every bucket and tensor of `version` is staged."""
+        self.stager.check_complete(version, num_buckets)
+
+    def discard(self, version: int) -> None:
+        """Drop `version` if it is the one being staged; the served weights are untouched."""
+        if self.stager.version == version:
+            self.stager.reset()
 
 
 def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:

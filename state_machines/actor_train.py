@@ -6,7 +6,7 @@ the weights are version j, just before the update, as verl's synchronous trainer
 AReaL's trainer do), builds verl's training batch as verl's trainer does (token-level
 scores on the last response token, less verl's KL penalty with `algorithm.use_kl_in_reward`;
 verl's rollout correction, which under decoupled PPO weights each token by pi_prox /
-pi_behav (async_rl/decoupled_ppo.py); advantages through verl's `compute_advantage`: GRPO
+pi_behav (async_rl/core/decoupled_ppo.py); advantages through verl's `compute_advantage`: GRPO
 and every other estimator verl has; GAE with the values stage's values, and the rows with their
 `returns` go to critic_train before the actor's own update), balances it over the
 data-parallel ranks (`trainer.balance_batch`), runs verl's `update_actor` on the train
@@ -26,29 +26,31 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from async_rl import engine_calls
-from async_rl.balance import balance_rows
-from async_rl.decoupled_ppo import add_correction, set_behaviour_as_old, uses_behaviour_as_old
-from async_rl.fault_points import hold_at
-from async_rl.generation_dumps import GenerationDumps
-from async_rl.resources import make_worker_group, world_size_of
-from async_rl.staleness import version_metrics
+from async_rl.core.balance import balance_rows
+from async_rl.core.decoupled_ppo import add_correction, set_behaviour_as_old, uses_behaviour_as_old
+from async_rl.core.devices import world_size_of
+from async_rl.core.fault_points import hold_at
+from async_rl.core.generation_dumps import GenerationDumps
+from async_rl.core.messages import (
+    CriticBatch,
+    LogpResult,
+    NewWeights,
+    RefLogpResult,
+    ScoredBatch,
+    TrainingBatch,
+    ValuesResult,
+    resolve,
+)
+from async_rl.core.staleness import version_metrics
+from async_rl.training import engine_calls
+from async_rl.training.worker_groups import make_worker_group
 from state_machines.base import END_OF_STREAM, StateMachine, call_put
-from state_machines.critic_train import CriticBatch
-from state_machines.logp import LogpResult
-from state_machines.param_update import NewWeights
-from state_machines.ref_logp import RefLogpResult
-from state_machines.reward import ScoredBatch
-from state_machines.rollout import resolve
-from state_machines.values import ValuesResult
 
 _PARTS = {ScoredBatch: "reward", LogpResult: "logp", RefLogpResult: "ref_logp", ValuesResult: "values"}
 
 
 def step_part(item) -> tuple[str, Any]:
     """(part name, part) of an upstream output; a formed training batch carries the reward part."""
-    from state_machines.dynamic_sampling import TrainingBatch
-
     if isinstance(item, TrainingBatch):
         return "reward", item.scored
     return _PARTS[type(item)], item
@@ -97,7 +99,7 @@ class ActorTrainStage(StateMachine):
     def __init__(self, config, devices, max_staleness: int, weight_sink=None, bucket_bytes: int = 512 << 20,
                  compute_proximal: bool = False, start_step: int = 0, checkpointer=None, kl_coef=None,
                  critic_sink=None):
-        """`devices`: the train ranks' devices (an async_rl.resources.GroupDevices, or a count placed
+        """`devices`: the train ranks' devices (an async_rl.core.devices.GroupDevices, or a count placed
         anywhere); `weight_sink`: the param_update stage handle; `bucket_bytes`: the gather's bucket size;
         `compute_proximal`: recompute old_log_probs here, before each update (the logp stage does not);
         `start_step`: the version a resumed run starts from; `checkpointer`: async_rl.checkpoints.RunCheckpointer

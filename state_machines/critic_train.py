@@ -19,26 +19,16 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from async_rl import engine_calls
-from async_rl.resources import make_critic_worker_group, world_size_of
+from async_rl.core.devices import world_size_of
+from async_rl.core.messages import CriticBatch, resolve
+from async_rl.training import engine_calls
+from async_rl.training.worker_groups import make_critic_worker_group
 from state_machines.base import END_OF_STREAM, StateMachine
-from state_machines.rollout import resolve
 
 VERSION_WAIT_S = 1800.0  # a values call waits at most this long for the update before it
-
-
-@dataclass
-class CriticBatch:
-    """What actor_train sends after the advantages of batch `index`: the rows to train, with
-    `values` and GAE's `returns` (a DataProto, by reference)."""
-
-    index: int
-    batch_ref: Any
 
 
 class CriticTrainStage(StateMachine):

@@ -28,18 +28,10 @@ import numpy as np
 import ray
 import torch
 
-from async_rl.staleness import oldest_versions
-from examples.group_filter_stage import groups_with_distinct_rewards
+from async_rl.core.messages import ScoredBatch, TrainingBatch, resolve
+from async_rl.core.scoring import groups_with_distinct_rewards
+from async_rl.core.staleness import oldest_versions
 from state_machines.base import END_OF_STREAM, StateMachine
-from state_machines.reward import ScoredBatch
-from state_machines.rollout import RolloutBatch, resolve
-
-
-@dataclass
-class TrainingBatch(RolloutBatch):
-    """A formed training batch: what logp / ref_logp compute on, and its rewards for actor_train."""
-
-    scored: Optional[ScoredBatch] = None
 
 
 @dataclass

@@ -11,7 +11,7 @@ Why `train` is the default: version j exists only once update j - 1 is done, and
 needs these log-probs, so the logp forward and the update always take turns; on the logp
 workers that turn also waits for the weight hop, and the logp devices idle while training.
 
-It is also a weight receiver (param_update/overlapped.py): buckets of the next version
+It is also a weight receiver (param_update/sync.py): buckets of the next version
 are staged on its workers while they compute with the current one; the load waits for
 the forward in progress and the next forward waits for the load, so a forward never
 sees two versions.
@@ -20,23 +20,12 @@ sees two versions.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
-from typing import Any, Optional
 
-import torch
-
-from async_rl import engine_calls
-from async_rl.resources import make_worker_group, world_size_of
+from async_rl.core.devices import world_size_of
+from async_rl.core.messages import LogpResult, RolloutBatch
+from async_rl.training import engine_calls
+from async_rl.training.worker_groups import make_worker_group
 from state_machines.base import StateMachine
-from state_machines.rollout import RolloutBatch
-
-
-@dataclass
-class LogpResult:
-    index: int
-    batch_ref: Any  # the step's DataProto, by reference (from RolloutBatch)
-    old_log_probs: Optional[torch.Tensor]  # (bs, response_len); None when not computed (bypass mode)
-    logp_version: int  # policy version of the weights that computed them (-1: none)
 
 
 def _slowest(per_rank: list[dict]) -> dict:

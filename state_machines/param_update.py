@@ -1,54 +1,45 @@
 """param_update stage: receives each new version's buckets and syncs them to every receiver.
 
-The trainer's send thread asks here how to send each version (`open_version`: shared memory for
-receivers on its Ray node, Ray's object store for the others) and announces its buckets
-(`put_bucket`, `end_version`); actor_train sends one `NewWeights` per version through the inbox
-when its gather is done. For each,
-`OverlappedWeightSync` stages the buckets on the rollout servers and logp workers as they
-arrive and loads the complete version (param_update/overlapped.py).
+The trainer's send thread asks here how to send each version (`open_version`: its route, the
+transports its receivers' links need) and announces its buckets (`put_bucket`, `end_version`);
+actor_train sends one `NewWeights` per version through the inbox when its gather is done. For
+each, `OverlappedWeightSync` stages the buckets on the rollout servers and logp workers as they
+arrive and loads the complete version (param_update/sync.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
-from typing import Optional
 
-from param_update.overlapped import ActorReceiver, BucketRef, BucketStream, OverlappedWeightSync, Route, VersionEnd
-from param_update.shared_buffer import SharedBucket
+from async_rl.api.weights import BucketRef
+from async_rl.core.messages import NewWeights
+from param_update.sync import BucketStream, OverlappedWeightSync, VersionEnd
 from state_machines.base import StateMachine
-
-
-@dataclass
-class NewWeights:
-    """Version `version` is on its way (its buckets arrive through `put_bucket`)."""
-
-    version: int
-    started_at: float  # wall time (time.time()) when its gather began
 
 
 class ParamUpdateStage(StateMachine):
     """Syncs every new version; keeps the per-part timings for the driver's metrics.
 
     Args:
-        receivers: weight receivers (`param_update.overlapped.ActorReceiver`, `GPUReplicaReceiver`).
+        receivers: WeightReceivers (param_update/receivers.py), the rollout replicas' first.
         generate_stage: handle told the served version after each load.
         max_buckets_in_flight: buckets announced but not yet staged everywhere.
         timeout_s: one wait in a sync (a bucket, a receiver call) may take this long.
     """
 
     def __init__(self, receivers, generate_stage, max_buckets_in_flight: int = 4, timeout_s: float = 300.0,
-                 restartable_servers: bool = False, server_timeout_s: float | None = None):
+                 restartable_servers: bool = False, server_timeout_s: float | None = None, transports=None):
         """`restartable_servers`: a rollout server lost during a sync (gone, or silent for `server_timeout_s`,
         default `timeout_s`) is left out and reported to the generate stage, which restarts it;
         `replace_rollout_server` then loads the newest version into the new one
-        (async_rl/replica_supervisor.py)."""
+        (async_rl/rollout/supervisor.py). `transports`: the weight transport classes to choose links from
+        (default: those registered in this process)."""
         super().__init__("param_update", inbox_size=1)
         self.stream = BucketStream(max_buckets_in_flight)
         self.generate_stage = generate_stage
         self.weight_sync = OverlappedWeightSync(receivers, generate_stage, self.stream, timeout_s,
                                                 on_lost=self._server_lost if restartable_servers else None,
-                                                lost_after_s=server_timeout_s)
+                                                lost_after_s=server_timeout_s, transports=transports)
         self.synced_version = 0
         self.timings: dict[int, dict[str, float]] = {}
         self._server_setup: tuple = ()
@@ -59,47 +50,35 @@ class ParamUpdateStage(StateMachine):
         here, naming the server); `setup_args` = (dual, consume_bytes, layout, partial), kept for the
         servers restarted later."""
         self._server_setup = setup_args
-        await asyncio.gather(*(self._configure(r) for r in self.weight_sync.receivers if r.serves_generation))
-
-    async def _configure(self, receiver) -> None:
-        """A CPU server's `configure_weight_sync`, or the checkpoint engines of a verl GPU replica's workers."""
-        if isinstance(receiver, ActorReceiver):
-            await receiver.handle.configure_weight_sync.remote(*self._server_setup)
-        else:
-            dual, _, layout, _ = self._server_setup
-            await receiver.configure(layout, dual)
+        await asyncio.gather(*(r.configure(*setup_args) for r in self.weight_sync.receivers if r.serves_generation))
 
     def _server_lost(self, receiver, cause: str, hung: bool) -> None:
         self.generate_stage.server_lost.remote(receiver.replica_index, receiver.handle, cause, hung)
 
     async def replace_rollout_server(self, index: int, handle, replica_actors: tuple | None = None) -> int:
-        """Set up the restarted server of replica `index`, load the newest synced version into it (between
-        syncs) and sync it from now on. Returns the version it serves. `replica_actors`: (workers, servers)
-        of a restarted verl GPU replica, whose workers receive the weights."""
-        if replica_actors is None:
-            receiver = ActorReceiver(f"rollout_server_{index}", handle, True, replica_index=index)
-        else:
-            old = next(r for r in self.weight_sync.receivers if getattr(r, "replica_index", None) == index)
-            receiver = old.restarted(*replica_actors)
-        await self._configure(receiver)
+        """Set up the restarted server `handle` of replica `index`, load the newest synced version into it
+        (between syncs) and sync it from now on. Returns the version it serves. `replica_actors`:
+        (workers, servers) of a restarted verl replica, whose workers receive the weights."""
+        old = next(r for r in self.weight_sync.receivers if r.replica_index == index)
+        receiver = old.restarted(handle, replica_actors)
+        await receiver.configure(*self._server_setup)
         version = await self.weight_sync.replace(receiver)
         return self.synced_version if version is None else version
 
     # ---- called by the trainer's send thread -------------------------------------------
-    async def open_version(self, version: int, sender_node: str) -> Route:
-        """How to send `version` (param_update/overlapped.py); waits for a free shared-memory region."""
+    async def open_version(self, version: int, sender_node: str) -> dict[str, tuple]:
+        """How to send `version`: transport name -> (class, ticket) (param_update/sync.py); may wait for room."""
         return await self.weight_sync.open_version(version, sender_node)
 
-    async def put_bucket(self, version: int, index: int, refs: Optional[list], slices: list,
-                         shared: Optional[SharedBucket] = None) -> None:
-        """Announce one bucket; returns when there is room for it (backpressure on the sender)."""
-        await self.stream.put_bucket(BucketRef(version, index, refs, slices, shared))
+    async def put_bucket(self, version: int, index: int, handles: dict, slices: list) -> None:
+        """Announce one bucket (transport name -> its handle); returns when there is room for it
+        (backpressure on the sender)."""
+        await self.stream.put_bucket(BucketRef(version, index, slices, handles))
 
-    def end_version(self, version: int, num_buckets: int, trainer_timings: dict, shared_only: tuple = ()) -> None:
-        """The last of `version`'s `num_buckets` buckets was sent; `shared_only`: (index, slices, SharedBucket)
-        of those sent only into shared memory (not announced by `put_bucket`)."""
-        buckets = [BucketRef(version, index, None, slices, shared, counted=False)
-                   for index, slices, shared in shared_only]
+    def end_version(self, version: int, num_buckets: int, trainer_timings: dict, at_end: tuple = ()) -> None:
+        """The last of `version`'s `num_buckets` buckets was sent; `at_end`: (index, slices, handles) of
+        those announced only now (not by `put_bucket`)."""
+        buckets = [BucketRef(version, index, slices, handles, counted=False) for index, slices, handles in at_end]
         self.stream.end_version(VersionEnd(version, num_buckets, trainer_timings), buckets)
 
     def sender_failed(self, version: int, message: str) -> None:

@@ -8,21 +8,12 @@ with no reference log-probs, so the pipeline's shape does not change.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
-from typing import Optional
 
-import torch
-
-from async_rl import engine_calls
-from async_rl.resources import make_worker_group, world_size_of
+from async_rl.core.devices import world_size_of
+from async_rl.core.messages import RefLogpResult, RolloutBatch
+from async_rl.training import engine_calls
+from async_rl.training.worker_groups import make_worker_group
 from state_machines.base import StateMachine
-from state_machines.rollout import RolloutBatch
-
-
-@dataclass
-class RefLogpResult:
-    index: int
-    ref_log_prob: Optional[torch.Tensor]  # (bs, response_len), None without a reference policy
 
 
 class RefLogpStage(StateMachine):

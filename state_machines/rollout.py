@@ -6,31 +6,10 @@ reference to it (`RolloutBatch`), so it is serialized once, not three times.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import ray
 
-from async_rl.batch import build_batch
+from async_rl.core.messages import GeneratedBatch, RolloutBatch, build_batch
 from state_machines.base import StateMachine
-from state_machines.generate import GeneratedBatch
-
-
-@dataclass
-class RolloutBatch:
-    """One step's padded batch, by reference (`ray.ObjectRef` to a DataProto, or the DataProto)."""
-
-    index: int
-    batch_ref: Any
-    start_version: int
-
-    async def get(self):
-        return await resolve(self.batch_ref)
-
-
-async def resolve(value):
-    """The object behind a `ray.ObjectRef`, or `value` itself."""
-    return await value if isinstance(value, ray.ObjectRef) else value
 
 
 class RolloutStage(StateMachine):

@@ -7,21 +7,10 @@ them on to actor_train, where verl's `compute_advantage` turns them into GAE's a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
-import torch
-
+from async_rl.core.messages import RolloutBatch, ValuesResult
 from state_machines.base import StateMachine
-from state_machines.rollout import RolloutBatch
-
-
-@dataclass
-class ValuesResult:
-    index: int
-    values: torch.Tensor  # (bs, response_len), fp32
-    critic_version: int  # the critic version that computed them
-    seconds: float  # the critic's forward (verl's timing_s/values)
 
 
 class ValuesStage(StateMachine):

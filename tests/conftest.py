@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from async_rl.demo.lineage import compose_ppo, dumped_step_inputs, expected_step_inputs, read_jsonl  # noqa: F401 - tests import them from here
+from lineage import compose_ppo, dumped_step_inputs, expected_step_inputs, read_jsonl  # noqa: F401 - tests import them from here
 
 
 @pytest.fixture(scope="session")
@@ -22,16 +22,6 @@ def demo_dir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("demo")
     prepare(root, seed=0, train_size=1024, val_size=32)
     return root
-
-
-def load_bench(name: str):
-    """`bench/<name>.py` as a module (by file: `bench/param_update.py` would shadow the `param_update` package)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", Path(__file__).parents[1] / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def run_verl(demo_dir: Path, extra, workdir: Path, timeout_s: float = 600, critic: bool = False
@@ -50,31 +40,36 @@ def run_verl(demo_dir: Path, extra, workdir: Path, timeout_s: float = 600, criti
 
 
 DIGESTS_SCRIPT = """
-import json, os, sys
+import importlib, json, os, sys
 import verl
 from hydra import compose, initialize_config_dir
+from async_rl.build import weight_digests
 from async_rl.demo import demo_overrides
-from async_rl.pipeline import AsyncPipeline
+from async_rl.pipeline import run_pipeline
+from async_rl.run_config import read_run_config
 
 demo_dir, out_path, extra = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+for module in json.loads(sys.argv[4]):  # e.g. a rollout backend that registers itself on import
+    importlib.import_module(module)
 with initialize_config_dir(config_dir=os.path.join(os.path.dirname(verl.__file__), "trainer", "config"),
                            version_base=None):
     config = compose("ppo_trainer", overrides=demo_overrides(demo_dir, extra=extra))
 result = {}
-history = AsyncPipeline(config).run(after_training=lambda p: result.update(p.weight_digests()))
+history = run_pipeline(read_run_config(config), after_training=lambda built: result.update(weight_digests(built)))
 with open(out_path, "w") as f:
     json.dump({"digests": result, "steps": [h for h in history if "training/global_step" in h]}, f)
 """
 
 
-def run_pipeline_reading_digests(demo_dir: Path, extra: dict, workdir: Path, env=None, timeout_s: float = 900
-                                 ) -> tuple[subprocess.CompletedProcess, dict | None]:
-    """The pipeline on the demo (`AsyncPipeline(config).run()`), then `weight_digests()` of every weight
+def run_pipeline_reading_digests(demo_dir: Path, extra: dict, workdir: Path, env=None, timeout_s: float = 900,
+                                 imports: tuple = ()) -> tuple[subprocess.CompletedProcess, dict | None]:
+    """The pipeline on the demo (`run_pipeline`), then `weight_digests` of every weight
     holder; returns the process and {"digests": holder -> name -> digest, "steps": the step metrics}."""
     out = workdir / "result.json"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "VERL_FILE_LOGGER_PATH": str(workdir / "metrics.jsonl"),
            **(env or {})}
-    proc = subprocess.run([sys.executable, "-c", DIGESTS_SCRIPT, str(demo_dir), str(out), json.dumps(extra)],
+    proc = subprocess.run([sys.executable, "-c", DIGESTS_SCRIPT, str(demo_dir), str(out), json.dumps(extra),
+                           json.dumps(list(imports))],
                           cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout_s)
     return proc, (json.loads(out.read_text()) if out.exists() else None)
 

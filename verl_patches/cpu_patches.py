@@ -22,6 +22,8 @@ from __future__ import annotations
 import functools
 import os
 
+from verl_patches.cpu_platform import make_cpu_platform_class
+
 _APPLIED: set[str] = set()
 
 
@@ -92,8 +94,6 @@ def set_engine_device_env() -> None:
 def use_cpu_platform() -> None:
     """Make verl's platform singleton the CPU platform in this process (and its children via env)."""
     from verl.plugin.platform import get_platform, set_platform
-
-    from verl_patches.cpu_platform import make_cpu_platform_class
 
     os.environ["VERL_PLATFORM"] = "cpu"
     platform_cls = make_cpu_platform_class()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import time
 import types
+
 import torch
 
 CPU_PLATFORM_NAME = "cpu"

@@ -6,7 +6,7 @@ sharded model, optimizer and extra-state dicts of each rank, the HF config and t
 `torch.save` while training waits. Inside `deferred_torch_save()` the manager runs
 unchanged except that each `torch.save(obj, path)` is recorded instead of written: the
 caller copies and writes the captured `(path, obj)` pairs from a background thread, to the
-very files verl would have written (async_rl/checkpoint_writer.py).
+very files verl would have written (async_rl/training/checkpoint_writer.py).
 
 The captured state dicts hold the live model and optimizer tensors, which verl's next
 `optimizer_step` changes in place; `hold_optimizer_step(engine, wait)` makes the engine call

@@ -19,6 +19,7 @@ import pandas as pd
 
 from async_rl.demo import reward as reward_module
 from async_rl.demo.reward import NUM_DIGITS
+from async_rl.demo.tokenizer import build_tokenizer
 
 DATA_SOURCE = "async_rl/copy_digits"
 ABILITY = "copy"
@@ -212,8 +213,6 @@ def prepare(
 ) -> dict[str, Path]:
     """Write model + tokenizer, train/val parquet, reward.py, overrides.txt (GRPO) and
     overrides_ppo.txt (PPO with a critic) under ``output_dir``."""
-    from async_rl.demo.tokenizer import build_tokenizer
-
     root = Path(output_dir).resolve()
     model_dir, data_dir = root / "model", root / "data"
     model_dir.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,174 @@
+"""What the stages send each other, in the order of the stage graph, and the verl batch they build.
+
+    dataloader --PromptBatch--> generate --GeneratedBatch--> rollout --RolloutBatch--> reward, logp,
+    ref_logp, values --ScoredBatch, LogpResult, RefLogpResult, ValuesResult--> actor_train
+    --NewWeights--> param_update;  actor_train --CriticBatch--> critic_train
+
+Every message carries its batch `index` (the training step's batch, 0-based). Batches travel by
+reference (`batch_ref`: a `ray.ObjectRef` to a verl `DataProto`, or the DataProto itself), put
+once into Ray's object store by the rollout stage.
+
+`build_batch` lays samples out as verl does: prompts left-padded to `max_prompt_length`,
+responses right-padded to `max_response_length`, `input_ids = prompts ++ responses`, with
+`attention_mask`, `position_ids` and `response_mask`; the rollout's log-probs and the policy
+version of each response token ride along as `rollout_log_probs` and `token_versions` (-1 on
+padding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+import ray
+import torch
+from verl import DataProto
+
+
+@dataclass
+class PromptBatch:
+    """Prompts of one training step (`index` = the step's batch index, 0-based)."""
+
+    index: int
+    prompt_ids: list[list[int]]
+    non_tensor: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class Sample:
+    """One generated response to one prompt (one member of a GRPO group)."""
+
+    uid: str  # prompt-group id: samples of one prompt share it
+    prompt_ids: list[int]
+    response_ids: list[int]
+    rollout_log_probs: list[float]
+    token_versions: list[int]  # policy version that produced each response token
+    non_tensor: dict[str, Any] = field(default_factory=dict)  # data_source, reward_model, ...
+    score: float | None = None  # filled by the reward stage
+
+
+def build_batch(samples: list[Sample], max_prompt_length: int, max_response_length: int, pad_token_id: int) -> DataProto:
+    """Stack samples into a padded `DataProto` (verl's prompt/response layout)."""
+    n = len(samples)
+    prompts = torch.full((n, max_prompt_length), pad_token_id, dtype=torch.long)
+    prompt_mask = torch.zeros((n, max_prompt_length), dtype=torch.long)
+    responses = torch.full((n, max_response_length), pad_token_id, dtype=torch.long)
+    response_mask = torch.zeros((n, max_response_length), dtype=torch.long)
+    rollout_log_probs = torch.zeros((n, max_response_length), dtype=torch.float32)
+    token_versions = torch.full((n, max_response_length), -1, dtype=torch.long)
+    for i, s in enumerate(samples):
+        p = s.prompt_ids[-max_prompt_length:]
+        r = s.response_ids[:max_response_length]
+        if p:
+            prompts[i, -len(p) :] = torch.tensor(p)
+            prompt_mask[i, -len(p) :] = 1
+        if r:
+            responses[i, : len(r)] = torch.tensor(r)
+            response_mask[i, : len(r)] = 1
+            rollout_log_probs[i, : len(r)] = torch.tensor(s.rollout_log_probs[: len(r)], dtype=torch.float32)
+            token_versions[i, : len(r)] = torch.tensor(s.token_versions[: len(r)])
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    position_ids = torch.clamp(torch.cumsum(attention_mask, dim=1) - 1, min=0)
+    tensors = {
+        "prompts": prompts,
+        "responses": responses,
+        "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+        "response_mask": response_mask,
+        "rollout_log_probs": rollout_log_probs,
+        "token_versions": token_versions,
+    }
+    keys = sorted({k for s in samples for k in s.non_tensor})
+    non_tensors = {k: np.array([s.non_tensor.get(k) for s in samples], dtype=object) for k in keys}
+    non_tensors["uid"] = np.array([s.uid for s in samples], dtype=object)
+    return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors)
+
+
+@dataclass
+class GeneratedBatch:
+    """All samples of one step: `n` responses for each prompt of the PromptBatch."""
+
+    index: int
+    samples: list[Sample]
+    start_version: int  # version served when the batch was admitted
+
+
+async def resolve(value):
+    """The object behind a `ray.ObjectRef`, or `value` itself."""
+    return await value if isinstance(value, ray.ObjectRef) else value
+
+
+@dataclass
+class RolloutBatch:
+    """One step's padded batch, by reference (`ray.ObjectRef` to a DataProto, or the DataProto)."""
+
+    index: int
+    batch_ref: Any
+    start_version: int
+
+    async def get(self):
+        return await resolve(self.batch_ref)
+
+
+@dataclass
+class ScoredBatch:
+    """Per-sample scores of one step's batch (sequence-level, placed on the last token later).
+
+    Stages between reward and actor_train may set `keep` to train on a subset of rows
+    (actor_train still logs data metrics over every row) and add step `metrics`.
+    """
+
+    index: int
+    scores: torch.Tensor  # (bs,) float32
+    uids: np.ndarray  # (bs,) prompt-group id of each row (samples of one prompt share it)
+    keep: Optional[torch.Tensor] = None  # (bs,) bool: rows to train on; None = all
+    metrics: dict = field(default_factory=dict)  # merged into the step's logged metrics
+    batch_ref: Any = None  # the scored DataProto, by reference (for stages that regroup rows)
+
+
+@dataclass
+class TrainingBatch(RolloutBatch):
+    """A training batch formed by dynamic sampling: what logp / ref_logp compute on, and its rewards."""
+
+    scored: Optional[ScoredBatch] = None
+
+
+@dataclass
+class LogpResult:
+    index: int
+    batch_ref: Any  # the step's DataProto, by reference (from RolloutBatch)
+    old_log_probs: Optional[torch.Tensor]  # (bs, response_len); None when not computed (bypass mode)
+    logp_version: int  # policy version of the weights that computed them (-1: none)
+
+
+@dataclass
+class RefLogpResult:
+    index: int
+    ref_log_prob: Optional[torch.Tensor]  # (bs, response_len), None without a reference policy
+
+
+@dataclass
+class ValuesResult:
+    index: int
+    values: torch.Tensor  # (bs, response_len), fp32
+    critic_version: int  # the critic version that computed them
+    seconds: float  # the critic's forward (verl's timing_s/values)
+
+
+@dataclass
+class CriticBatch:
+    """What actor_train sends after the advantages of batch `index`: the rows to train, with
+    `values` and GAE's `returns` (a DataProto, by reference; None: every row was filtered out)."""
+
+    index: int
+    batch_ref: Any
+
+
+@dataclass
+class NewWeights:
+    """Version `version` is on its way to param_update (its buckets arrive through `put_bucket`)."""
+
+    version: int
+    started_at: float  # wall time (time.time()) when its gather began

@@ -1,0 +1,57 @@
+"""verl's RL data as the pipeline reads it: the dataset and dataloader verl's trainer builds, and
+each row's prompt tokenized with the model's chat template, as verl's rollout does. Used by the
+dataloader stage, validation and the checks before Ray starts."""
+
+from __future__ import annotations
+
+from async_rl.core.data_checks import prompt_too_long_error
+
+_NON_TENSOR_KEYS = ("data_source", "reward_model", "extra_info", "index")
+
+
+def load_prompt_dataset(data_files, data_config, tokenizer, is_train: bool):
+    """verl's RL dataset for `data_files` (parquet paths), capped at verl's `{train,val}_max_samples`."""
+    from verl.trainer.ppo.utils import create_rl_dataset
+
+    max_samples = data_config.get("train_max_samples" if is_train else "val_max_samples", -1)
+    return create_rl_dataset(data_files, data_config, tokenizer, None, is_train=is_train,
+                             max_samples=-1 if max_samples is None else max_samples)
+
+
+def make_train_dataloader(data_config, dataset):
+    """The training dataloader exactly as verl's trainer builds it (same batches, same state)."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    from verl.trainer.ppo.utils import create_rl_sampler
+    from verl.utils.dataset.rl_dataset import collate_fn
+
+    return StatefulDataLoader(
+        dataset=dataset,
+        batch_size=int(data_config.train_batch_size),
+        num_workers=int(data_config.get("dataloader_num_workers", 0) or 0),
+        drop_last=True,
+        collate_fn=collate_fn,
+        sampler=create_rl_sampler(data_config, dataset),
+    )
+
+
+def tokenize_row(row: dict, tokenizer, max_prompt_length: int, truncation: str = "left", files=None,
+                 prompt_key: str = "prompt") -> tuple[list[int], dict]:
+    """Chat-template token ids of one dataset row and its non-tensor fields.
+
+    A prompt over ``max_prompt_length`` tokens is left-truncated, as verl 0.9.1's agent loop
+    does, unless ``truncation`` is "error" (verl's `data.truncation` default): then a BadDataError
+    names the row of ``files`` it came from.
+    """
+    ids = tokenizer.apply_chat_template(list(row["raw_prompt"]), add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    ids = list(ids)
+    if len(ids) > max_prompt_length and truncation == "error":
+        raise prompt_too_long_error(files, prompt_key, row["raw_prompt"], len(ids), max_prompt_length)
+    return ids[-max_prompt_length:], {k: row[k] for k in _NON_TENSOR_KEYS if k in row}
+
+
+def batch_rows(batch: dict) -> list[dict]:
+    """verl's collated batch (arrays by key) as one dict per row."""
+    size = len(batch["raw_prompt"])
+    return [{key: values[i] for key, values in batch.items()} for i in range(size)]

@@ -1,0 +1,189 @@
+"""verl's engine worker, as the pipeline's train / logp / ref_logp stages drive it.
+
+`PipelineWorker` is verl's `ActorRolloutRefWorker` (FSDP2 engine, real forward and
+backward) plus what the pipeline needs:
+
+- CPU runs: verl's small CPU patches (`verl_patches.cpu_patches`) applied in the
+  worker process before verl builds its engine.
+- the training side of the weight sync (`send_weight_buckets`: gather + send,
+  param_update/sender.py) and the receiving side for logp workers (stage, check,
+  commit, discard: param_update/staging.py). Staging runs in its own concurrency group
+  ("weights"), so a logp worker registers buckets of version v while it computes with
+  v - 1; loading runs in the default group, never beside a forward.
+- checkpoints written beside training (`snapshot_checkpoint`, async_rl/training/checkpoint_writer.py):
+  verl's own `save_checkpoint` with its writes deferred to a thread; the wait for that
+  thread runs in its own concurrency group ("checkpoint"). Loading is verl's `load_checkpoint`.
+"""
+
+from __future__ import annotations
+
+import ray
+import torch
+from verl.single_controller.base.decorator import Dispatch, register
+from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
+
+from async_rl.training.checkpoint_writer import CheckpointWriter
+from param_update.buckets import tensor_digest
+from param_update.sender import BucketSender, live_storage_addresses
+from param_update.staging import WeightStaging
+from verl_patches.cpu_patches import apply_cpu_worker_patches
+from verl_patches.deferred_checkpoint_write import hold_optimizer_step
+
+WEIGHTS_GROUP = "weights"  # Ray concurrency group of the staging calls
+CHECKPOINT_GROUP = "checkpoint"  # waits for a checkpoint's background write, beside training
+CONCURRENCY_GROUPS = {WEIGHTS_GROUP: 1, CHECKPOINT_GROUP: 1}
+
+
+class PipelineWorker(ActorRolloutRefWorker):
+    """`ActorRolloutRefWorker` with CPU patches and bucketed weight send / receive."""
+
+    def __init__(self, config, role: str, on_cpu: bool = False, **kwargs):
+        if on_cpu:
+            apply_cpu_worker_patches()
+        super().__init__(config, role, **kwargs)
+        self._bucket_sender = None
+        self._staging = None
+        self._checkpoint_writer = None
+
+    def _engine(self):
+        worker = self.actor if self.actor is not None else self.ref
+        return worker.engine
+
+    # ---- training side: gather + send ------------------------------------------------
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def send_weight_buckets(self, version: int, bucket_bytes: int, sink) -> dict[str, float]:
+        """gather (collective: every rank must call it) and hand rank 0's buckets to its send thread.
+
+        Returns `{"gather_s": ...}` as soon as the gather is done; the buckets reach `sink`
+        (the param_update stage) from the send thread while training goes on.
+        """
+        if self._bucket_sender is None:
+            self._bucket_sender = BucketSender()
+        engine = self._engine()
+        live = live_storage_addresses(engine.module.state_dict().values())
+        per_tensor, _ = engine.get_per_tensor_param()
+        is_sender = torch.distributed.get_rank() == 0
+        return self._bucket_sender.gather_and_send(per_tensor, version, bucket_bytes, sink, is_sender, live)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    @ray.method(concurrency_group=WEIGHTS_GROUP)
+    def close_weight_sender(self) -> None:
+        """Unlink the send's shared-memory files (the pipeline's shutdown); runs beside training."""
+        if self._bucket_sender is not None:
+            self._bucket_sender.close()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def weight_layout(self) -> dict[str, tuple]:
+        """HF name -> (dtype, global shape) of what `send_weight_buckets` sends (no data moves)."""
+        from verl.utils.model import convert_weight_keys
+
+        module = self._engine().module
+        state = convert_weight_keys(module.state_dict(), getattr(module, "_fsdp_wrapped_module", module))
+        return {name: (t.dtype, tuple(t.shape)) for name, t in state.items()}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def weight_digests(self) -> dict[str, str] | None:
+        """HF name -> digest of the full weights (collective; rank 0 returns them, others None)."""
+        per_tensor, _ = self._engine().get_per_tensor_param()
+        digests = {name: tensor_digest(t) for name, t in per_tensor}
+        return digests if torch.distributed.get_rank() == 0 else None
+
+    # ---- checkpoints: snapshot now, files from a background thread -------------------------
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def snapshot_checkpoint(self, local_path: str, global_step: int) -> dict[str, float]:
+        """verl's save_checkpoint into `local_path` (collective), its tensors copied and written in the
+        background (async_rl/training/checkpoint_writer.py).
+
+        verl's own rotation is off (`max_ckpt_to_keep=None`): the pipeline keeps whole steps
+        (async_rl/checkpoints.py). Returns {"snapshot_s": seconds training waited}.
+        """
+        if self._checkpoint_writer is None:
+            self._checkpoint_writer = CheckpointWriter()
+            # the captured state is the live state: the next optimizer step waits for its copy
+            hold_optimizer_step(self._engine(), self._checkpoint_writer.wait_copied)
+        return self._checkpoint_writer.snapshot(
+            lambda: self.actor.save_checkpoint(local_path, None, global_step, None), global_step
+        )
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    @ray.method(concurrency_group=CHECKPOINT_GROUP)
+    def wait_checkpoint_written(self, timeout_s: float) -> dict[str, float]:
+        """Block until this rank's checkpoint files are on disk; {"copy_s", "write_s", "bytes"} (empty: none)."""
+        if self._checkpoint_writer is None:
+            return {}
+        return self._checkpoint_writer.wait(timeout_s)
+
+    # ---- receiving side (logp): stage, check, commit ---------------------------------------
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def configure_weight_sync(self) -> None:
+        """Set up this rank's staging (a load into FSDP2 shards is always a copy).
+
+        Names are the HF names the trainer sends (verl's `convert_weight_keys`), shapes global.
+        """
+        from verl.utils.model import convert_weight_keys
+
+        module = self._engine().module
+        hf_model = getattr(module, "_fsdp_wrapped_module", module)
+        state = module.state_dict()
+        self._module_key = convert_weight_keys({key: key for key in state}, hf_model)  # HF name -> module key
+        expected = {name: (state[key].dtype, tuple(state[key].shape)) for name, key in self._module_key.items()}
+        self._staging = WeightStaging(expected)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    @ray.method(concurrency_group=WEIGHTS_GROUP)
+    def node_id(self) -> str:
+        """This rank's Ray node (the weight sync reads shared memory on the sender's node)."""
+        return ray.get_runtime_context().get_node_id()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    @ray.method(concurrency_group=WEIGHTS_GROUP)
+    def stage_weight_bucket(self, version: int, index: int, source, slices: list) -> dict[str, float]:
+        """recv + register-buffer (param_update.staging.WeightStaging); runs beside compute."""
+        return self._staging.stage_bucket(version, index, source, slices)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    @ray.method(concurrency_group=WEIGHTS_GROUP)
+    def stage_weight_buckets(self, version: int, buckets: list, num_buckets: int) -> dict[str, float]:
+        """recv + register-buffer of a whole version, then its check."""
+        return self._staging.stage_version(version, buckets, num_buckets)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    @ray.method(concurrency_group=WEIGHTS_GROUP)
+    def check_weights(self, version: int, num_buckets: int) -> None:
+        self._staging.check(version, num_buckets)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    @ray.method(concurrency_group=WEIGHTS_GROUP)
+    def discard_weights(self, version: int) -> None:
+        self._staging.discard(version)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def commit_weights(self, version: int, num_buckets: int, consume_bytes: int) -> int:
+        """load: the staged version into this rank's FSDP2 shards, `consume_bytes` at a time; returns tensors."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        self._staging.check(version, num_buckets)
+        module = self._engine().module
+        options = StateDictOptions(full_state_dict=True, strict=False)
+        loaded, group, group_bytes = 0, {}, 0
+        for name, tensor in self._staging.stager.named_tensors():
+            group[self._module_key[name]] = tensor
+            group_bytes += tensor.nbytes
+            if group_bytes >= consume_bytes:
+                set_model_state_dict(module, group, options=options)
+                loaded, group, group_bytes = loaded + len(group), {}, 0
+        if group:
+            set_model_state_dict(module, group, options=options)
+            loaded += len(group)
+        self._staging.stager.reset()
+        return loaded
+
+
+class CriticWorker(TrainingWorker):
+    """verl's critic: the engine `TrainingWorker` verl 0.9.1's trainer builds for `critic`
+    (a value model), with the CPU patches applied in its process first."""
+
+    def __init__(self, config, on_cpu: bool = False):
+        if on_cpu:
+            apply_cpu_worker_patches()
+        super().__init__(config)

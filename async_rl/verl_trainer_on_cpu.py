@@ -1,0 +1,78 @@
+"""verl's own trainers on CPU with this package's rollout backend (`rollout.name=cpu`) or vLLM.
+
+Without `async_pipeline=True`, a verl command that asks for `trainer.device=cpu` and
+`actor_rollout_ref.rollout.name=cpu` (a backend only this package provides) runs verl's own
+trainer on the CPU backend: the synchronous one by default. `rollout.name=vllm` does the same
+through verl's own vLLM servers where vLLM's CPU build is installed (`verl_patches/vllm_cpu.py`). The plugin then does, before
+Ray starts, what the pipeline does for itself: the CPU platform and patches in the driver;
+logical CPUs and GPUs for Ray (verl's resource check counts GPUs; on CPU a "GPU" is one worker
+process); `VERL_PLATFORM=cpu` in every Ray worker, where the plugin applies the same patches
+and registers the backend at `import verl`. Every other verl command is left alone.
+"""
+
+from __future__ import annotations
+
+import os
+
+from omegaconf import open_dict
+
+from async_rl.core.config import async_pipeline_enabled, strip_async_keys
+from verl_patches import vllm_cpu
+from verl_patches.cpu_patches import apply_cpu_worker_patches
+
+# verl's own trainer on trainer.device=cpu: the rollouts it can use there, and whether each is installed
+ROLLOUTS_ON_CPU = {"cpu": lambda: True, "vllm": vllm_cpu.vllm_cpu_installed}
+WORKER_ENV = {"VERL_PLATFORM": "cpu", "VERL_ENGINE_DEVICE": "cuda", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def wants_cpu_rollout(config) -> bool:
+    """A plain verl command (no pipeline flag) on trainer.device=cpu with rollout.name=cpu (or
+    vllm, with vLLM's CPU build installed)."""
+    name = str(config.get("actor_rollout_ref", {}).get("rollout", {}).get("name", ""))
+    return (
+        not async_pipeline_enabled(config)
+        and name in ROLLOUTS_ON_CPU and ROLLOUTS_ON_CPU[name]()
+        and str(config.get("trainer", {}).get("device", "")) == "cpu"
+    )
+
+
+def prepare(config) -> None:
+    """Set up the driver and the Ray init arguments (in `config.ray_kwargs.ray_init`) in place."""
+    strip_async_keys(config)  # the pipeline's keys may remain in a demo command with the flag off
+    worker_env = dict(WORKER_ENV)
+    if str(config.actor_rollout_ref.rollout.name) == "vllm":
+        changed = vllm_cpu.cpu_rollout_overrides(config.actor_rollout_ref.rollout)
+        if changed:
+            print(f"[async_rl] vLLM on CPU: actor_rollout_ref.rollout.{', '.join(changed)}", flush=True)
+        worker_env.update({k: os.environ.get(k, v) for k, v in vllm_cpu.WORKER_ENV.items()})
+    os.environ.update(worker_env)
+    set_up_worker_process()
+    devices = int(config.trainer.nnodes) * int(config.trainer.n_gpus_per_node)
+    logical_cpus = 16  # verl's actors ask for whole CPUs
+    if "async_training" in config:  # verl's fully_async_policy: its rollout's own devices; 23 CPUs for its actors
+        devices += int(config.rollout.nnodes) * int(config.rollout.n_gpus_per_node)
+        logical_cpus = 48
+    with open_dict(config):
+        ray_init = config.ray_kwargs.ray_init
+        if ray_init.get("num_cpus") is None:
+            ray_init.num_cpus = max(logical_cpus, os.cpu_count() or 1)  # logical
+        if ray_init.get("num_gpus") is None:
+            ray_init.num_gpus = devices
+        if ray_init.get("include_dashboard") is None:
+            ray_init.include_dashboard = False
+        if ray_init.get("runtime_env") is None:
+            ray_init.runtime_env = {}
+        if ray_init.runtime_env.get("env_vars") is None:
+            ray_init.runtime_env.env_vars = {}
+        for key, value in worker_env.items():
+            if key not in ray_init.runtime_env.env_vars:
+                ray_init.runtime_env.env_vars[key] = value
+
+
+def set_up_worker_process() -> None:
+    """In a Ray worker of such a run (`VERL_PLATFORM=cpu`): the CPU patches and the backend."""
+    # imported here: it loads the CPU engine, which only CPU runs need (this module loads in every process)
+    from async_rl.rollout.cpu.replica import register_cpu_rollout
+
+    apply_cpu_worker_patches()
+    register_cpu_rollout()

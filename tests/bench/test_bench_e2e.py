@@ -1,0 +1,123 @@
+"""bench/e2e.py's summary: the numbers the side-by-side table reports, from metric rows."""
+
+import pytest
+
+from bench import e2e
+
+
+def rows_for(step_s, val_key, vals, **busy):
+    """Metric rows as verl's file logger writes them: one per step, validation on some steps."""
+    rows = [{"step": 0, "data": {val_key: vals[0]}}]
+    for step in range(1, 5):
+        data = {"timing_s/step": step_s, "response_length/mean": 10.0, "response_length/max": 20.0, **busy}
+        if step in vals:
+            data[val_key] = vals[step]
+        rows.append({"step": step, "data": data})
+    return rows
+
+
+def test_pipeline_summary_bubble_and_chain():
+    busy = {"async/actor_train/busy_ratio": 0.5, "async/logp/busy_ratio": 0.4, "async/generate/busy_ratio": 0.2}
+    rows = rows_for(2.0, e2e.VAL_KEYS[0], {0: 0.0, 2: 0.3, 4: 0.5}, **busy)
+    row, curve = e2e.summarize("async-pipeline k=2", 2, rows, samples_per_step=8, target=0.4)
+    assert row["wall_s_per_sample"] == pytest.approx(8.0 / 32)  # 4 steps x 2 s over 4 x 8 samples
+    assert curve == [(0, 0.0), (4.0, 0.3), (8.0, 0.5)]
+    assert row["time_to_target_s"] == 8.0 and row["final_val_reward"] == 0.5
+    assert row["busiest_stage"] == "actor_train" and row["bubble_ratio"] == pytest.approx(2.0)
+    assert row["train_chain_busy"] == pytest.approx(0.9)
+
+
+def test_verl_summary_reads_val_aux_and_step_parts():
+    parts = {"timing_s/gen": 1.5, "timing_s/update_actor": 0.3}
+    rows = rows_for(2.0, e2e.VAL_KEYS[1], {0: 0.0, 4: 0.2}, **parts)
+    row, _ = e2e.summarize("verl-sync", None, rows, samples_per_step=8, target=0.4)
+    assert row["final_val_reward"] == 0.2 and row["time_to_target_s"] is None
+    assert row["busiest_stage"] == "gen" and row["bubble_ratio"] == pytest.approx(2.0 / 1.5)
+    assert row["train_chain_busy"] is None
+
+
+def summarized(k, **busy):
+    rows = rows_for(2.0, e2e.VAL_KEYS[0], {0: 0.0, 4: 0.5}, **{f"async/{s}/busy_ratio": b for s, b in busy.items()})
+    return e2e.summarize(f"async-pipeline k={k}", k, rows, samples_per_step=8, target=0.4)[0]
+
+
+def test_bottleneck_names_the_cause_only_above_the_goal():
+    assert e2e.bottleneck(summarized(2, actor_train=0.95, generate=0.5)) is None  # bubble 1.05
+    chain = e2e.bottleneck(summarized(2, actor_train=0.6, logp=0.35, generate=0.2))
+    assert "actor_train and logp take turns" in chain and "proximal_logp_workers=train" in chain
+    assert "synchronous" in e2e.bottleneck(summarized(1, actor_train=0.6, generate=0.35))
+    waits = e2e.bottleneck(summarized(2, actor_train=0.7, generate=0.6, reward=0.1))
+    assert waits.startswith("bottleneck: actor_train (busy 0.70)") and "generate 0.60" in waits
+
+
+def test_ppo_summaries_count_the_critics_parts_and_stages():
+    verl_parts = {"timing_s/gen": 0.5, "timing_s/values": 0.2, "timing_s/update_critic": 0.9, "timing_s/update_actor": 0.3}
+    row, _ = e2e.summarize("verl-sync PPO", None, rows_for(2.0, e2e.VAL_KEYS[1], {0: 0.0}, **verl_parts), 8, 0.4)
+    assert row["busiest_stage"] == "update_critic" and row["busy_ratio"]["values"] == pytest.approx(0.1)
+    pipeline = summarized(2, actor_train=0.5, critic_train=0.8, values=0.3)
+    assert pipeline["busiest_stage"] == "critic_train" and pipeline["bubble_ratio"] == pytest.approx(1 / 0.8)
+
+
+def test_step_breakdown_verl_is_its_parts_plus_fixed_overhead():
+    parts = {"timing_s/gen": 1.0, "timing_s/old_log_prob": 0.2, "timing_s/values": 0.1, "timing_s/update_actor": 0.3,
+             "timing_s/update_critic": 0.1, "timing_s/update_weights": 0.05}
+    row, _ = e2e.summarize("verl-sync", None, rows_for(2.0, e2e.VAL_KEYS[1], {0: 0.0}, **parts), 8, e2e.TARGET)
+    path, beside = row["breakdown"], row["beside"]
+    assert path["generation"] == 1.0 and path["log-prob passes"] == pytest.approx(0.3)
+    assert path["update"] == pytest.approx(0.4) and path["weight sync"] == pytest.approx(0.05)
+    assert path["waiting"] == 0.0
+    assert path["fixed overhead"] == pytest.approx(2.0 - 1.75) and beside == {}
+
+
+def test_step_breakdown_pipeline_is_the_train_ranks_step_with_the_rest_beside_it():
+    metrics = {"timing_s/update_actor": 0.6, "timing_s/old_log_prob": 0.3, "timing_s/gather_weights": 0.1,
+               "async/actor_train/busy_ratio": 0.6, "async/generate/busy_ratio": 0.4}
+    row, _ = e2e.summarize("async-pipeline k=2", 2, rows_for(2.0, e2e.VAL_KEYS[0], {0: 0.0}, **metrics), 8, e2e.TARGET)
+    path = row["breakdown"]
+    assert path["waiting"] == pytest.approx(2.0 - 1.2)  # the train ranks busy 0.6 of a 2 s step
+    assert path["update"] == pytest.approx(0.6) and path["log-prob passes"] == pytest.approx(0.3)
+    assert path["weight sync"] == pytest.approx(0.1)
+    assert path["fixed overhead"] == pytest.approx(1.2 - 1.0) and path["generation"] == 0.0
+    assert row["beside"] == {"generate": pytest.approx(0.8)}
+
+
+def test_explain_and_the_goal_name_the_parts_and_what_bounds_the_pipeline():
+    verl, _ = e2e.summarize("verl-sync", None, rows_for(8.0, e2e.VAL_KEYS[1], {0: 0.0, 4: 0.95},
+                                                        **{"timing_s/gen": 5.0, "timing_s/update_actor": 1.0}), 8, 0.9)
+    pipe, _ = e2e.summarize("async-pipeline k=2", 2, rows_for(2.0, e2e.VAL_KEYS[0], {0: 0.0, 4: 0.95}, **{
+        "timing_s/update_actor": 0.5, "async/actor_train/busy_ratio": 0.5, "async/generate/busy_ratio": 0.25}), 8, 0.9)
+    verl["seed"] = pipe["seed"] = 0
+    line = e2e.explain(pipe, verl)
+    assert line.startswith("async-pipeline k=2 seed 0: 4.00x per sample")
+    assert "generation 5.00 + update 1.00 + fixed overhead 2.00" in line and "beside it: generate 0.50" in line
+    assert "not overlap" in line  # verl's 5 s of generation against the stage's 0.5 s busy
+    why = e2e.why_short_of_goal(pipe, verl)  # the train ranks idle half of each 2 s step: waiting is the bound
+    assert why.startswith("its step (2.00 s) is bounded by the train ranks' waiting (1.00 s)")
+    assert "bottleneck: actor_train (busy 0.50) waits on its upstream stages: generate 0.25" in why
+
+
+def test_a_run_stops_at_its_first_validation_at_the_target_with_its_whole_process_group(tmp_path):
+    import os
+    import subprocess
+
+    metrics = tmp_path / "m.jsonl"
+    assert not e2e.reached_target(metrics, 0.9)
+    metrics.write_text('{"step": 0, "data": {"%s": 0.5}}\n' % e2e.VAL_KEYS[0])
+    assert not e2e.reached_target(metrics, 0.9)
+    with metrics.open("a") as f:
+        f.write('{"step": 10, "data": {"%s": 0.92}}\n' % e2e.VAL_KEYS[1])
+    assert e2e.reached_target(metrics, 0.9)
+    child_pid = tmp_path / "child"
+    proc = subprocess.Popen(["bash", "-c", f"sleep 300 & echo $! > {child_pid}; wait"], start_new_session=True)
+    for _ in range(100):
+        if child_pid.exists() and child_pid.read_text().strip():
+            break
+        __import__("time").sleep(0.05)
+    e2e.stop_process_group(proc, grace_s=5)
+    assert proc.poll() is not None
+    child = int(child_pid.read_text())
+    with pytest.raises(ProcessLookupError):
+        for _ in range(50):  # the background sleep was in the group: it is gone (or a zombie being reaped)
+            os.kill(child, 0)
+            __import__("time").sleep(0.1)
+        raise AssertionError("the run's child process outlived the stop")

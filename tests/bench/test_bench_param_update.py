@@ -1,0 +1,65 @@
+"""bench/param_update.py runs and writes the rows the weight-sync issue asks for (smallest size only)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from bench import param_update as bench_param_update
+
+KEYS = {"size", "params", "pipeline_total_s", "pipeline_blocked_s", "naive_total_s", "naive_blocked_s", "raw_copy_s",
+        "train_step_slowdown"}
+
+
+def test_bench_prints_table_and_json(tmp_path):
+    out = tmp_path / "rows.json"
+    bench = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "param_update.py")
+    proc = subprocess.run([sys.executable, bench, "--sizes", "2M", "--json", str(out)], capture_output=True, text=True,
+                          timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "command: " in proc.stdout and "blocked ratio" in proc.stdout
+    (row,) = json.loads(out.read_text())
+    assert KEYS <= set(row) and row["size"] == "2M" and row["params"] > 1_000_000
+    assert 0 < row["pipeline_blocked_s"] <= row["pipeline_total_s"]
+    assert row["naive_blocked_s"] == row["naive_total_s"] > 0  # stop-the-world: blocked throughout
+    assert row["raw_copy_s"] > 0 and row["train_step_slowdown"] > 0
+    # steady state is measured after the object store has cycled; the cold first sync is reported apart
+    assert 2 <= row["warmup_syncs"] <= 40
+    assert row["pipeline_first_sync_s"] > 0 and row["pipeline_total_training_s"] > 0
+    assert row["raw_copy_decoding_s"] > 0
+    # the physical limit is the faster of torch's copy and memcpy on every core
+    assert 0 < row["raw_copy_s"] <= row["raw_copy_torch_s"]
+    # the put-thread counts ran in turn; the main columns are the first count's (the sender's default)
+    from param_update.sender import PUT_THREADS
+
+    assert row["put_threads"] == PUT_THREADS and set(row["by_put_threads"]) == {str(PUT_THREADS), "1"}
+    assert row["by_put_threads"][str(PUT_THREADS)]["pipeline_total_s"] == row["pipeline_total_s"]
+    assert all(t["pipeline_total_s"] > 0 and t["train_step_slowdown"] > 0 for t in row["by_put_threads"].values())
+    assert "put threads (syncs interleaved)" in proc.stdout
+    assert row["pipeline_total_idle_s"] > 0 and "no decoding" in proc.stdout
+    # per link: the same-node sync through shared memory, the other-node one through the object store; the
+    # wait for a running decoding step is reported apart and left out of the totals
+    assert row["pipeline_step_wait_s"] >= 0 and "step wait" in proc.stdout
+    links = row["links"]
+    assert set(links) == {"same_node", "other_node"} and "same node (shared memory)" in proc.stdout
+    for link in links.values():
+        assert all(isinstance(v, (int, float)) for v in link.values())
+        assert link["total_s"] > 0 and link["step_wait_s"] >= 0 and link["total_with_wait_s"] >= link["total_s"]
+        assert link["total_over_raw"] == link["total_s"] / row["raw_copy_s"]
+        assert 0 < link["blocked_over_naive"] == link["blocked_s"] / link["naive_blocked_s"]
+    assert (links["same_node"]["shm_receivers"], links["same_node"]["store_receivers"]) == (1, 0)
+    assert (links["other_node"]["shm_receivers"], links["other_node"]["store_receivers"]) == (0, 1)
+    assert links["same_node"]["total_s"] == row["pipeline_total_s"]
+
+
+def test_command_line_names_glibc_tunables(monkeypatch):
+    """A run under GLIBC_TUNABLES (memcpy's store type, bench/store_floor.py) says so in its command."""
+    
+    module = bench_param_update
+    monkeypatch.setattr(sys, "argv", ["bench/param_update.py", "--sizes", "2M"])
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    assert module.command_line() == f"{sys.executable} bench/param_update.py --sizes 2M"
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.cpu.x86_non_temporal_threshold=0x100000")
+    assert module.command_line().startswith("GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=0x100000 ")

@@ -1,0 +1,41 @@
+"""bench/soak.py: RSS by process of a run's tree, and the growth after warm-up."""
+
+import subprocess
+import time
+
+import pytest
+
+from bench import soak
+
+
+def test_growth_is_measured_from_the_end_of_warm_up():
+    samples = [{"step": 0, "rss_mib": {"driver": 50.0}},
+               {"step": 10, "rss_mib": {"driver": 100.0, "ray::RewardStage": 200.0}},
+               {"step": 20, "rss_mib": {"driver": 103.0, "ray::RewardStage": 200.0, "gone": 1.0}}]
+    rows = {r["process"]: r for r in soak.growth_table(samples, warmup_steps=5)}
+    assert set(rows) == {"driver", "ray::RewardStage"}  # present at both ends
+    assert rows["driver"]["growth"] == pytest.approx(0.03) and rows["ray::RewardStage"]["growth"] == 0.0
+    assert soak.growth_table(samples, warmup_steps=15) == []  # one sample after warm-up: nothing to compare
+    assert soak.growth_table(samples, warmup_steps=5, total_steps=20) == []  # the last sample is after training
+
+
+def test_the_tree_is_sampled_with_numbered_labels():
+    proc = subprocess.Popen(["bash", "-c", "sleep 30 & sleep 30 & wait"])
+    try:
+        for _ in range(50):
+            tree = soak.sample_tree(proc.pid)
+            if set(tree) == {"driver", "sleep", "sleep #2"}:  # a forked child is "bash" until it execs sleep
+                break
+            time.sleep(0.1)
+        assert set(tree) == {"driver", "sleep", "sleep #2"} and all(v > 0 for v in tree.values())
+    finally:
+        subprocess.run(["pkill", "-P", str(proc.pid)])
+        proc.kill()
+    assert soak.sample_tree(proc.pid) == {} or proc.wait(5) is not None
+
+
+@pytest.mark.slow
+def test_a_short_soak_labels_the_stage_actors(tmp_path):
+    rows = soak.main(["--steps", "10", "--warmup-steps", "2", "--every-s", "1", "--json", str(tmp_path / "s.json")])
+    names = {r["process"] for r in rows}
+    assert "driver" in names and any(n.startswith("ray::ActorTrainStage") for n in names), names

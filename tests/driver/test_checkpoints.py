@@ -1,0 +1,319 @@
+"""Checkpoints on disk (async_rl/checkpoints.py): verl's keys checked at start, atomic commits,
+rotation, the resume point verl's rules pick, and what a resume needs to lose nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from async_rl.checkpoints import (
+    DATA_FILE,
+    STATE_FILE,
+    TRACKER_FILE,
+    CheckpointDir,
+    RunState,
+    find_resume_point,
+    read_checkpoint_config,
+)
+from async_rl.core.errors import AsyncConfigError
+from async_rl.core.fault_points import HOLD_AT_ENV, HOLD_DIR_ENV
+
+
+def trainer_config(tmp_path, **trainer):
+    base = {"save_freq": 2, "default_local_dir": str(tmp_path / "ckpt"), "resume_mode": "auto",
+            "resume_from_path": None, "default_hdfs_dir": None, "del_local_ckpt_after_load": False}
+    return OmegaConf.create({"trainer": {**base, **trainer}})
+
+
+def fake_checkpoint(root, step, world_size=1, state=True, dataloader_state=None, commit=True):
+    """A checkpoint directory with verl's metadata (no weights: these tests never load them)."""
+    directory = CheckpointDir(str(root))
+    partial = directory.begin(step)
+    os.makedirs(os.path.join(partial, "actor"))
+    with open(os.path.join(partial, "actor", "fsdp_config.json"), "w") as f:
+        json.dump({"FSDP_version": 2, "world_size": world_size}, f)
+    torch.save(dataloader_state if dataloader_state is not None else {"_num_yielded": step}, os.path.join(partial, DATA_FILE))
+    if state:
+        torch.save(vars(RunState(step, step + 1, {"_num_yielded": step}, 0.25, None)), os.path.join(partial, STATE_FILE))
+    return directory.commit(step) if commit else partial
+
+
+@pytest.mark.parametrize("key,value,named", [
+    ("save_freq", "often", "trainer.save_freq"),
+    ("default_hdfs_dir", "hdfs://x/y", "trainer.default_hdfs_dir"),
+    ("resume_mode", "latest", "trainer.resume_mode"),
+    ("max_actor_ckpt_to_keep", 0, "trainer.max_actor_ckpt_to_keep"),
+    ("default_local_dir", None, "trainer.default_local_dir"),
+])
+def test_a_checkpoint_key_that_cannot_work_is_named(tmp_path, key, value, named):
+    with pytest.raises(AsyncConfigError, match=f"invalid config: {named}="):
+        read_checkpoint_config(trainer_config(tmp_path, **{key: value}))
+
+
+def test_resume_path_must_name_an_existing_global_step_dir(tmp_path):
+    for path in (str(tmp_path / "somewhere"), str(tmp_path / "global_step_3")):
+        with pytest.raises(AsyncConfigError, match="trainer.resume_from_path="):
+            read_checkpoint_config(trainer_config(tmp_path, resume_mode="resume_path", resume_from_path=path))
+    done = fake_checkpoint(tmp_path / "ckpt", 3)
+    cfg = read_checkpoint_config(trainer_config(tmp_path, resume_mode="resume_path", resume_from_path=done))
+    assert cfg.resume_from_path == done
+
+
+def test_save_contents_are_verls_names():
+    bad = OmegaConf.create({"trainer": {"default_local_dir": "x"},
+                            "actor_rollout_ref": {"actor": {"checkpoint": {"save_contents": ["model", "weights"]}}}})
+    with pytest.raises(AsyncConfigError, match="actor_rollout_ref.actor.checkpoint.save_contents"):
+        read_checkpoint_config(bad)
+
+
+def test_saves_follow_verls_rule(tmp_path):
+    cfg = read_checkpoint_config(trainer_config(tmp_path, save_freq=3))
+    assert [s for s in range(1, 11) if cfg.due(s, total_steps=10)] == [3, 6, 9, 10]  # and always the last step
+    assert not any(read_checkpoint_config(trainer_config(tmp_path, save_freq=-1)).due(s, 10) for s in range(1, 11))
+    assert cfg.root == os.path.abspath(tmp_path / "ckpt")
+
+
+def test_commit_renames_then_writes_the_tracker(tmp_path):
+    directory = CheckpointDir(str(tmp_path))
+    partial = fake_checkpoint(tmp_path, 2, commit=False)
+    assert partial.endswith("global_step_2.partial")
+    assert directory.tracked_step() is None  # a partial checkpoint is never the tracked one
+    fake_checkpoint(tmp_path, 2)
+    assert directory.tracked_step() == 2 and directory.complete_steps() == [2]
+    assert not os.path.exists(partial)
+    assert open(tmp_path / TRACKER_FILE).read() == "2"
+
+
+def test_a_crash_mid_write_leaves_the_previous_checkpoint_tracked(tmp_path):
+    fake_checkpoint(tmp_path, 2)
+    fake_checkpoint(tmp_path, 4, commit=False)  # the process died while writing step 4
+    cfg = read_checkpoint_config(trainer_config(tmp_path, default_local_dir=str(tmp_path)))
+    point = find_resume_point(cfg, train_world_size=1, dataloader_workers=0, dynamic_sampling=False)
+    assert point.path.endswith("global_step_2") and point.state.global_step == 2
+    assert CheckpointDir(str(tmp_path)).remove_partials() == [str(tmp_path / "global_step_4.partial")]
+
+
+def test_commit_replaces_a_checkpoint_of_the_same_step(tmp_path):
+    first = fake_checkpoint(tmp_path, 2, dataloader_state={"_num_yielded": 111})
+    fake_checkpoint(tmp_path, 2, dataloader_state={"_num_yielded": 222})
+    assert torch.load(os.path.join(first, DATA_FILE), weights_only=False) == {"_num_yielded": 222}
+    assert sorted(os.listdir(tmp_path)) == ["global_step_2", TRACKER_FILE]
+
+
+def test_rotation_keeps_the_newest_of_this_lineage(tmp_path):
+    directory = CheckpointDir(str(tmp_path))
+    for step in (2, 4, 6, 8):
+        fake_checkpoint(tmp_path, step)
+    assert directory.rotate(keep=2, newest=8) == [2, 4] and directory.complete_steps() == [6, 8]
+    assert directory.rotate(keep=None, newest=8) == []
+    # resumed from 6 after a run that had reached 8: step 8 is another lineage's, left alone until overwritten
+    fake_checkpoint(tmp_path, 7)
+    assert directory.rotate(keep=1, newest=7) == [6] and directory.complete_steps() == [7, 8]
+
+
+def test_auto_resumes_the_tracked_checkpoint_with_its_state(tmp_path):
+    cfg = read_checkpoint_config(trainer_config(tmp_path))
+    assert find_resume_point(cfg, 1, 0, False) is None  # nothing saved: from scratch
+    fake_checkpoint(tmp_path / "ckpt", 2)
+    fake_checkpoint(tmp_path / "ckpt", 4)
+    point = find_resume_point(cfg, 1, 0, False)
+    assert point.written_by == "async_rl" and point.path == str(tmp_path / "ckpt" / "global_step_4")
+    assert (point.state.global_step, point.state.generated_batches, point.state.kl_coef) == (4, 5, 0.25)
+    assert find_resume_point(read_checkpoint_config(trainer_config(tmp_path, resume_mode="disable")), 1, 0, False) is None
+
+
+def test_a_checkpoint_from_verls_trainer_resumes_at_its_step(tmp_path):
+    fake_checkpoint(tmp_path / "ckpt", 3, state=False, dataloader_state={"_num_yielded": 3})
+    point = find_resume_point(read_checkpoint_config(trainer_config(tmp_path)), 1, 0, dynamic_sampling=False)
+    assert point.written_by == "verl"
+    assert (point.state.global_step, point.state.generated_batches) == (3, 3)
+    assert point.state.dataloader_state == {"_num_yielded": 3}
+    with pytest.raises(AsyncConfigError, match="algorithm.filter_groups.enable"):
+        find_resume_point(read_checkpoint_config(trainer_config(tmp_path)), 1, 0, dynamic_sampling=True)
+
+
+def test_a_checkpoint_that_does_not_fit_this_run_is_refused_at_start(tmp_path):
+    fake_checkpoint(tmp_path / "ckpt", 2, world_size=2)
+    cfg = read_checkpoint_config(trainer_config(tmp_path))
+    with pytest.raises(AsyncConfigError, match="trainer.use_nodes_ratios=.*2 train ranks, as in the checkpoint"):
+        find_resume_point(cfg, train_world_size=1, dataloader_workers=0, dynamic_sampling=False)
+    with pytest.raises(AsyncConfigError, match="data.dataloader_num_workers=8"):
+        find_resume_point(cfg, train_world_size=2, dataloader_workers=8, dynamic_sampling=False)
+
+
+def test_a_ppo_run_needs_the_critic_part_of_its_checkpoint(tmp_path):
+    """A run with a critic refuses a checkpoint without one (a GRPO run's) or with another critic rank count."""
+    path = fake_checkpoint(tmp_path / "ckpt", 1)
+    cfg = read_checkpoint_config(trainer_config(tmp_path))
+    with pytest.raises(AsyncConfigError, match=f"trainer.default_local_dir=.*{path}/critic is missing \\(saved by a run without one\\)"):
+        find_resume_point(cfg, 1, 0, False, critic_world_size=1)
+    assert find_resume_point(cfg, 1, 0, False).path == path  # a run without a critic ignores it
+    os.makedirs(os.path.join(path, "critic"))
+    with open(os.path.join(path, "critic", "fsdp_config.json"), "w") as f:
+        json.dump({"FSDP_version": 2, "world_size": 2}, f)
+    with pytest.raises(AsyncConfigError, match="trainer.use_nodes_ratios=.1 critic ranks.*2 critic ranks.*5th number"):
+        find_resume_point(cfg, 1, 0, False, critic_world_size=1)
+    assert find_resume_point(cfg, 1, 0, False, critic_world_size=2).path == path
+
+
+def test_stage_checkpointer_commits_after_the_ranks_and_names_a_failed_write(tmp_path):
+    """RunCheckpointer: training waits for the snapshot only; data.pt and the run state go in with the
+    ranks' files; a write that fails surfaces at the next step."""
+    from async_rl.checkpoints import RunCheckpointer
+
+    class Remote:
+        def __init__(self, fn):
+            self.remote = fn
+
+    class Dataloader:
+        def __init__(self):
+            self.state_before = Remote(self._state)
+
+        async def _state(self, index):
+            return {"_num_yielded": index}
+
+    class Ranks:  # two train ranks whose background write finishes when told
+        def __init__(self, fail=False):
+            self.fail, self.paths = fail, []
+
+        def snapshot_checkpoint(self, path, step):
+            self.paths.append(path)
+            return [{"snapshot_s": 0.01}, {"snapshot_s": 0.02}]
+
+        def wait_checkpoint_written(self, timeout_s):
+            if self.fail:
+                raise OSError("disk full")
+            os.makedirs(self.paths[-1], exist_ok=True)
+            return [{"write_s": 1.0, "bytes": 10.0}, {"write_s": 1.0, "bytes": 12.0}]
+
+    cfg = read_checkpoint_config(trainer_config(tmp_path, save_freq=1))
+
+    async def main():
+        saver = RunCheckpointer(cfg, total_steps=3, dataloader=Dataloader())
+        ranks = Ranks()
+        metrics = await saver.save(1, ranks, kl_coef=0.5)
+        assert metrics["async/checkpoint/snapshot_s"] == 0.02 and metrics["timing_s/save_checkpoint"] > 0
+        assert ranks.paths == [str(tmp_path / "ckpt" / "global_step_1.partial" / "actor")]
+        assert await saver.wait() == 1
+        assert saver.pop_written()["async/checkpoint/bytes"] == 22.0
+        state = torch.load(tmp_path / "ckpt" / "global_step_1" / STATE_FILE, weights_only=False)
+        assert state == vars(RunState(1, 1, {"_num_yielded": 1}, 0.5, None))
+        assert CheckpointDir(cfg.root).tracked_step() == 1
+        failing = Ranks(fail=True)
+        await saver.save(2, failing)
+        await asyncio.sleep(0.1)
+        with pytest.raises(OSError, match="disk full"):
+            saver.raise_if_failed()
+        assert CheckpointDir(cfg.root).tracked_step() == 1  # the failed one is never tracked
+
+    asyncio.run(main())
+
+
+SNAPSHOT_SCRIPT = """
+import json, os, sys
+import numpy as np, ray, torch, verl
+from hydra import compose, initialize_config_dir
+from async_rl.training import engine_calls
+from async_rl.core.config import strip_async_keys
+from async_rl.demo import demo_overrides
+from async_rl.training.worker_groups import make_worker_group
+from async_rl.run_config import ray_init_kwargs
+sys.path.insert(0, sys.argv[3])
+from test_balance import skewed_batch
+demo_dir, out_dir = sys.argv[1], sys.argv[2]
+with initialize_config_dir(config_dir=os.path.join(os.path.dirname(verl.__file__), "trainer", "config"), version_base=None):
+    config = compose("ppo_trainer", overrides=demo_overrides(demo_dir, extra={"actor_rollout_ref.rollout.n": 1,
+                                                                               "actor_rollout_ref.actor.ppo_mini_batch_size": 16}))
+strip_async_keys(config)
+ray.init(**ray_init_kwargs(config))
+from transformers import AutoConfig
+batch = skewed_batch(vocab=AutoConfig.from_pretrained(os.path.join(demo_dir, "model")).vocab_size)
+batch.batch["advantages"] = torch.randn(batch.batch["response_mask"].shape, generator=torch.Generator().manual_seed(1))
+group = make_worker_group(config, "actor", 2, "snap")
+
+def train_step():
+    data = batch.select_idxs(np.arange(len(batch)))
+    data.batch["old_log_probs"] = engine_calls.compute_log_prob(group, data, 1.0)
+    data.batch["rollout_log_probs"] = data.batch["old_log_probs"]
+    engine_calls.update_actor(group, data, config.actor_rollout_ref)
+
+train_step()  # the optimizer has state to save
+before = group.weight_digests()[0]
+group.save_checkpoint(os.path.join(out_dir, "sync", "actor"), None, 1, None)   # verl's own, writes while training waits
+snap = group.snapshot_checkpoint(os.path.join(out_dir, "deferred", "actor"), 1)
+assert not [n for n in os.listdir(os.path.join(out_dir, "deferred", "actor")) if n.endswith(".pt")]
+# the writer is held before its copy (ASYNC_RL_HOLD_AT): the next step must not change the weights yet
+import threading, time
+stepped = threading.Event()
+threading.Thread(target=lambda: (train_step(), stepped.set()), daemon=True).start()
+time.sleep(5)
+held = not stepped.is_set()
+open(os.path.join(out_dir, "checkpoint_copy@1.release"), "w").close()
+assert stepped.wait(120)
+after = group.weight_digests()[0]
+written = group.wait_checkpoint_written(60.0)
+fresh = make_worker_group(config, "actor", 2, "fresh")
+fresh.load_checkpoint(os.path.join(out_dir, "deferred", "actor"), None, False)
+json.dump({"before": before, "after": after, "loaded": fresh.weight_digests()[0], "snapshot": snap, "written": written,
+           "held": held},
+          open(os.path.join(out_dir, "result.json"), "w"))
+ray.shutdown()
+"""
+
+
+def _same(a, b) -> bool:
+    """Equal nested state (tensors and DTensors compared by value)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(a, torch.Tensor):
+        a, b = (t.to_local() if isinstance(t, DTensor) else t for t in (a, b))
+        return a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if hasattr(a, "shape"):  # numpy RNG state
+        return bool((a == b).all())
+    return a == b
+
+
+def test_deferred_write_holds_the_snapshot_and_verl_loads_it(demo_dir, tmp_path):
+    """Two real FSDP2 ranks: the next training step's optimizer step waits for the snapshot's copy,
+    the files written after it hold the state at the snapshot, equal to verl's own synchronous save,
+    and verl's load_checkpoint restores it."""
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", HOLD_AT_ENV: "checkpoint_copy@1", HOLD_DIR_ENV: str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", SNAPSHOT_SCRIPT, str(demo_dir), str(tmp_path), here], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["held"]  # the optimizer step waited for the copy
+    assert result["before"] != result["after"]  # the step after the snapshot changed the weights
+    assert result["loaded"] == result["before"]  # the deferred files hold the snapshot
+    assert all(r["snapshot_s"] > 0 for r in result["snapshot"]) and all(r["bytes"] > 0 for r in result["written"])
+    sync, deferred = tmp_path / "sync" / "actor", tmp_path / "deferred" / "actor"
+    names = sorted(n for n in os.listdir(sync) if n.endswith(".pt"))
+    assert names == sorted(n for n in os.listdir(deferred) if n.endswith(".pt")) and len(names) == 6  # 3 files x 2 ranks
+    for name in names:
+        a, b = (torch.load(d / name, weights_only=False) for d in (sync, deferred))
+        if name.startswith("extra_state"):  # the RNG moved between the two saves only if something drew from it
+            a, b = a["lr_scheduler"], b["lr_scheduler"]
+        assert _same(a, b), name
+    assert not [n for n in os.listdir(deferred) if n.endswith(".tmp")]
+    assert json.loads((deferred / "fsdp_config.json").read_text()) == {"FSDP_version": 2, "world_size": 2}
+
+
+def test_resume_path_picks_the_named_checkpoint_over_the_tracked_one(tmp_path):
+    older = fake_checkpoint(tmp_path / "ckpt", 2)
+    fake_checkpoint(tmp_path / "ckpt", 4)
+    cfg = read_checkpoint_config(trainer_config(tmp_path, resume_mode="resume_path", resume_from_path=older))
+    point = find_resume_point(cfg, 1, 0, False)
+    assert point.path == older and point.state.global_step == 2

@@ -1,0 +1,99 @@
+"""Bad data is named by file and row: unusable rows before Ray starts, a prompt over
+`data.max_prompt_length` with `data.truncation=error` at its batch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from async_rl.core.data_checks import BadDataError, check_rl_files, prompt_too_long_error
+from conftest import run_verl, step_rows
+
+LONG_ROW = 7
+
+
+def demo_rows(demo_dir: Path, n: int) -> pd.DataFrame:
+    return pd.read_parquet(demo_dir / "data" / "train.parquet").head(n).reset_index(drop=True)
+
+
+def write(frame: pd.DataFrame, path: Path) -> str:
+    frame.to_parquet(path)
+    return str(path)
+
+
+def test_good_files_pass(demo_dir):
+    check_rl_files([str(demo_dir / "data" / "train.parquet"), str(demo_dir / "data" / "val.parquet")])
+
+
+def test_missing_reward_model_column_names_the_file(demo_dir, tmp_path):
+    path = write(demo_rows(demo_dir, 8).drop(columns=["reward_model"]), tmp_path / "no_rm.parquet")
+    with pytest.raises(BadDataError, match=f"data.val_files: {path} has no 'reward_model' column"):
+        check_rl_files(["/elsewhere/is/skipped.jsonl", path], label="data.val_files")
+
+
+def test_a_row_without_ground_truth_is_named(demo_dir, tmp_path):
+    rows = demo_rows(demo_dir, 8)
+    rows.at[5, "reward_model"] = None
+    path = write(rows, tmp_path / "rm_none.parquet")
+    with pytest.raises(BadDataError, match=f"{path} row 5: 'reward_model' is None"):
+        check_rl_files(path)
+
+
+def test_an_empty_prompt_is_named(demo_dir, tmp_path):
+    rows = demo_rows(demo_dir, 8)
+    rows.at[3, "prompt"] = [{"role": "user", "content": "   "}]
+    path = write(rows, tmp_path / "empty.parquet")
+    with pytest.raises(BadDataError, match=f"{path} row 3: the prompt \\('prompt'\\) is empty"):
+        check_rl_files(path)
+    rows.at[3, "prompt"] = []
+    with pytest.raises(BadDataError, match="row 3"):
+        check_rl_files(write(rows, tmp_path / "no_messages.parquet"))
+
+
+def test_a_long_prompt_is_located_by_file_and_row(demo_dir, tmp_path):
+    rows = demo_rows(demo_dir, 16)
+    first = write(rows.head(4), tmp_path / "a.parquet")
+    second = write(rows.tail(12).reset_index(drop=True), tmp_path / "b.parquet")
+    error = prompt_too_long_error([first, second], "prompt", list(rows.at[9, "prompt"]), 40, 16)
+    assert str(error).startswith(f"{second} row 5: the prompt is 40 tokens, over data.max_prompt_length=16")
+
+
+def test_truncation_error_refuses_a_long_prompt_and_other_modes_left_truncate(demo_dir):
+    from transformers import AutoTokenizer
+
+    from async_rl.core.prompts import tokenize_row
+
+    tokenizer = AutoTokenizer.from_pretrained(demo_dir / "model")
+    files = str(demo_dir / "data" / "train.parquet")
+    row = {"raw_prompt": list(demo_rows(demo_dir, 1).at[0, "prompt"]), "data_source": "d"}
+    full, _ = tokenize_row(row, tokenizer, 1000, "error", files)
+    kept, fields = tokenize_row(row, tokenizer, 4, "left", files)
+    assert kept == full[-4:] and fields == {"data_source": "d"}
+    with pytest.raises(BadDataError, match=f"{files} row 0: the prompt is {len(full)} tokens"):
+        tokenize_row(row, tokenizer, 4, "error", files)
+
+
+def test_a_bad_row_fails_the_verl_command_before_ray(demo_dir, tmp_path):
+    rows = demo_rows(demo_dir, 64)
+    rows.at[5, "reward_model"] = {"style": "rule"}
+    path = write(rows, tmp_path / "train.parquet")
+    code, out, _ = run_verl(demo_dir, {"data.train_files": path}, tmp_path, timeout_s=120)
+    assert code != 0
+    assert f"{path} row 5: 'reward_model' is {{'style': 'rule'" in out
+    assert "Started a local Ray instance" not in out
+
+
+@pytest.mark.slow
+def test_a_long_prompt_stops_the_run_at_its_batch_naming_file_and_row(demo_dir, tmp_path):
+    rows = demo_rows(demo_dir, 64)  # 2 batches of 32 prompts: every row is drawn within 2 steps
+    rows.at[LONG_ROW, "prompt"] = [{"role": "user", "content": "1234" * 20}]
+    path = write(rows, tmp_path / "train.parquet")
+    extra = {"data.train_files": path, "data.truncation": "error", "trainer.total_training_steps": 2,
+             "trainer.test_freq": -1, "trainer.val_before_train": False}
+    code, out, rows_logged = run_verl(demo_dir, extra, tmp_path, timeout_s=300)
+    assert code != 0
+    assert "stage 'dataloader' failed" in out
+    assert f"{path} row {LONG_ROW}: the prompt is" in out and "data.truncation=error" in out
+    assert len(step_rows(rows_logged)) < 2  # the batch holding it never trained

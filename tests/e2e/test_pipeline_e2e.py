@@ -1,0 +1,158 @@
+"""End to end: the plain verl command with `+actor_rollout_ref.async_pipeline=True` on the tiny demo."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import every_step_with, run_verl, step_rows, val_rows
+
+STAGES = ("dataloader", "generate", "rollout", "reward", "logp", "ref_logp", "actor_train", "param_update")
+REQUIRED_STEP_KEYS = (
+    "critic/score/mean",
+    "timing_s/step",
+    "async/param_version",
+    "async/staleness/max",
+    "async/staleness/mean",
+    *(f"async/{s}/busy_ratio" for s in STAGES),
+)
+
+
+def _short_run(k: int, steps: int) -> dict:
+    return {
+        "trainer.total_training_steps": steps,
+        "trainer.test_freq": 2,
+        "+trainer.generate_ahead_steps": k,
+    }
+
+
+# naive PPO, with verl's KL penalty in the reward (which brings the ref_logp stage in)
+NAIVE_PPO_KL = {"+algorithm.decoupled_ppo": False, "algorithm.rollout_correction.bypass_mode": True,
+                "algorithm.use_kl_in_reward": True}
+KL_LOSS = {"actor_rollout_ref.actor.use_kl_loss": True}  # verl's KL loss against the ref_logp stage's log-probs
+
+
+@pytest.mark.parametrize("k,steps,extra", [(1, 4, {}), (3, 6, KL_LOSS), (3, 4, NAIVE_PPO_KL)],
+                         ids=["k1", "k3-kl-loss", "k3-naive-kl"])
+def test_pipeline_trains_with_bounded_staleness(demo_dir, tmp_path, k, steps, extra):
+    code, out, rows = run_verl(demo_dir, {**_short_run(k, steps), **extra}, tmp_path)
+    naive = extra is NAIVE_PPO_KL
+    assert code == 0, out[-4000:]
+    by_step = every_step_with(rows, steps, REQUIRED_STEP_KEYS)
+    for step, metrics in by_step.items():
+        assert metrics["async/param_version"] == step
+        assert 0.0 <= metrics["critic/score/mean"] <= 1.0
+        assert metrics["async/staleness/max"] <= k - 1
+        hist = [metrics.get(f"async/staleness/hist_{s}", 0.0) for s in range(k)]
+        assert abs(sum(hist) - 1.0) < 1e-6, hist  # every sample in a bucket 0..eta
+        assert 1 <= metrics["async/partial/max_versions_spanned"] <= k  # a sample spans at most eta + 1 versions
+        assert ("actor/kl_loss" in metrics) == (extra is KL_LOSS)
+        if naive:  # naive PPO: pi_old is the behaviour policy; nothing recomputed, no weights
+            assert metrics["async/logp_version"] == -1 and "rollout_corr/rollout_is_mean" not in metrics
+            assert "timing_s/old_log_prob" not in metrics
+            # KL(pi_behav || pi_ref) in the reward (the ref_logp stage ran), verl's default fixed coefficient
+            assert metrics["actor/reward_kl_penalty_coeff"] == 0.001
+            assert abs(metrics["actor/reward_kl_penalty"]) < 10
+        else:  # decoupled PPO: pi_prox is the trainer's pre-update version, token weights from verl
+            assert "actor/reward_kl_penalty" not in metrics
+            assert metrics["async/logp_version"] == step - 1
+            assert "rollout_corr/rollout_is_mean" in metrics
+            assert metrics["timing_s/old_log_prob"] > 0  # computed on the train ranks (the default)
+    if k == 1:
+        assert all(m["async/staleness/max"] == 0 for m in by_step.values())
+        # on-policy: pi_prox (train ranks, FSDP2) is the policy that sampled (CPU backend); after the
+        # update instead of before it, every step's log-perplexities would differ by ~1e-2
+        assert all(m["rollout_corr/log_ppl_abs_diff"] < 1e-4 for m in by_step.values()), by_step
+    else:  # generation really ran ahead: some step trained on data older than the trainer
+        assert max(m["async/staleness/max"] for m in by_step.values()) >= 1
+    vals = val_rows(rows)
+    assert 0 in vals and steps in vals, sorted(vals)
+    assert "val-core/async_rl/copy_digits/reward/mean@1" in vals[steps]
+
+
+def test_dynamic_sampling_from_verls_filter_groups_key(demo_dir, tmp_path):
+    """`algorithm.filter_groups.enable=True`: every training batch is full of groups whose rewards differ,
+    drawn from as many generated batches as it takes, pi_prox still from the pre-update version."""
+    from async_rl.demo.task import GROUP_SIZE, TRAIN_BATCH_SIZE
+
+    extra = {**_short_run(2, 3), "trainer.test_freq": -1, "trainer.val_before_train": False,
+             "algorithm.filter_groups.enable": True, "algorithm.filter_groups.max_num_gen_batches": 10}
+    code, out, rows = run_verl(demo_dir, extra, tmp_path)
+    assert code == 0, out[-4000:]
+    by_step = step_rows(rows)
+    assert sorted(by_step) == [1, 2, 3]
+    for step, metrics in by_step.items():
+        assert metrics["async/dynamic_sampling/gen_batches"] >= 1
+        assert metrics["async/trained_rows"] == TRAIN_BATCH_SIZE * GROUP_SIZE  # full, not filtered down
+        assert metrics["async/staleness/max"] <= 1 and metrics["async/logp_version"] == step - 1
+        assert "async/dynamic_sampling/busy_ratio" in metrics
+
+
+def test_val_only_validates_and_trains_nothing(demo_dir, tmp_path):
+    extra = {"trainer.val_only": True, "trainer.val_before_train": True}
+    code, out, rows = run_verl(demo_dir, extra, tmp_path, timeout_s=300)  # training would take longer
+    assert code == 0, out[-4000:]
+    assert sorted(val_rows(rows)) == [0] and not step_rows(rows)
+
+
+def test_bad_config_value_fails_before_ray(demo_dir, tmp_path):
+    code, out, _ = run_verl(demo_dir, ["+trainer.use_nodes_ratios=[0.5,0.5,1.5]"], tmp_path, timeout_s=120)
+    assert code != 0
+    assert "trainer.use_nodes_ratios=[0.5, 0.5, 1.5]" in out
+    assert "allowed" in out
+    assert "Started a local Ray instance" not in out
+
+
+def test_more_workers_than_ray_can_place_fails_at_once(demo_dir, tmp_path):
+    """Checked before any pool is placed (it used to wait out the 300 s placement timeout)."""
+    code, out, _ = run_verl(demo_dir, {"trainer.n_gpus_per_node": 64}, tmp_path, timeout_s=240)
+    assert code != 0
+    # train 32 + generate 32 (no logp group: pi_prox on the train ranks; no ref: no KL), one node
+    assert "trainer.nnodes=1 needs 1 Ray nodes with CPU 64 each" in out and "CPU 16" in out
+    assert "ray_kwargs.ray_init.num_cpus" in out
+    assert "Started a local Ray instance" in out  # it did get past the config checks
+    leftover = ray_processes_after(20.0, tmp_path)
+    assert not leftover, f"Ray processes left behind: {leftover}"
+
+
+def ray_processes_after(grace_s: float, run_dir: Path) -> list[str]:
+    """`ray::` processes of the run started in ``run_dir`` (their working directory: Ray's processes
+    inherit the driver's; other runs on the machine have theirs) still alive `grace_s` seconds from
+    now at the latest (exiting ones get that long)."""
+    def ours() -> list[str]:
+        found = []
+        for line in subprocess.run(["pgrep", "-af", "ray::"], capture_output=True, text=True).stdout.splitlines():
+            try:
+                cwd = Path(os.readlink(f"/proc/{line.split()[0]}/cwd"))
+            except OSError:
+                continue  # exited meanwhile
+            if cwd == run_dir or run_dir in cwd.parents:
+                found.append(line)
+        return found
+
+    deadline = time.monotonic() + grace_s
+    while True:
+        out = ours()
+        if not out or time.monotonic() > deadline:
+            return out
+        time.sleep(0.5)
+
+
+def test_failing_reward_stops_the_run_with_the_stage_named(demo_dir, tmp_path):
+    bad_reward = tmp_path / "bad_reward.py"
+    bad_reward.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw):\n"
+        "    raise ValueError('reward exploded')\n"
+    )
+    extra = {**_short_run(2, 4), "reward.custom_reward_function.path": str(bad_reward), "trainer.val_before_train": False}
+    code, out, rows = run_verl(demo_dir, extra, tmp_path, timeout_s=300)
+    assert code != 0
+    assert "stage 'reward' failed" in out
+    assert "reward exploded" in out
+    assert not step_rows(rows)  # no step trained on missing rewards
+    leftover = ray_processes_after(20.0, tmp_path)
+    assert not leftover, f"Ray processes left behind: {leftover}"

@@ -1,0 +1,181 @@
+"""verl's own vLLM rollout on vLLM's CPU build (the vllm venv; scripts/test.sh runs these there).
+
+Flag off: verl's synchronous trainer with `rollout.name=vllm` on CPU, through verl's
+`vLLMReplica` / `vLLMHttpServer` and its weight sync. With `rollout.dtype=float32` the log-probs
+vLLM returns equal the trainer's recomputed ones within fp32 noise at every step, which holds
+only if every new version reached vLLM (one step of training moves them by ~1e-3). The same check
+holds for verl's own async trainer, `fully_async_policy`, its weights sent by the `async_rl`
+checkpoint-engine backend."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from async_rl.rollout.vllm_digests import ALLOW_PICKLE_ENV
+from conftest import (
+    dumped_step_inputs,
+    every_step_with,
+    expected_step_inputs,
+    kill_session,
+    read_jsonl,
+    run_pipeline_reading_digests,
+    run_verl,
+    start_verl,
+    step_rows,
+    val_rows,
+    wait_until,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+from bench import e2e, faults
+
+VLLM_ON_CPU = e2e.VLLM_ON_CPU  # fp32, the trainer's dtype: log-probs comparable to fp32 noise
+FP32_NOISE = 1e-5  # measured: 7e-8 to 8e-8 (bf16 rollout: 4e-4)
+
+
+def test_verls_sync_trainer_runs_vllm_on_cpu_and_every_version_reaches_it(demo_dir, tmp_path):
+    extra = {
+        **VLLM_ON_CPU,
+        "+actor_rollout_ref.async_pipeline": False,
+        # one trainer rank, one vLLM replica, one agent-loop worker: what 2 cores hold
+        "trainer.n_gpus_per_node": 1,
+        "actor_rollout_ref.rollout.agent.num_workers": 1,
+        "trainer.total_training_steps": 3,
+        "trainer.val_before_train": False,
+        "trainer.test_freq": 3,
+        "trainer.save_freq": -1,
+    }
+    code, out, rows = run_verl(demo_dir, extra, tmp_path, timeout_s=900)
+    assert code == 0, out[-4000:]
+    assert "vLLM on CPU: actor_rollout_ref.rollout.free_cache_engine=False" in out  # the overrides, said
+    by_step = every_step_with(rows, 3, ["rollout_corr/log_ppl_abs_diff", "training/rollout_probs_diff_max"])
+    for step, metrics in by_step.items():
+        assert metrics["rollout_corr/log_ppl_abs_diff"] < FP32_NOISE, (step, metrics["rollout_corr/log_ppl_abs_diff"])
+        assert metrics["training/rollout_probs_diff_max"] < FP32_NOISE, step
+    assert 3 in val_rows(rows)  # validation through vLLM too
+
+
+PIPELINE = {
+    **VLLM_ON_CPU,
+    "trainer.val_before_train": False,
+    "trainer.save_freq": -1,
+}
+
+
+def test_pipeline_on_vllm_on_policy_every_version_reaches_vllm(demo_dir, tmp_path):
+    """k=1: each step trains on responses of the newest version, and vLLM's log-probs equal the
+    trainer's within fp32 noise at every step: every version reached vLLM (through the `async_rl`
+    checkpoint-engine backend), version 0 included (verl's servers start on dummy weights). After
+    training, the weights vLLM computes with are the trainer's, bit for bit."""
+    extra = {**PIPELINE, "+trainer.generate_ahead_steps": 1, "trainer.total_training_steps": 3, "trainer.test_freq": 3}
+    proc, result = run_pipeline_reading_digests(demo_dir, extra, tmp_path, env={ALLOW_PICKLE_ENV: "1"})
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    by_step = every_step_with(rows, 3, ["rollout_corr/log_ppl_abs_diff", "async/staleness/max"])
+    for step, metrics in by_step.items():
+        assert metrics["async/staleness/max"] == 0, step
+        assert metrics["rollout_corr/log_ppl_abs_diff"] < FP32_NOISE, (step, metrics["rollout_corr/log_ppl_abs_diff"])
+    assert 3 in val_rows(rows)  # validation through vLLM
+    digests = result["digests"]
+    assert set(digests) == {"actor_train", "rollout_replica_0"}
+    trainer, served = digests["actor_train"], digests["rollout_replica_0"]
+    assert any(".q_proj." in name for name in served)  # vLLM's fused qkv_proj, split back to the trainer's names
+    # every tensor vLLM serves is the trainer's; the trainer's lm_head is the tied embedding vLLM holds once
+    assert served == {name: d for name, d in trainer.items() if name != "lm_head.weight"}
+    assert trainer.get("lm_head.weight", trainer["model.embed_tokens.weight"]) == trainer["model.embed_tokens.weight"]
+
+
+def test_pipeline_on_vllm_runs_ahead_within_the_bound_and_loads_during_generation(demo_dir, tmp_path):
+    """k=3: generation runs up to 2 versions ahead, never more; weights load into vLLM between
+    decoding steps (verl's abort + the generate stage's resubmission of prompt + tokens so far), so
+    some responses carry tokens of two versions."""
+    k, steps = 3, 5
+    # generation the bottleneck, so every load lands while vLLM decodes: 256 responses of 32 tokens,
+    # 8 at a time (a batch takes several times a training step)
+    slow_generation = {"data.max_response_length": 32, "actor_rollout_ref.rollout.ignore_eos": True,
+                       "actor_rollout_ref.rollout.max_num_seqs": 8}
+    extra = {**PIPELINE, **slow_generation, "+trainer.generate_ahead_steps": k,
+             "trainer.total_training_steps": steps, "trainer.test_freq": steps}
+    code, out, rows = run_verl(demo_dir, extra, tmp_path, timeout_s=900)
+    assert code == 0, out[-4000:]
+    by_step = every_step_with(rows, steps, ["async/staleness/max", "async/partial/max_versions_spanned",
+                                            "async/param_update/blocked_s"])
+    for step, metrics in by_step.items():
+        assert metrics["async/staleness/max"] <= k - 1, step
+        assert 1 <= metrics["async/partial/max_versions_spanned"] <= k, step
+    assert max(m["async/staleness/max"] for m in by_step.values()) >= 1  # it really ran ahead
+    assert max(m["async/partial/max_versions_spanned"] for m in by_step.values()) >= 2  # loaded mid-response
+    assert steps in val_rows(rows)
+
+
+def test_pipeline_on_vllm_without_partial_rollout_waits_for_running_requests(demo_dir, tmp_path):
+    """partial_rollout=False: a load parks new requests and waits for the running ones, so no response
+    spans two versions, while generation still runs ahead within the bound."""
+    k, steps = 3, 4
+    extra = {**PIPELINE, "+trainer.generate_ahead_steps": k, "trainer.total_training_steps": steps,
+             "trainer.test_freq": -1, "+actor_rollout_ref.rollout.partial_rollout": False}
+    code, out, rows = run_verl(demo_dir, extra, tmp_path, timeout_s=900)
+    assert code == 0, out[-4000:]
+    by_step = every_step_with(rows, steps, ["async/staleness/max", "async/partial/max_versions_spanned"])
+    for step, metrics in by_step.items():
+        assert metrics["async/partial/max_versions_spanned"] == 1, step
+        assert metrics["async/staleness/max"] <= k - 1, step
+
+
+def test_pipeline_on_vllm_restarts_a_killed_server_with_the_newest_weights(demo_dir, tmp_path):
+    """verl's vLLM replica SIGKILLed mid-run with `rollout.max_restarts=1`: its workers and server start
+    again on the same devices, load the newest version before serving (verl's servers start on dummy
+    weights), and the run ends with every step trained once on the prompts an unfaulted run trains.
+    k=1: vLLM's log-probs equal the trainer's at every step after the restart too."""
+    steps = 6
+    dumps = tmp_path / "dumps"
+    extra = {**PIPELINE, "+trainer.generate_ahead_steps": 1, "trainer.total_training_steps": steps,
+             "trainer.test_freq": -1, "trainer.rollout_data_dir": str(dumps),
+             "+actor_rollout_ref.rollout.max_restarts": 1}
+    metrics, log_path = tmp_path / "metrics.jsonl", tmp_path / "metrics.jsonl.log"
+    proc = start_verl(demo_dir, extra, tmp_path)
+    try:
+        wait_until(lambda: len(step_rows(read_jsonl(metrics))) >= 2, proc, "step 2", timeout_s=600)
+        servers = faults.titled_processes(proc.pid, "ray::vLLMHttpServer")
+        assert len(servers) == 1, [s.cmdline() for s in servers]
+        killed = servers[0].pid
+        servers[0].send_signal(signal.SIGKILL)
+        killed_after = max(step_rows(read_jsonl(metrics)))
+        wait_until(lambda: [s for s in faults.titled_processes(proc.pid, "ray::vLLMHttpServer") if s.pid != killed],
+                   proc, "a new vLLM server process", timeout_s=600)
+        proc.wait(timeout=900)
+    finally:
+        if proc.poll() is None:
+            kill_session(proc)
+    log = log_path.read_text()
+    assert proc.returncode == 0, log[-4000:]
+    by_step = every_step_with(read_jsonl(metrics), steps, ["rollout_corr/log_ppl_abs_diff", "async/faults/replica_restarts"])
+    assert killed_after < steps
+    assert by_step[steps]["async/faults/replica_restarts"] == 1.0
+    assert by_step[1]["async/faults/replica_restarts"] == 0.0
+    # the supervisor's warnings reach the log (LOG_LEVEL: vLLM's server import would silence them)
+    assert "lost (ActorDiedError" in log and "back (restart 1)" in log
+    for step, m in by_step.items():  # the restarted server served the trainer's newest weights, not dummy ones
+        assert m["rollout_corr/log_ppl_abs_diff"] < FP32_NOISE, (step, m["rollout_corr/log_ppl_abs_diff"])
+    assert dumped_step_inputs(dumps) == expected_step_inputs(demo_dir, steps)
+
+
+def test_verls_fully_async_policy_runs_on_cpu_with_the_async_rl_checkpoint_engine(demo_dir, tmp_path):
+    """verl's own async trainer (`fully_async_policy`, as bench/e2e.py runs it) on vLLM's CPU build, its
+    weights sent by the `async_rl` checkpoint-engine backend. With nothing generated ahead
+    (`staleness_threshold=0`) and pi_old recomputed by the trainer, the log-probs vLLM returned equal
+    the trainer's within fp32 noise at every logged step: every version reached vLLM."""
+    extra = {**VLLM_ON_CPU, **e2e.fully_async_overrides(steps=3, prompts_per_step=32),
+             "async_training.staleness_threshold": 0, "algorithm.rollout_correction.bypass_mode": False,
+             "trainer.val_before_train": False, "trainer.test_freq": 2, "trainer.save_freq": -1}
+    rows = e2e.run_system("verl-fully-async", demo_dir, tmp_path, tmp_path / "metrics.jsonl", extra, timeout_s=600,
+                          main=e2e.FULLY_ASYNC_MAIN)
+    assert "Checkpoint manager initialized (backend=async_rl)" in (tmp_path / "metrics.log").read_text()
+    trained = [r["data"] for r in rows if "training/rollout_probs_diff_max" in r["data"]]
+    assert len(trained) >= 2 and {m["training/global_step"] for m in trained} >= {1.0, 2.0}
+    for metrics in trained:
+        assert metrics["training/rollout_probs_diff_max"] < FP32_NOISE, metrics["training/global_step"]
+        assert metrics["rollout_corr/log_ppl_abs_diff"] < FP32_NOISE
+    assert val_rows(rows) or any(k.startswith("val-aux/") for r in rows for k in r["data"])  # validation ran

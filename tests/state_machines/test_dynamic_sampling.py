@@ -1,0 +1,128 @@
+"""DAPO's dynamic sampling with refill (state_machines/dynamic_sampling.py): groups whose
+rewards differ are pooled across generated batches into full training batches, oldest first,
+and never older than eta at the step that trains them."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from async_rl.core.messages import Sample, ScoredBatch, TrainingBatch, build_batch
+from state_machines.dynamic_sampling import DynamicSamplingStage
+
+GROUP = 2  # samples per prompt
+
+
+def config(batch_groups=2, max_gen_batches=0):
+    return OmegaConf.create({"data": {"train_batch_size": batch_groups},
+                             "algorithm": {"filter_groups": {"enable": True, "max_num_gen_batches": max_gen_batches}}})
+
+
+def generated(index: int, rewards: list[list[float]], version: int) -> ScoredBatch:
+    """A scored generated batch: one group per entry of `rewards`, tokens from `version`."""
+    samples, scores = [], []
+    for g, group in enumerate(rewards):
+        for reward in group:
+            samples.append(Sample(uid=f"b{index}g{g}", prompt_ids=[1], response_ids=[2, 3], rollout_log_probs=[0.0, 0.0],
+                                  token_versions=[version, version], non_tensor={"start_version": version}))
+            scores.append(reward)
+    batch = build_batch(samples, max_prompt_length=2, max_response_length=4, pad_token_id=0)
+    return ScoredBatch(index=index, scores=torch.tensor(scores, dtype=torch.float32), uids=np.asarray(batch.non_tensor_batch["uid"]),
+                       batch_ref=batch)
+
+
+def run(stage, *batches):
+    async def main():
+        return [await stage.process_data(b) for b in batches]
+
+    return asyncio.run(main())
+
+
+def test_draws_until_the_batch_is_full_of_groups_whose_rewards_differ():
+    stage = DynamicSamplingStage(config(batch_groups=2), max_staleness=1, total_steps=2)
+    outs = run(stage,
+               generated(0, [[1, 1], [0, 1]], version=0),  # one usable group: not full yet
+               generated(1, [[0, 0], [1, 0]], version=0))  # a second one: the batch is full
+    assert outs[0] is None and isinstance(outs[1], TrainingBatch)
+    batch = outs[1].batch_ref
+    assert outs[1].index == 0 and outs[1].scored.index == 0
+    assert list(batch.non_tensor_batch["uid"]) == ["b0g1", "b0g1", "b1g1", "b1g1"]  # whole groups, in order
+    assert outs[1].scored.scores.tolist() == [0, 1, 1, 0]
+    assert outs[1].scored.metrics["async/dynamic_sampling/gen_batches"] == 2
+    assert outs[1].scored.metrics["async/dynamic_sampling/kept_ratio"] == 0.5
+    assert stage.step == 1
+
+
+def test_oldest_groups_first_and_leftovers_carry_over():
+    stage = DynamicSamplingStage(config(batch_groups=1), max_staleness=2, total_steps=3)
+    first, second = run(stage, generated(0, [[0, 1], [1, 0]], version=0), generated(1, [[0, 1]], version=1))
+    assert list(first.batch_ref.non_tensor_batch["uid"]) == ["b0g0", "b0g0"]
+    # b0g1 (version 0) is older than b1g0 (version 1): it goes first; b1g0 waits
+    assert list(second.batch_ref.non_tensor_batch["uid"]) == ["b0g1", "b0g1"]
+    assert [g.uid for g in stage.pending] == ["b1g0"]
+
+
+def test_groups_older_than_eta_at_their_step_are_dropped():
+    stage = DynamicSamplingStage(config(batch_groups=1), max_staleness=1, total_steps=5)
+    outs = run(stage,
+               generated(0, [[0, 1], [0, 1], [0, 1]], version=0),  # step 0 takes one; two left over (version 0)
+               generated(1, [[1, 1]], version=1),  # nothing new: step 1 takes a leftover (staleness 1 = eta)
+               generated(2, [[0, 1]], version=2))  # step 2: the last version-0 leftover is 2 old: dropped
+    assert [o.index for o in outs] == [0, 1, 2]
+    assert outs[2].batch_ref.non_tensor_batch["uid"][0] == "b2g0"
+    assert outs[2].scored.metrics["async/dynamic_sampling/dropped_stale_groups"] == 1
+    for out in outs:  # no trained group exceeds eta
+        assert out.index - int(out.batch_ref.batch["token_versions"].max()) <= 1
+
+
+def test_too_many_generated_batches_fail_with_the_key_named():
+    stage = DynamicSamplingStage(config(batch_groups=2, max_gen_batches=2), max_staleness=1, total_steps=1)
+    with pytest.raises(RuntimeError, match="max_num_gen_batches=2"):
+        run(stage, generated(0, [[1, 1], [0, 0]], version=0), generated(1, [[1, 1], [0, 1]], version=0))
+
+
+def test_input_after_the_last_step_is_dropped():
+    stage = DynamicSamplingStage(config(batch_groups=1), max_staleness=1, total_steps=1)
+    outs = run(stage, generated(0, [[0, 1]], version=0), generated(1, [[0, 1]], version=1))
+    assert isinstance(outs[0], TrainingBatch) and outs[1] is None
+
+
+def test_a_stage_restored_from_a_checkpoint_forms_what_the_original_forms():
+    """checkpoint_state(step): the pool right after batch step - 1 was formed and the generated batches
+    drawn by then; a stage built from it, fed the batches after those, forms the same training batches."""
+    import torch as th
+
+    inputs = [generated(0, [[0, 1], [1, 0], [0, 1]], version=0), generated(1, [[1, 1], [0, 1]], version=1),
+              generated(2, [[0, 1]], version=2), generated(3, [[1, 0], [0, 1]], version=3)]
+    original = DynamicSamplingStage(config(batch_groups=2), max_staleness=2, total_steps=4)
+    outs = run(original, *inputs)
+    formed = [o for o in outs if o is not None]
+    assert [o.index for o in formed] == [0, 1, 2]
+    generated_by_then, pool = original.checkpoint_state(1)  # a step-1 checkpoint: batch 0 trained
+    assert generated_by_then == 1 and [g["uid"] for g in pool] == ["b0g2"]  # the leftover of batch 0
+    pool = th.load(_round_trip(pool), weights_only=False)  # as async_rl_state.pt holds it
+    restored = DynamicSamplingStage(config(batch_groups=2), max_staleness=2, total_steps=4, start_step=1,
+                                    generated_batches=generated_by_then, pool=pool)
+    again = [o for o in run(restored, *inputs[generated_by_then:]) if o is not None]
+    assert [o.index for o in again] == [1, 2]
+    for a, b in zip(again, formed[1:]):
+        assert list(a.batch_ref.non_tensor_batch["uid"]) == list(b.batch_ref.non_tensor_batch["uid"])
+        assert a.scored.scores.tolist() == b.scored.scores.tolist()
+    assert restored.generated == original.generated == 4
+    with pytest.raises(KeyError, match="no dynamic-sampling snapshot for step 1"):
+        original.checkpoint_state(1) if original.checkpoint_state(2) else None
+
+
+def _round_trip(obj):
+    import io
+
+    import torch as th
+
+    buffer = io.BytesIO()
+    th.save(obj, buffer)
+    buffer.seek(0)
+    return buffer
