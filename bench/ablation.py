@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,8 @@ from pathlib import Path
 
 # bench/param_update.py would shadow the `param_update` package: drop this folder from the path
 sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+from bench.command import command_line  # noqa: E402
 
 VAL_KEY = "val-core/async_rl/copy_digits/reward/mean@1"
 NAIVE = {"+algorithm.decoupled_ppo": False, "algorithm.rollout_correction.bypass_mode": True}
@@ -174,7 +175,7 @@ def main(argv=None) -> list[dict]:
                              "or data.max_response_length=40: the search for a setting where staleness hurts")
     args = parser.parse_args(argv)
     setting = dict(item.split("=", 1) for item in args.set)
-    command = " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv])
+    command = command_line()
     seeds = [int(s) for s in args.seeds.split(",")]
     rows, curves = [], {}
     with tempfile.TemporaryDirectory() as tmp:

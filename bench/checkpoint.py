@@ -24,7 +24,6 @@ import importlib.util
 import io
 import json
 import os
-import shlex
 import shutil
 import subprocess
 import sys
@@ -37,6 +36,8 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+from bench.command import command_line  # noqa: E402
 
 
 def _load(name: str):
@@ -187,7 +188,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--no-resume", action="store_true", help="skip the resume section (two demo runs)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
-    command = " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv])
+    command = command_line()
     from async_rl.demo import prepare
 
     result: dict = {"command": command, "save": [], "resume": None}

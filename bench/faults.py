@@ -29,7 +29,6 @@ import json
 import os
 import random
 import re
-import shlex
 import signal
 import subprocess
 import sys
@@ -40,6 +39,8 @@ from pathlib import Path
 
 # bench/param_update.py would shadow the `param_update` package: drop this folder from the path
 sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+from bench.command import command_line  # noqa: E402
 TESTS = Path(__file__).resolve().parents[1] / "tests"  # the test oracle of what each step trains (tests/lineage.py)
 
 FAULTS = ("none", "rollout_server_sigkill", "rollout_server_hang", "train_rank_sigkill", "reward_actor_sigkill",
@@ -308,7 +309,7 @@ def main(argv=None) -> int:
             rows.append(run_one(fault, demo, Path(tmp) / fault, args.steps, step, args.run_timeout_s))
             print(json.dumps(rows[-1]), flush=True)
     table = format_table(rows)
-    command = "python bench/faults.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    command = command_line(sys.argv if argv is None else ["bench/faults.py", *argv])
     print(table)
     print(f"command: {command}")
     if args.json:

@@ -69,7 +69,6 @@ import argparse
 import asyncio
 import json
 import os
-import shlex
 import statistics
 import sys
 import tempfile
@@ -78,6 +77,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 # this file's name shadows the `param_update` package when run as a script: drop its folder
 sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+from bench.command import command_line  # noqa: E402
 
 import ray  # noqa: E402
 import torch  # noqa: E402
@@ -463,14 +464,6 @@ def bench_size(size: str, bucket_mb: float, consume_mb: float, put_threads: list
             "other_node": link_row(cross_first, cross, cross_naive, raw, cross_warmup),
         },
     }
-
-
-def command_line() -> str:
-    """This run's command, led by GLIBC_TUNABLES when set (it changes how memcpy stores, see
-    bench/store_floor.py)."""
-    tunables = os.environ.get("GLIBC_TUNABLES")
-    return (f"GLIBC_TUNABLES={shlex.quote(tunables)} " if tunables else "") + " ".join(
-        shlex.quote(a) for a in [sys.executable, *sys.argv])
 
 
 def main(argv=None) -> list[dict]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path = [p for p in sys.path if os.path.abspath(p or ".") != str(ROOT / "bench")]  # bench/param_update.py
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+from bench.command import command_line  # noqa: E402
 sys.path.insert(0, str(ROOT))
 
 from async_rl.core.placement import plan_placement  # noqa: E402
@@ -80,7 +81,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", default="bench/results/plan_check", help="writes OUT.txt and OUT.json")
     args = parser.parse_args(argv)
     argv_used = sys.argv if argv is None else ["bench/plan_check.py", *argv]
-    command = " ".join(shlex.quote(a) for a in [sys.executable, *argv_used])
+    command = command_line(argv_used)
     from ray.cluster_utils import Cluster
 
     from async_rl.demo import prepare

@@ -25,11 +25,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import sys
 from dataclasses import asdict
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench.command import command_line  # noqa: E402
 
 from async_rl.plan import Workload, candidates, devices_text, sync_step  # noqa: E402
 
@@ -85,7 +85,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--out", default="bench/results/plan_sim", help="writes OUT.txt, OUT.json, OUT.png")
     args = parser.parse_args(argv)
     argv_used = sys.argv if argv is None else ["bench/plan_sim.py", *argv]
-    command = " ".join(shlex.quote(a) for a in [sys.executable, *argv_used])
+    command = command_line(argv_used)
     rows = simulate([int(g) for g in args.gpus.split(",")], args.gpus_per_node)
     text = "\n".join(table(rows) + ["", f"workload (per step): {asdict(WORKLOAD)}", f"command: {command}"])
     print(text)

@@ -16,10 +16,12 @@ import argparse
 import asyncio
 import json
 import os
-import shlex
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+from bench.command import command_line  # noqa: E402
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
@@ -122,7 +124,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json")
     args = parser.parse_args(argv)
-    print("command:", " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]), flush=True)
+    print("command:", command_line(), flush=True)
     from verl_patches.vllm_cpu import patch_keep_linear_weights
 
     patch_keep_linear_weights()  # what verl's vLLM workers get on CPU: linear weights stay loadable

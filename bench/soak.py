@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,8 @@ from pathlib import Path
 
 # bench/param_update.py would shadow the `param_update` package: drop this folder from the path
 sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+from bench.command import command_line  # noqa: E402
 
 GOAL_GROWTH = 0.05  # after warm-up, no process grows by more than this fraction
 
@@ -98,7 +99,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--every-s", type=float, default=10.0)
     parser.add_argument("--json")
     args = parser.parse_args(argv)
-    command = " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv])
+    command = command_line()
     from async_rl.demo import demo_overrides, prepare
 
     samples: list[dict] = []

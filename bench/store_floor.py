@@ -35,7 +35,6 @@ Prints the numbers and the command that made them; `--json PATH` writes them.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import itertools
 import json
 import os
@@ -48,11 +47,14 @@ from concurrent.futures import ThreadPoolExecutor
 # bench/param_update.py would shadow the `param_update` package: drop this folder from the path
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path = [p for p in sys.path if os.path.abspath(p or ".") != HERE]
+sys.path.insert(0, os.path.dirname(HERE))  # the repository root
 
 import numpy as np  # noqa: E402
 import ray  # noqa: E402
 import torch  # noqa: E402
 
+from bench import param_update as PU  # noqa: E402 - its synthetic models, `best_time_s`, `raw_copy_s`
+from bench.command import command_line  # noqa: E402
 from param_update.buckets import tensor_bytes  # noqa: E402
 
 MB = 1 << 20
@@ -60,15 +62,6 @@ TIMEOUT_S = 300
 RAY_MEMCOPY_THREADS = 6  # python/ray/includes/serialization.pxi (MEMCOPY_THREADS); `threads_started_by_put` checks it
 
 
-def _param_update_bench():
-    """bench/param_update.py as a module (its synthetic models, `best_time_s`, `raw_copy_s`)."""
-    spec = importlib.util.spec_from_file_location("bench_param_update", os.path.join(HERE, "param_update.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-PU = _param_update_bench()
 
 
 CORES = os.cpu_count() or 1
@@ -252,7 +245,7 @@ def main(argv=None) -> dict:
         print(json.dumps({"glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
                           **memcpy_pieces(src.copy(), src, args.repeats)}))
         return {}
-    command = PU.command_line()
+    command = command_line()
     store_bytes = int(args.store_mb * MB)
     ray.init(num_cpus=4, include_dashboard=False, object_store_memory=store_bytes)
     try:

@@ -17,11 +17,7 @@ memory is announced with the version's end (`end_version`), one call for all of 
 round trip competes with the copy.
 
 Every write of a bucket is split into `put_threads` pieces written at once from a thread pool
-(the object store's `split_arrays`). With one put thread the whole sync at 500M parameters took 1.2-2.0x as
-long on this 2-core machine in four runs (`bench/param_update.py --put-threads 4,1`); at
-100M and 10M it moved 0.6-1.2x either way. The gain is not a copy on more cores: Ray's
-serializer already copies every array over 1 MB on six threads (its `serialization.pxi`;
-`bench/store_floor.py` counts them). The write into shared memory is split likewise, by bytes.
+(`PUT_THREADS`; why four, measured: bench/README.md#param_updatepy-the-weight-sync).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Each is applied only inside the pipeline's own worker processes on a CPU run
 (`apply_cpu_worker_patches`), never at `import verl`: without
 `async_pipeline=True` verl is untouched. Each has a test that fails without it
-(tests/test_verl_patches.py).
+(tests/verl_patches/test_verl_patches.py).
 
 1. `gloo_process_group`: verl builds the backend string `cpu:gloo,cpu:gloo` on a
    CPU platform, which torch rejects; use plain `gloo`.

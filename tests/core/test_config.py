@@ -290,7 +290,7 @@ def test_critic_follows_verls_rule_and_gae_without_one_is_refused(demo_dir):
 
 def test_verls_checkpoint_keys_are_checked_before_ray_starts(demo_dir, tmp_path):
     """A checkpoint setting that cannot work fails in the start checks, naming the key
-    (each key's rules: tests/test_checkpoints.py)."""
+    (each key's rules: tests/driver/test_checkpoints.py)."""
     from async_rl.demo import demo_overrides
     from async_rl.run_config import read_run_config
     from conftest import compose_ppo

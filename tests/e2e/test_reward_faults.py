@@ -1,5 +1,5 @@
 """A reward function that raises or hangs on some samples: `reward.on_error=stop` (the default)
-fails the run naming it (tests/test_pipeline_e2e.py); `zero` scores those samples 0, counts them in
+fails the run naming it (tests/e2e/test_pipeline_e2e.py); `zero` scores those samples 0, counts them in
 `async/faults/reward_errors` and trains on."""
 
 from __future__ import annotations

@@ -318,7 +318,7 @@ def test_cpu_replica_is_registered():
 
 @pytest.mark.parametrize("name, loader", [("vllm", "_load_vllm"), ("sglang", "_load_sglang")])
 def test_builtin_backends_stay_registered(name, loader):
-    """Registering 'cpu' leaves verl's own loaders in place (their selection: test_rollout_backends.py)."""
+    """Registering 'cpu' leaves verl's own loaders in place (their selection: test_backends.py)."""
     from verl.workers.rollout import replica
 
     register_cpu_rollout()

@@ -1,6 +1,6 @@
 """Reading a vLLM replica's weights under the trainer's names (async_rl/rollout/vllm_digests.py), without
 vLLM: a stand-in model laid out as vLLM's Qwen2 is (fused qkv / gate_up, padded vocabulary, tied
-head). The real read runs in tests/test_vllm_cpu_e2e.py."""
+head). The real read runs in tests/e2e/test_vllm_cpu_e2e.py."""
 
 from __future__ import annotations
 

@@ -14,18 +14,10 @@ the next step, and a finished one leaves it at once. Model calls run in a worker
 thread (``asyncio.to_thread``), so the event loop keeps serving ``abort_all``,
 ``pause`` and new requests while a forward is in progress.
 
-The batch's KV cache and its forwards: ``cpu_kv_batch``; sampling and the log-probs
-returned: ``cpu_sampling``; a request's state and result: ``cpu_requests``; weight
-updates between steps: ``cpu_weight_swap``.
-
-Measurement (why a hand-written loop): tiny Qwen2 (vocab 16, hidden 64, 2 layers, float32,
-sdpa), 256 requests submitted at once, prompt length 8, 4-16 new tokens each (2,562 tokens),
-pure sampling at temperature 1 with log-probs, 2 CPU cores, torch 2.13, transformers 5.10,
-4 repetitions: this engine 0.11-0.18 s wall; transformers' ``ContinuousBatchingManager``
-(``model.init_continuous_batching``, paged attention, ``return_logprobs=True``, no CUDA
-graphs) 0.72-0.87 s. transformers' manager also fixes ``do_sample`` per manager rather than
-per request, returns log-probs after top-k/top-p filtering, and decodes in its own thread
-with no step boundary at which weights could be swapped safely.
+The batch's KV cache and its forwards: ``kv_batch``; sampling and the log-probs returned:
+``sampling``; a request's state and result: ``requests``; weight updates between steps:
+``weight_swap``. Why a loop of its own rather than transformers' continuous batching:
+bench/README.md#the-cpu-engine-against-transformers-continuous-batching.
 """
 
 from __future__ import annotations
