@@ -21,7 +21,7 @@ from verl_patches import vllm_cpu
 from verl_patches.cpu_patches import apply_cpu_worker_patches
 
 # verl's own trainer on trainer.device=cpu: the rollouts it can use there, and whether each is installed
-ROLLOUTS_ON_CPU = {"cpu": lambda: True, "vllm": vllm_cpu.vllm_cpu_installed}
+ROLLOUTS_ON_CPU = {"cpu": lambda: True, "vllm": lambda: vllm_cpu.vllm_cpu_installed()}
 WORKER_ENV = {"VERL_PLATFORM": "cpu", "VERL_ENGINE_DEVICE": "cuda", "TOKENIZERS_PARALLELISM": "false"}
 
 
@@ -37,7 +37,9 @@ def wants_cpu_rollout(config) -> bool:
 
 
 def prepare(config) -> None:
-    """Set up the driver and the Ray init arguments (in `config.ray_kwargs.ray_init`) in place."""
+    """Set up the driver and the Ray init arguments (in `config.ray_kwargs.ray_init`) in place. A running
+    cluster is joined only when asked (`RAY_ADDRESS`, or `ray_kwargs.ray_init.address`), with its own
+    resources."""
     strip_async_keys(config)  # the pipeline's keys may remain in a demo command with the flag off
     worker_env = dict(WORKER_ENV)
     if str(config.actor_rollout_ref.rollout.name) == "vllm":
@@ -54,12 +56,13 @@ def prepare(config) -> None:
         logical_cpus = 48
     with open_dict(config):
         ray_init = config.ray_kwargs.ray_init
-        if ray_init.get("num_cpus") is None:
-            ray_init.num_cpus = max(logical_cpus, os.cpu_count() or 1)  # logical
-        if ray_init.get("num_gpus") is None:
-            ray_init.num_gpus = devices
-        if ray_init.get("include_dashboard") is None:
-            ray_init.include_dashboard = False
+        if not (ray_init.get("address") or os.environ.get("RAY_ADDRESS")):  # a running cluster's resources are its own
+            if ray_init.get("num_cpus") is None:
+                ray_init.num_cpus = max(logical_cpus, os.cpu_count() or 1)  # logical
+            if ray_init.get("num_gpus") is None:
+                ray_init.num_gpus = devices
+            if ray_init.get("include_dashboard") is None:
+                ray_init.include_dashboard = False
         if ray_init.get("runtime_env") is None:
             ray_init.runtime_env = {}
         if ray_init.runtime_env.get("env_vars") is None:

@@ -1,4 +1,5 @@
-"""Shared fixtures: the demo task built once per session, and running verl's command on it."""
+"""Shared fixtures: the demo task built once per session, one Ray cluster for the tests that can share it,
+and running verl's command on the demo."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import ray
 
 from lineage import compose_ppo, dumped_step_inputs, expected_step_inputs, read_jsonl  # noqa: F401 - tests import them from here
 
@@ -24,15 +26,63 @@ def demo_dir(tmp_path_factory) -> Path:
     return root
 
 
-def run_verl(demo_dir: Path, extra, workdir: Path, timeout_s: float = 600, critic: bool = False
-             ) -> tuple[int, str, list[dict]]:
-    """`python -m verl.trainer.main_ppo <demo overrides + extra>` (`critic`: the demo's PPO with GAE);
-    returns (exit code, output, JSONL rows)."""
+def start_cluster(**system_config):
+    """A one-node Ray cluster (`ray.cluster_utils.Cluster`): 32 logical CPUs (stages mostly wait), 8 logical
+    GPUs (verl's trainer and vLLM's CPU build count devices as GPUs), a 2 GiB object store, no dashboard."""
+    from ray.cluster_utils import Cluster
+
+    args = {"num_cpus": 32, "num_gpus": 8, "include_dashboard": False, "object_store_memory": 2 << 30}
+    if system_config:
+        args["_system_config"] = system_config
+    return Cluster(initialize_head=True, head_node_args=args)
+
+
+@pytest.fixture(scope="session")
+def ray_address():
+    """The address of the session's Ray cluster, started at its first use and shared by every test that
+    can share it: a test connects its own driver to it (`ray_cluster`), verl's command joins it through
+    RAY_ADDRESS (`run_verl(..., ray_address=...)`). A test that kills every process of a run starts its own."""
+    cluster = start_cluster()
+    yield cluster.address
+    cluster.shutdown()
+
+
+@pytest.fixture
+def ray_cluster(ray_address, request):
+    """This test's driver on the session's cluster (its test module's folder on the workers' path); the
+    test's actors go with the driver at its end."""
+    ray.init(address=ray_address, runtime_env={"env_vars": {"PYTHONPATH": str(request.path.parent)}})
+    yield ray_address
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def small_objects_ray_address():
+    """A second session cluster, for the weight-sync tests: objects over 1 KiB go to the object store (Ray
+    inlines smaller ones), as real buckets do, with the tests' tiny models."""
+    cluster = start_cluster(max_direct_call_object_size=1024)
+    yield cluster.address
+    cluster.shutdown()
+
+
+@pytest.fixture
+def small_objects_ray(small_objects_ray_address, request):
+    """This test's driver on the small-objects cluster (as `ray_cluster`)."""
+    ray.init(address=small_objects_ray_address, runtime_env={"env_vars": {"PYTHONPATH": str(request.path.parent)}})
+    yield small_objects_ray_address
+    ray.shutdown()
+
+
+def run_verl(demo_dir: Path, extra, workdir: Path, timeout_s: float = 600, critic: bool = False,
+             ray_address: str | None = None) -> tuple[int, str, list[dict]]:
+    """`python -m verl.trainer.main_ppo <demo overrides + extra>` (`critic`: the demo's PPO with GAE), on the
+    Ray cluster at `ray_address` (None: a Ray of its own); returns (exit code, output, JSONL rows)."""
     from async_rl.demo import demo_overrides
 
     workdir.mkdir(parents=True, exist_ok=True)
     metrics_path = workdir / "metrics.jsonl"
-    env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(metrics_path), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(metrics_path), "PYTHONUNBUFFERED": "1",
+           **({"RAY_ADDRESS": ray_address} if ray_address else {})}
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *demo_overrides(demo_dir, extra=extra, critic=critic)]
     proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout_s)
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines()] if metrics_path.exists() else []

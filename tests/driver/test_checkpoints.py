@@ -289,7 +289,7 @@ def test_deferred_write_holds_the_snapshot_and_verl_loads_it(demo_dir, tmp_path)
     import subprocess
     import sys
 
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "training")  # test_balance.py
     env = {**os.environ, "PYTHONUNBUFFERED": "1", HOLD_AT_ENV: "checkpoint_copy@1", HOLD_DIR_ENV: str(tmp_path)}
     proc = subprocess.run([sys.executable, "-c", SNAPSHOT_SCRIPT, str(demo_dir), str(tmp_path), here], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=600)

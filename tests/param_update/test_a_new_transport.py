@@ -76,7 +76,7 @@ def test_a_registered_transport_becomes_every_receivers_link(file_transport):
     assert link_of(["node-a"], "node-a") == link_of(None, "node-a") == "file"
 
 
-def test_a_new_transport_carries_a_version_bit_for_bit(ray_cluster, file_transport, model_dir):
+def test_a_new_transport_carries_a_version_bit_for_bit(small_objects_ray, file_transport, model_dir):
     server = start_server(model_dir, dual=True)
     stage = start_stage([server], transports=transports_by_rank())
     trainer = Trainer.remote(seed=1)

@@ -10,7 +10,6 @@ send side, as verl's fully_async_policy uses it): bit-identical weights, a faile
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 import time
 
@@ -42,17 +41,6 @@ def model_dir(tmp_path_factory):
     return str(path)
 
 
-@pytest.fixture
-def ray_session():
-    # the test actors below live in this file: let Ray's workers import it
-    here = os.path.dirname(os.path.abspath(__file__))
-    # objects over 1 KiB go to the shared-memory object store (Ray inlines smaller ones), as real buckets do
-    ray.init(num_cpus=8, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": here}},
-             _system_config={"max_direct_call_object_size": 1024})
-    yield
-    ray.shutdown()
-
-
 def start_server(model_dir: str, dual: bool):
     from verl.workers.config import HFModelConfig, RolloutConfig
 
@@ -70,7 +58,7 @@ def digests_of(server) -> dict:
 
 
 @pytest.mark.parametrize("dual,bucket_bytes", [(True, 700), (True, 32 * 16 * 4), (False, 1 << 20)])
-def test_sync_through_ray_is_bit_identical_while_serving(ray_session, model_dir, dual, bucket_bytes):
+def test_sync_through_ray_is_bit_identical_while_serving(small_objects_ray, model_dir, dual, bucket_bytes):
     """Two servers keep generating while version 1 arrives; afterwards both hold the trainer's bytes."""
     servers = [start_server(model_dir, dual) for _ in range(2)]
     log = VersionLog.remote()
@@ -158,7 +146,7 @@ def unfetchable_bucket():
     raise ray.exceptions.ObjectLostError("bucket-3", "owner", "the object store lost it")
 
 
-def test_lost_bucket_keeps_the_previous_version(ray_session, model_dir):
+def test_lost_bucket_keeps_the_previous_version(small_objects_ray, model_dir):
     servers = [start_server(model_dir, True) for _ in range(2)]
     log = VersionLog.remote()
 
@@ -174,7 +162,7 @@ def test_lost_bucket_keeps_the_previous_version(ray_session, model_dir):
     assert ray.get(log.get.remote(), timeout=TIMEOUT_S) == []
 
 
-def test_dead_receiver_is_named_and_the_others_keep_serving(ray_session, model_dir):
+def test_dead_receiver_is_named_and_the_others_keep_serving(small_objects_ray, model_dir):
     servers = [start_server(model_dir, True) for _ in range(2)]
     log = VersionLog.remote()
 
@@ -190,7 +178,7 @@ def test_dead_receiver_is_named_and_the_others_keep_serving(ray_session, model_d
     assert_still_serving_version_0(servers[:1], model_dir)
 
 
-def test_bucket_that_never_arrives_fails_the_check(ray_session, model_dir):
+def test_bucket_that_never_arrives_fails_the_check(small_objects_ray, model_dir):
     servers = [start_server(model_dir, False)]
     log = VersionLog.remote()
 
@@ -203,7 +191,7 @@ def test_bucket_that_never_arrives_fails_the_check(ray_session, model_dir):
     assert_still_serving_version_0(servers, model_dir)
 
 
-def test_silent_sender_times_out_and_failed_send_is_reported(ray_session, model_dir):
+def test_silent_sender_times_out_and_failed_send_is_reported(small_objects_ray, model_dir):
     servers = [start_server(model_dir, True)]
     log = VersionLog.remote()
 
@@ -293,7 +281,7 @@ class FakeReplica:
 
 
 @pytest.mark.parametrize("dual", [True, False])
-def test_verl_replica_receiver_stages_then_loads_through_verl_update_weights(ray_session, dual):
+def test_verl_replica_receiver_stages_then_loads_through_verl_update_weights(small_objects_ray, dual):
     trained = tiny_model(1)
     layout = {n: (t.dtype, tuple(t.shape)) for n, t in trained.state_dict().items()}
     replica = FakeReplica([FakeCheckpointEngineWorker.remote() for _ in range(2)])
@@ -321,7 +309,7 @@ def test_verl_replica_receiver_stages_then_loads_through_verl_update_weights(ray
     assert ray.get(log.get.remote(), timeout=TIMEOUT_S) == [1]
 
 
-def test_a_lost_verl_replica_is_left_out_and_its_restart_loads_the_kept_version(ray_session):
+def test_a_lost_verl_replica_is_left_out_and_its_restart_loads_the_kept_version(small_objects_ray):
     """verl's replica (restartable): a load that meets its dead server leaves it out and reports it;
     the replica restarted with new workers (`VerlReplicaReceiver.restarted`) loads the kept version
     bit-identical and takes its place in the next syncs."""
@@ -379,7 +367,7 @@ class GatedSink:
         return self.buckets, self.ended
 
 
-def test_sent_version_is_unchanged_by_the_next_training_step(ray_session):
+def test_sent_version_is_unchanged_by_the_next_training_step(small_objects_ray):
     """Buckets still queued in the send thread when training resumes carry the gathered bytes."""
     from async_rl.api.weights import Bucket
     from param_update.buckets import tensors_from_buckets
@@ -409,7 +397,7 @@ def test_sent_version_is_unchanged_by_the_next_training_step(ray_session):
 # ---- a rollout server lost mid-sync, restarted (async_rl/rollout/supervisor.py) -------------------
 
 
-def test_lost_restartable_server_is_left_out_then_its_restart_gets_the_newest_version(ray_session, model_dir):
+def test_lost_restartable_server_is_left_out_then_its_restart_gets_the_newest_version(small_objects_ray, model_dir):
     """With `on_lost`, a server that dies during a sync is reported instead of failing the sync; the
     survivor loads the version; `replace` loads that same version into the restarted server (from
     the kept buckets) and the next sync reaches it."""
@@ -499,7 +487,7 @@ def connect(trainer_ranks, receivers):
                for i, r in enumerate(receivers)], timeout=TIMEOUT_S)
 
 
-def test_the_async_rl_backend_sends_under_verls_checkpoint_engine_manager(ray_session):
+def test_the_async_rl_backend_sends_under_verls_checkpoint_engine_manager(small_objects_ray):
     """verl's manager (its fully_async_policy) with `checkpoint_engine.backend=async_rl`: trainer rank 0
     hands buckets to every receiver through the object store while the others only iterate their
     weights; both receivers get the trainer's weights bit for bit, twice (the handoff is reused)."""
@@ -515,7 +503,7 @@ def test_the_async_rl_backend_sends_under_verls_checkpoint_engine_manager(ray_se
     assert len(want) > 3 and sum(t.numel() * 4 for t in tiny_model(1).state_dict().values()) > 4 * 4096  # buckets
 
 
-def test_the_async_rl_backend_fails_the_receivers_when_the_send_fails_or_never_comes(ray_session):
+def test_the_async_rl_backend_fails_the_receivers_when_the_send_fails_or_never_comes(small_objects_ray):
     """A send that fails midway fails the receivers naming its cause; the next update (verl calls no
     finalize after a failure) starts clean; a send that never comes fails them after the timeout."""
     trainer = EngineRank.remote(bucket_size=4096, is_master=True)

@@ -325,15 +325,8 @@ def model_dir(tmp_path_factory):
     return str(path)
 
 
-@pytest.fixture
-def one_node():
-    ray.init(num_cpus=8, include_dashboard=False, _system_config={"max_direct_call_object_size": 1024})
-    yield
-    ray.shutdown()
-
-
 @pytest.mark.parametrize("dual", [True, False])
-def test_same_node_server_gets_the_version_through_shared_memory_without_a_put(one_node, model_dir, dual):
+def test_same_node_server_gets_the_version_through_shared_memory_without_a_put(small_objects_ray, model_dir, dual):
     server = start_server(model_dir, dual)
     stage = start_stage([server])
     trainer = Trainer.remote(seed=1)
@@ -355,7 +348,7 @@ def test_same_node_server_gets_the_version_through_shared_memory_without_a_put(o
     assert served(server)[1] == ray.get(trainer.digests.remote(), timeout=TIMEOUT_S)
 
 
-def test_the_sender_does_not_overwrite_the_region_a_server_serves(one_node, model_dir):
+def test_the_sender_does_not_overwrite_the_region_a_server_serves(small_objects_ray, model_dir):
     """Version 2 is sent but not loaded, so the server serves version 1 from region 0 and version 2
     holds region 1: version 3's send waits, and the served weights stay version 1's bytes, until
     version 2 is loaded."""

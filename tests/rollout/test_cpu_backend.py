@@ -325,7 +325,7 @@ def test_builtin_backends_stay_registered(name, loader):
     assert replica.RolloutReplicaRegistry._registry[name] is getattr(replica, loader)
 
 
-def test_replica_init_standalone_and_generate_over_ray(model_dir):
+def test_replica_init_standalone_and_generate_over_ray(ray_cluster, model_dir):
     import ray
     from verl.workers.config import HFModelConfig, RolloutConfig
     from verl.workers.rollout.replica import get_rollout_replica_class
@@ -335,26 +335,22 @@ def test_replica_init_standalone_and_generate_over_ray(model_dir):
         name=CPU_ROLLOUT_NAME, tensor_model_parallel_size=1, prompt_length=8, response_length=5, ignore_eos=True
     )
     model_config = HFModelConfig(path=model_dir, load_tokenizer=False)
-    ray.init(num_cpus=8, include_dashboard=False)
-    try:
-        replica = get_rollout_replica_class(config.name)(
-            replica_rank=0, config=config, model_config=model_config, gpus_per_node=1
-        )
-        assert not replica.rollout_worker_use_gpu()
-        run(replica.init_standalone(), timeout=120)
-        handle = replica.server_handle
-        assert replica.servers == [handle] and replica.server_address.count(":") == 1
+    replica = get_rollout_replica_class(config.name)(
+        replica_rank=0, config=config, model_config=model_config, gpus_per_node=1
+    )
+    assert not replica.rollout_worker_use_gpu()
+    run(replica.init_standalone(), timeout=120)
+    handle = replica.server_handle
+    assert replica.servers == [handle] and replica.server_address.count(":") == 1
 
-        out = ray.get(handle.generate.remote(PROMPTS[1], {"temperature": 0.0}, "req-0"), timeout=60)
-        local = ContinuousBatchingEngine.from_pretrained(model_dir)
-        assert out.token_ids == hf_greedy(local.model, PROMPTS[1], 5)
-        assert out.log_probs == pytest.approx(forward_logprobs(local.model, PROMPTS[1], out.token_ids), abs=1e-4)
-        assert out.stop_reason == "completed" and out.extra_fields["token_versions"] == [0] * 5
+    out = ray.get(handle.generate.remote(PROMPTS[1], {"temperature": 0.0}, "req-0"), timeout=60)
+    local = ContinuousBatchingEngine.from_pretrained(model_dir)
+    assert out.token_ids == hf_greedy(local.model, PROMPTS[1], 5)
+    assert out.log_probs == pytest.approx(forward_logprobs(local.model, PROMPTS[1], out.token_ids), abs=1e-4)
+    assert out.stop_reason == "completed" and out.extra_fields["token_versions"] == [0] * 5
 
-        state = {k: v + 0.05 for k, v in local.model.state_dict().items()}
-        ray.get(handle.update_weights.remote(state, 3), timeout=60)
-        assert ray.get(handle.get_param_version.remote(), timeout=60) == 3
-        out = ray.get(handle.generate.remote(PROMPTS[1], {"temperature": 0.0}, "req-1"), timeout=60)
-        assert out.extra_fields["token_versions"] == [3] * 5
-    finally:
-        ray.shutdown()
+    state = {k: v + 0.05 for k, v in local.model.state_dict().items()}
+    ray.get(handle.update_weights.remote(state, 3), timeout=60)
+    assert ray.get(handle.get_param_version.remote(), timeout=60) == 3
+    out = ray.get(handle.generate.remote(PROMPTS[1], {"temperature": 0.0}, "req-1"), timeout=60)
+    assert out.extra_fields["token_versions"] == [3] * 5

@@ -10,6 +10,7 @@ import random
 import time
 
 import pytest
+import ray
 
 from state_machines.base import END_OF_STREAM, BusyTimer, StageError, StateMachine
 
@@ -678,17 +679,6 @@ def test_busy_timer_before_start():
 # ---- Ray ----------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
-
-    ray.init(num_cpus=4, include_dashboard=False)
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
-
-
 def _ray_stage_classes():
     """Defined in a function so Ray pickles them by value (tests/ is not importable)."""
 
@@ -736,7 +726,6 @@ def _ray_stage_classes():
 
 
 def test_ray_actors_end_to_end(ray_cluster):
-    ray = ray_cluster
     RaySource, RaySink = _ray_stage_classes()
     src = ray.remote(num_cpus=0)(RaySource).remote("ray-src", 20)
     sink = ray.remote(num_cpus=0)(RaySink).remote("ray-sink")
@@ -750,7 +739,6 @@ def test_ray_actors_end_to_end(ray_cluster):
 
 
 def test_ray_stage_error_surfaces_with_stage_name(ray_cluster):
-    ray = ray_cluster
     RaySource, RaySink = _ray_stage_classes()
     src = ray.remote(num_cpus=0)(RaySource).remote("ray-src2", 20)
     sink = ray.remote(num_cpus=0)(RaySink).remote("ray-failing-sink", fail_on=4)
@@ -776,7 +764,6 @@ def test_a_dead_stage_is_named_not_the_neighbour_that_could_not_reach_it(ray_clu
     ActorDiedError inside its StageError; the driver names the sink, whose own `run` died."""
     from async_rl.loop import blame_stage
 
-    ray = ray_cluster
     RaySource, RaySink = _ray_stage_classes()
     src = ray.remote(num_cpus=0)(RaySource).remote("ray-src3", 10**6)
     sink = ray.remote(num_cpus=0)(RaySink).remote("ray-dying-sink")
