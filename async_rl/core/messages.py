@@ -18,12 +18,14 @@ padding).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 import ray
 import torch
-from verl import DataProto
+
+if TYPE_CHECKING:
+    from verl import DataProto
 
 
 @dataclass
@@ -50,6 +52,8 @@ class Sample:
 
 def build_batch(samples: list[Sample], max_prompt_length: int, max_response_length: int, pad_token_id: int) -> DataProto:
     """Stack samples into a padded `DataProto` (verl's prompt/response layout)."""
+    from verl import DataProto  # here: `import verl` costs a stage that only passes messages on seconds of start
+
     n = len(samples)
     prompts = torch.full((n, max_prompt_length), pad_token_id, dtype=torch.long)
     prompt_mask = torch.zeros((n, max_prompt_length), dtype=torch.long)

@@ -10,11 +10,12 @@ import os
 from conftest import run_pipeline_reading_digests
 
 
-def test_a_backend_registered_from_outside_trains_on_policy(demo_dir, tmp_path):
+def test_a_backend_registered_from_outside_trains_on_policy(demo_dir, tmp_path, ray_address):
     extra = {"actor_rollout_ref.rollout.name": "echo", "trainer.n_gpus_per_node": 4,
              "trainer.total_training_steps": 2, "trainer.test_freq": -1, "trainer.val_before_train": False,
              "+trainer.generate_ahead_steps": 1}
-    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+    env = {"PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]),
+           "RAY_ADDRESS": ray_address}
     proc, result = run_pipeline_reading_digests(demo_dir, extra, tmp_path, env=env, imports=("echo_backend",))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     digests = result["digests"]

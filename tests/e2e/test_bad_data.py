@@ -86,13 +86,13 @@ def test_a_bad_row_fails_the_verl_command_before_ray(demo_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_long_prompt_stops_the_run_at_its_batch_naming_file_and_row(demo_dir, tmp_path):
+def test_a_long_prompt_stops_the_run_at_its_batch_naming_file_and_row(demo_dir, tmp_path, ray_address):
     rows = demo_rows(demo_dir, 64)  # 2 batches of 32 prompts: every row is drawn within 2 steps
     rows.at[LONG_ROW, "prompt"] = [{"role": "user", "content": "1234" * 20}]
     path = write(rows, tmp_path / "train.parquet")
     extra = {"data.train_files": path, "data.truncation": "error", "trainer.total_training_steps": 2,
              "trainer.test_freq": -1, "trainer.val_before_train": False}
-    code, out, rows_logged = run_verl(demo_dir, extra, tmp_path, timeout_s=300)
+    code, out, rows_logged = run_verl(demo_dir, extra, tmp_path, timeout_s=300, ray_address=ray_address)
     assert code != 0
     assert "stage 'dataloader' failed" in out
     assert f"{path} row {LONG_ROW}: the prompt is" in out and "data.truncation=error" in out

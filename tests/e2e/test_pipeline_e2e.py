@@ -38,8 +38,8 @@ KL_LOSS = {"actor_rollout_ref.actor.use_kl_loss": True}  # verl's KL loss agains
 
 @pytest.mark.parametrize("k,steps,extra", [(1, 4, {}), (3, 6, KL_LOSS), (3, 4, NAIVE_PPO_KL)],
                          ids=["k1", "k3-kl-loss", "k3-naive-kl"])
-def test_pipeline_trains_with_bounded_staleness(demo_dir, tmp_path, k, steps, extra):
-    code, out, rows = run_verl(demo_dir, {**_short_run(k, steps), **extra}, tmp_path)
+def test_pipeline_trains_with_bounded_staleness(demo_dir, tmp_path, ray_address, k, steps, extra):
+    code, out, rows = run_verl(demo_dir, {**_short_run(k, steps), **extra}, tmp_path, ray_address=ray_address)
     naive = extra is NAIVE_PPO_KL
     assert code == 0, out[-4000:]
     by_step = every_step_with(rows, steps, REQUIRED_STEP_KEYS)
@@ -74,14 +74,14 @@ def test_pipeline_trains_with_bounded_staleness(demo_dir, tmp_path, k, steps, ex
     assert "val-core/async_rl/copy_digits/reward/mean@1" in vals[steps]
 
 
-def test_dynamic_sampling_from_verls_filter_groups_key(demo_dir, tmp_path):
+def test_dynamic_sampling_from_verls_filter_groups_key(demo_dir, tmp_path, ray_address):
     """`algorithm.filter_groups.enable=True`: every training batch is full of groups whose rewards differ,
     drawn from as many generated batches as it takes, pi_prox still from the pre-update version."""
     from async_rl.demo.task import GROUP_SIZE, TRAIN_BATCH_SIZE
 
     extra = {**_short_run(2, 3), "trainer.test_freq": -1, "trainer.val_before_train": False,
              "algorithm.filter_groups.enable": True, "algorithm.filter_groups.max_num_gen_batches": 10}
-    code, out, rows = run_verl(demo_dir, extra, tmp_path)
+    code, out, rows = run_verl(demo_dir, extra, tmp_path, ray_address=ray_address)
     assert code == 0, out[-4000:]
     by_step = step_rows(rows)
     assert sorted(by_step) == [1, 2, 3]
@@ -92,9 +92,9 @@ def test_dynamic_sampling_from_verls_filter_groups_key(demo_dir, tmp_path):
         assert "async/dynamic_sampling/busy_ratio" in metrics
 
 
-def test_val_only_validates_and_trains_nothing(demo_dir, tmp_path):
+def test_val_only_validates_and_trains_nothing(demo_dir, tmp_path, ray_address):
     extra = {"trainer.val_only": True, "trainer.val_before_train": True}
-    code, out, rows = run_verl(demo_dir, extra, tmp_path, timeout_s=300)  # training would take longer
+    code, out, rows = run_verl(demo_dir, extra, tmp_path, timeout_s=300, ray_address=ray_address)  # training would take longer
     assert code == 0, out[-4000:]
     assert sorted(val_rows(rows)) == [0] and not step_rows(rows)
 

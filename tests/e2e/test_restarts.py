@@ -13,7 +13,7 @@ from conftest import run_verl, step_rows
 
 
 @pytest.mark.slow
-def test_a_stage_failure_mid_run_costs_one_checkpoint(demo_dir, tmp_path):
+def test_a_stage_failure_mid_run_costs_one_checkpoint(demo_dir, tmp_path, ray_address):
     """The reward function raises once, right after step 2's checkpoint is committed; the driver restarts
     the pipeline from it and the run ends at step 6, logging the restart."""
     ckpt = tmp_path / "ckpt"
@@ -31,7 +31,7 @@ def test_a_stage_failure_mid_run_costs_one_checkpoint(demo_dir, tmp_path):
     extra = {"trainer.total_training_steps": 6, "trainer.save_freq": 2, "trainer.default_local_dir": str(ckpt),
              "trainer.test_freq": -1, "trainer.val_before_train": False, "+trainer.max_restarts": 1,
              "reward.custom_reward_function.path": str(reward)}
-    code, out, rows = run_verl(demo_dir, extra, tmp_path, timeout_s=900)
+    code, out, rows = run_verl(demo_dir, extra, tmp_path, timeout_s=900, ray_address=ray_address)
     assert code == 0, out[-4000:]
     assert raised.exists()
     assert "async_rl: restart 1 of 1 (trainer.max_restarts) from" in out and "injected reward failure" in out

@@ -64,7 +64,7 @@ def test_reward_on_error_key_is_validated():
 
 
 @pytest.mark.slow
-def test_zero_mode_trains_through_a_raising_and_a_hanging_reward(demo_dir, tmp_path):
+def test_zero_mode_trains_through_a_raising_and_a_hanging_reward(demo_dir, tmp_path, ray_address):
     hung = tmp_path / "hung_once"
     flaky_reward = tmp_path / "flaky_reward.py"
     flaky_reward.write_text(
@@ -80,7 +80,7 @@ def test_zero_mode_trains_through_a_raising_and_a_hanging_reward(demo_dir, tmp_p
     extra = {"trainer.total_training_steps": 2, "trainer.test_freq": -1, "trainer.val_before_train": False,
              "reward.custom_reward_function.path": str(flaky_reward),
              "+reward.on_error": "zero", "+reward.async_timeout_s": 2}
-    code, out, rows = run_verl(demo_dir, extra, tmp_path, timeout_s=400)
+    code, out, rows = run_verl(demo_dir, extra, tmp_path, timeout_s=400, ray_address=ray_address)
     assert code == 0, out[-4000:]
     assert hung.exists()
     by_step = every_step_with(rows, 2, ["async/faults/reward_errors", "critic/score/mean"])

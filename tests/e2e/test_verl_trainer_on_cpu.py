@@ -60,7 +60,7 @@ def test_verls_fully_async_main_is_set_up_for_cpu_at_auto_set_device(demo_dir, m
     assert dict(ray_init.runtime_env.env_vars) == WORKER_ENV
 
 
-def test_checkpoints_round_trip_between_the_pipeline_and_verls_sync_trainer(demo_dir, tmp_path):
+def test_checkpoints_round_trip_between_the_pipeline_and_verls_sync_trainer(demo_dir, tmp_path, ray_address):
     """PPO with a critic: pipeline steps 1-2 -> verl's synchronous trainer (flag off, our CPU replicas)
     resumes actor and critic for steps 3-4 -> the pipeline resumes verl's checkpoint for step 5 (critic
     version 4). verl's own trainer reads the pipeline's checkpoint and the other way round; every step
@@ -75,7 +75,7 @@ def test_checkpoints_round_trip_between_the_pipeline_and_verls_sync_trainer(demo
 
     contents = {"actor_rollout_ref.actor.checkpoint.save_contents": ["model", "optimizer", "extra", "hf_model"]}
     code, out, rows = run_verl(demo_dir, {**pipeline, **contents, "trainer.total_training_steps": 2}, tmp_path / "first",
-                                 critic=True)
+                                 critic=True, ray_address=ray_address)
     assert code == 0, out[-4000:]
     assert sorted(step_rows(rows)) == [1, 2] and (ckpt / "global_step_2" / "async_rl_state.pt").exists()
     for step, metrics in step_rows(rows).items():  # on-policy, and each batch's values from critic version step - 1
@@ -85,7 +85,7 @@ def test_checkpoints_round_trip_between_the_pipeline_and_verls_sync_trainer(demo
     assert_verls_merger_reads(ckpt / "global_step_2" / "actor", tmp_path / "merged")
 
     extra = {**common, **FLAG_OFF, "trainer.total_training_steps": 4, "trainer.test_freq": 4}
-    code, out, rows = run_verl(demo_dir, extra, tmp_path / "verl", timeout_s=900, critic=True)
+    code, out, rows = run_verl(demo_dir, extra, tmp_path / "verl", timeout_s=900, critic=True, ray_address=ray_address)
     assert code == 0, out[-4000:]
     assert "async-rl" not in out  # not the pipeline's progress bar: verl's trainer ran
     steps = step_rows(rows)
@@ -100,7 +100,7 @@ def test_checkpoints_round_trip_between_the_pipeline_and_verls_sync_trainer(demo
 
     last = {**pipeline, "trainer.total_training_steps": 5, "trainer.test_freq": 5, "trainer.validation_data_dir": str(tmp_path / "val"),
             "trainer.del_local_ckpt_after_load": True}
-    code, out, rows = run_verl(demo_dir, last, tmp_path / "last", critic=True)
+    code, out, rows = run_verl(demo_dir, last, tmp_path / "last", critic=True, ray_address=ray_address)
     assert code == 0, out[-4000:]
     assert f"resuming from {ckpt}/global_step_4 (step 4, written by verl)" in out
     assert sorted(step_rows(rows)) == [5] and step_rows(rows)[5]["async/critic_version"] == 4

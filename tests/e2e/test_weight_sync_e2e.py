@@ -10,7 +10,7 @@ from __future__ import annotations
 from conftest import run_pipeline_reading_digests
 
 
-def test_every_receiver_holds_the_trainers_bytes(demo_dir, tmp_path):
+def test_every_receiver_holds_the_trainers_bytes(demo_dir, tmp_path, ray_address):
     extra = {
         "trainer.n_gpus_per_node": 4,
         "trainer.total_training_steps": 3,
@@ -21,7 +21,7 @@ def test_every_receiver_holds_the_trainers_bytes(demo_dir, tmp_path):
         "+actor_rollout_ref.rollout.param_update_preduce_bucket_size_mb": 0.01,  # 10 KB: tensors span buckets
         "+actor_rollout_ref.rollout.param_update_consume_bucket_size_mb": 0.005,
     }
-    proc, result = run_pipeline_reading_digests(demo_dir, extra, tmp_path)
+    proc, result = run_pipeline_reading_digests(demo_dir, extra, tmp_path, env={"RAY_ADDRESS": ray_address})
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     digests = result["digests"]
     assert set(digests) == {"actor_train", "logp", "rollout_server_0", "rollout_server_1"}
