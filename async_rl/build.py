@@ -96,15 +96,15 @@ class BuiltPipeline:
         if self.stop is not None and self.stop.requested and not self.training:
             raise PipelinePreempted(self.stop.signum, None, where)
 
-    def stage(self, name: str, cls, *args, **kwargs):
-        """Start stage `name` as a Ray actor on its node (logical CPUs: stages mostly wait)."""
+    def stage(self, stage_name: str, cls, *args, **kwargs):
+        """Start stage `stage_name` as a Ray actor on its node (logical CPUs: stages mostly wait)."""
         actor_cls = ray.remote(cls).options(
-            name=f"async_rl_{name}_{os.getpid()}", num_cpus=0, max_concurrency=64,
+            name=f"async_rl_{stage_name}_{os.getpid()}", num_cpus=0, max_concurrency=64,
             runtime_env={"env_vars": self.env_vars},
-            scheduling_strategy=NodeAffinitySchedulingStrategy(self.stage_nodes.get(name, self.driver_node), False),
+            scheduling_strategy=NodeAffinitySchedulingStrategy(self.stage_nodes.get(stage_name, self.driver_node), False),
         )
-        self.stages[name] = actor_cls.remote(*args, **kwargs)
-        return self.stages[name]
+        self.stages[stage_name] = actor_cls.remote(*args, **kwargs)
+        return self.stages[stage_name]
 
 
 def place(built: BuiltPipeline) -> None:

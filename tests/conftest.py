@@ -84,6 +84,9 @@ def run_verl(demo_dir: Path, extra, workdir: Path, timeout_s: float = 600, criti
     env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(metrics_path), "PYTHONUNBUFFERED": "1",
            **({"RAY_ADDRESS": ray_address} if ray_address else {})}
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *demo_overrides(demo_dir, extra=extra, critic=critic)]
+    if ray_address:  # workers of a running cluster do not inherit this process's environment: verl's trainer
+        # logs from its TaskRunner actor
+        cmd.append(f"+ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH={metrics_path}")
     proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout_s)
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
     return proc.returncode, proc.stdout + proc.stderr, rows

@@ -5,12 +5,18 @@ through Ray's object store, even on the trainer's node. tests/e2e/test_a_new_bac
 
 from __future__ import annotations
 
+import sys
+
+import ray
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from async_rl.api.rollout import RolloutBackend, register_rollout_backend
 from async_rl.rollout.cpu import backend as cpu
 from param_update.receivers import ActorReceiver
+
+# its receiver travels to the param_update stage's process, where this file is not importable: by value
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 async def start(replica, devices) -> None:
