@@ -111,7 +111,7 @@ def fully_async_overrides(steps: int, prompts_per_step: int) -> dict:
         "async_training.require_batches": 1, "async_training.trigger_parameter_sync_step": 1,
         "async_training.staleness_threshold": 1.0, "async_training.partial_rollout": True,
         "actor_rollout_ref.rollout.checkpoint_engine.backend": "async_rl",
-        "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module": "param_update.checkpoint_engine",
+        "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module": "param_update.verl_engine",
     }
 
 

@@ -11,14 +11,14 @@ pipeline's param_update stage fills bucket by bucket through the worker's
 generates; only the load pauses it (`param_update.receivers.VerlReplicaReceiver.commit`).
 
 The pipeline selects it by setting, for its rollout replicas only:
-`checkpoint_engine.backend=async_rl`, `custom_backend_module=param_update.checkpoint_engine`,
+`checkpoint_engine.backend=async_rl`, `custom_backend_module=param_update.verl_engine`,
 `update_weights_bucket_megabytes=<consume bucket size>`.
 
 It also has a send side, for verl's own `CheckpointEngineManager` (verl's `fully_async_policy`)
 on machines where its collective backends (nccl, nixl, ...) cannot run: trainer rank 0 puts
 buckets in Ray's object store and a small handoff actor passes each to the receiving workers as
 it fills (`checkpoint_engine.backend=async_rl`,
-`custom_backend_module=param_update.checkpoint_engine`).
+`custom_backend_module=param_update.verl_engine`).
 """
 
 from __future__ import annotations

@@ -95,10 +95,6 @@ def register_rollout_backend(backend: RolloutBackend) -> RolloutBackend:
     return backend
 
 
-def unregister_rollout_backend(name: str) -> None:
-    _BACKENDS.pop(name, None)
-
-
 def rollout_backend(name: str, device: Optional[str] = None) -> RolloutBackend:
     """The backend registered as `name`; AsyncConfigError naming the key when there is none or, given
     `device` (`trainer.device`), when it cannot run there."""
