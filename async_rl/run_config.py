@@ -150,7 +150,8 @@ def ray_init_kwargs(config: DictConfig) -> dict:
     backend = rollout_backend(str(config.actor_rollout_ref.rollout.name))
     kwargs = OmegaConf.to_container(config.get("ray_kwargs", {}).get("ray_init", {}), resolve=True) or {}
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
-    env_vars = dict(kwargs.get("runtime_env", {}).get("env_vars", {}))
+    # Hydra reads `...env_vars.X=1` as an int; Ray takes strings only
+    env_vars = {key: str(value) for key, value in (kwargs.get("runtime_env", {}).get("env_vars") or {}).items()}
     env_vars.setdefault("TOKENIZERS_PARALLELISM", "false")
     for key, value in backend.ray_env(config).items():
         env_vars.setdefault(key, value)

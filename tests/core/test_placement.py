@@ -122,3 +122,14 @@ def test_vllm_runs_keep_warnings(monkeypatch):
     assert env("vllm")["LOG_LEVEL"] == "WARNING" and "LOG_LEVEL" not in env("cpu")
     monkeypatch.setenv("LOG_LEVEL", "INFO")
     assert env("vllm")["LOG_LEVEL"] == "INFO"
+
+
+def test_env_vars_of_the_command_line_reach_ray_as_strings():
+    """`+ray_kwargs.ray_init.runtime_env.env_vars.X=1` is an int to Hydra; Ray takes strings only."""
+    from async_rl.run_config import ray_init_kwargs
+
+    config = OmegaConf.create({"trainer": {"device": "cpu", "nnodes": 1, "n_gpus_per_node": 2},
+                               "actor_rollout_ref": {"rollout": {"name": "cpu"}},
+                               "ray_kwargs": {"ray_init": {"runtime_env": {"env_vars": {"X": 1, "Y": True}}}}})
+    env_vars = ray_init_kwargs(config)["runtime_env"]["env_vars"]
+    assert env_vars["X"] == "1" and env_vars["Y"] == "True"

@@ -35,7 +35,7 @@ VLLM_ON_CPU = e2e.VLLM_ON_CPU  # fp32, the trainer's dtype: log-probs comparable
 FP32_NOISE = 1e-5  # measured: 7e-8 to 8e-8 (bf16 rollout: 4e-4)
 
 
-def test_verls_sync_trainer_runs_vllm_on_cpu_and_every_version_reaches_it(demo_dir, tmp_path):
+def test_verls_sync_trainer_runs_vllm_on_cpu_and_every_version_reaches_it(demo_dir, tmp_path, ray_address):
     extra = {
         **VLLM_ON_CPU,
         "+actor_rollout_ref.async_pipeline": False,
@@ -47,7 +47,7 @@ def test_verls_sync_trainer_runs_vllm_on_cpu_and_every_version_reaches_it(demo_d
         "trainer.test_freq": 3,
         "trainer.save_freq": -1,
     }
-    code, out, rows = run_verl(demo_dir, extra, tmp_path, timeout_s=900)
+    code, out, rows = run_verl(demo_dir, extra, tmp_path, timeout_s=900, ray_address=ray_address)
     assert code == 0, out[-4000:]
     assert "vLLM on CPU: actor_rollout_ref.rollout.free_cache_engine=False" in out  # the overrides, said
     by_step = every_step_with(rows, 3, ["rollout_corr/log_ppl_abs_diff", "training/rollout_probs_diff_max"])
@@ -64,13 +64,14 @@ PIPELINE = {
 }
 
 
-def test_pipeline_on_vllm_on_policy_every_version_reaches_vllm(demo_dir, tmp_path):
+def test_pipeline_on_vllm_on_policy_every_version_reaches_vllm(demo_dir, tmp_path, ray_address):
     """k=1: each step trains on responses of the newest version, and vLLM's log-probs equal the
     trainer's within fp32 noise at every step: every version reached vLLM (through the `async_rl`
     checkpoint-engine backend), version 0 included (verl's servers start on dummy weights). After
     training, the weights vLLM computes with are the trainer's, bit for bit."""
-    extra = {**PIPELINE, "+trainer.generate_ahead_steps": 1, "trainer.total_training_steps": 3, "trainer.test_freq": 3}
-    proc, result = run_pipeline_reading_digests(demo_dir, extra, tmp_path, env={ALLOW_PICKLE_ENV: "1"})
+    extra = {**PIPELINE, "+trainer.generate_ahead_steps": 1, "trainer.total_training_steps": 3, "trainer.test_freq": 3,
+             f"+ray_kwargs.ray_init.runtime_env.env_vars.{ALLOW_PICKLE_ENV}": "1"}  # in the servers' environment
+    proc, result = run_pipeline_reading_digests(demo_dir, extra, tmp_path, env={"RAY_ADDRESS": ray_address})
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     by_step = every_step_with(rows, 3, ["rollout_corr/log_ppl_abs_diff", "async/staleness/max"])
@@ -87,7 +88,7 @@ def test_pipeline_on_vllm_on_policy_every_version_reaches_vllm(demo_dir, tmp_pat
     assert trainer.get("lm_head.weight", trainer["model.embed_tokens.weight"]) == trainer["model.embed_tokens.weight"]
 
 
-def test_pipeline_on_vllm_runs_ahead_within_the_bound_and_loads_during_generation(demo_dir, tmp_path):
+def test_pipeline_on_vllm_runs_ahead_within_the_bound_and_loads_during_generation(demo_dir, tmp_path, ray_address):
     """k=3: generation runs up to 2 versions ahead, never more; weights load into vLLM between
     decoding steps (verl's abort + the generate stage's resubmission of prompt + tokens so far), so
     some responses carry tokens of two versions."""
@@ -98,7 +99,7 @@ def test_pipeline_on_vllm_runs_ahead_within_the_bound_and_loads_during_generatio
                        "actor_rollout_ref.rollout.max_num_seqs": 8}
     extra = {**PIPELINE, **slow_generation, "+trainer.generate_ahead_steps": k,
              "trainer.total_training_steps": steps, "trainer.test_freq": steps}
-    code, out, rows = run_verl(demo_dir, extra, tmp_path, timeout_s=900)
+    code, out, rows = run_verl(demo_dir, extra, tmp_path, timeout_s=900, ray_address=ray_address)
     assert code == 0, out[-4000:]
     by_step = every_step_with(rows, steps, ["async/staleness/max", "async/partial/max_versions_spanned",
                                             "async/param_update/blocked_s"])
@@ -110,13 +111,13 @@ def test_pipeline_on_vllm_runs_ahead_within_the_bound_and_loads_during_generatio
     assert steps in val_rows(rows)
 
 
-def test_pipeline_on_vllm_without_partial_rollout_waits_for_running_requests(demo_dir, tmp_path):
+def test_pipeline_on_vllm_without_partial_rollout_waits_for_running_requests(demo_dir, tmp_path, ray_address):
     """partial_rollout=False: a load parks new requests and waits for the running ones, so no response
     spans two versions, while generation still runs ahead within the bound."""
     k, steps = 3, 4
     extra = {**PIPELINE, "+trainer.generate_ahead_steps": k, "trainer.total_training_steps": steps,
              "trainer.test_freq": -1, "+actor_rollout_ref.rollout.partial_rollout": False}
-    code, out, rows = run_verl(demo_dir, extra, tmp_path, timeout_s=900)
+    code, out, rows = run_verl(demo_dir, extra, tmp_path, timeout_s=900, ray_address=ray_address)
     assert code == 0, out[-4000:]
     by_step = every_step_with(rows, steps, ["async/staleness/max", "async/partial/max_versions_spanned"])
     for step, metrics in by_step.items():
