@@ -57,6 +57,7 @@ def patch_unpinned_cpu_offload() -> None:
         kwargs["pin_memory"] = False
         return original_policy(*args, **kwargs)
 
+    unpinned_policy.__wrapped__ = original_policy  # `inspect.unwrap` finds verl's
     fsdp_impl.CPUOffloadPolicy = unpinned_policy
     _APPLIED.add("unpinned_cpu_offload")
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -111,7 +113,8 @@ def test_unpinned_offload_patch(monkeypatch):
     from verl_patches import cpu_patches
 
     monkeypatch.setattr(cpu_patches, "_APPLIED", set())
-    monkeypatch.setattr(fsdp_impl, "CPUOffloadPolicy", fsdp_impl.CPUOffloadPolicy)
+    # verl's own, even where an earlier test of this process applied the patch (verl's trainer set up on CPU)
+    monkeypatch.setattr(fsdp_impl, "CPUOffloadPolicy", inspect.unwrap(fsdp_impl.CPUOffloadPolicy))
     assert fsdp_impl.CPUOffloadPolicy(pin_memory=True).pin_memory is True
     cpu_patches.patch_unpinned_cpu_offload()
     assert fsdp_impl.CPUOffloadPolicy(pin_memory=True).pin_memory is False
@@ -126,7 +129,7 @@ def test_value_model_patch_loads_verls_critic_with_the_configured_attention(monk
     from verl_patches import cpu_patches
 
     monkeypatch.setattr(cpu_patches, "_APPLIED", set())
-    monkeypatch.setattr(model_utils, "load_valuehead_model", model_utils.load_valuehead_model)
+    monkeypatch.setattr(model_utils, "load_valuehead_model", inspect.unwrap(model_utils.load_valuehead_model))
     path = str(demo_dir / "model")
 
     def config(attention=None):
