@@ -19,6 +19,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from verl.trainer.ppo.utils import need_reference_policy
 from verl.utils import hf_tokenizer
 
+import param_update.transports  # noqa: F401 - registers the built-in transports
 from async_rl.api.weights import transports_by_rank
 from async_rl.checkpoints import CheckpointDir, ResumePoint, RunCheckpointer, find_resume_point
 from async_rl.core.devices import GroupDevices, reserve_nodes
@@ -32,8 +33,6 @@ from async_rl.stop_signals import PipelinePreempted, StopRequest
 from async_rl.validation import Validator
 from param_update.capacity import check_weight_sync, model_weight_bytes, planned_links
 from param_update.receivers import ActorReceiver
-from param_update.transports.object_store import ObjectStore
-from param_update.transports.shared_memory import SharedMemory
 from state_machines.actor_train import ActorTrainStage
 from state_machines.critic_train import CriticTrainStage
 from state_machines.dataloader import DataloaderStage
@@ -198,7 +197,7 @@ def check_weight_sync_room(built: BuiltPipeline) -> dict[str, int]:
     placement will use (the driver runs on node 0 of the placement: train rank 0's)."""
     run, settings = built.run, built.run.async_cfg
     links = planned_links(run.placement, run.backend.receivers_tell_nodes, run.proximal_logp_workers == "logp")
-    rooms = {ObjectStore.name: ObjectStore.room_bytes(), SharedMemory.name: SharedMemory.room_bytes()}
+    rooms = {cls.name: cls.room_bytes() for cls in transports_by_rank()}
     held = 2 if settings.enable_dual_buffer or settings.replica_max_restarts else 1
     return check_weight_sync(model_weight_bytes(run.config.actor_rollout_ref.model.path),
                              settings.preduce_bucket_size_mb, settings.consume_bucket_size_mb, held, links, rooms)

@@ -38,12 +38,8 @@ def run_pipeline(run: RunConfig, tracking=None, restarts: int = 0,
     the end); returns every logged step's metrics. `after_training(built)` runs once training is done,
     before the actors go. Raises PipelineError (`during_training`: the stages had started) or
     PipelinePreempted."""
-    if tracking is None:
-        tracking = make_tracking(run.config)
-        try:
-            return run_pipeline(run, tracking, restarts, after_training)
-        finally:
-            tracking.finish()
+    own_tracking = tracking is None
+    tracking = make_tracking(run.config) if own_tracking else tracking
     owns_ray, env_vars = start_ray(run.config)
     built = BuiltPipeline(run, env_vars=env_vars)
     try:
@@ -63,6 +59,8 @@ def run_pipeline(run: RunConfig, tracking=None, restarts: int = 0,
         shutdown(built)
         if owns_ray and ray.is_initialized():
             ray.shutdown()
+        if own_tracking:
+            tracking.finish()
 
 
 def run_async_pipeline(config, task_runner_class=None) -> None:
