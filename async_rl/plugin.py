@@ -54,13 +54,12 @@ def enter_async_pipeline(config) -> None:
             "actor_rollout_ref.async_pipeline=True is handled for `python -m verl.trainer.main_ppo`; "
             "from your own script call async_rl.pipeline.run_async_pipeline(config)"
         )
+
+    def run_ppo(config, task_runner_class=None) -> None:  # main_ppo's call: the pipeline on the run read above
+        run_async_pipeline(run, task_runner_class)
+
     for module in modules:
-        module.run_ppo = functools.partial(run_validated, run, run_async_pipeline)
-
-
-def run_validated(run, run_async_pipeline, config, task_runner_class=None) -> None:
-    """main_ppo's `run_ppo(config, task_runner_class)` with the flag: the pipeline on the run read from it."""
-    run_async_pipeline(run, task_runner_class)
+        module.run_ppo = run_ppo
 
 
 def wrap_validate_config() -> None:

@@ -42,7 +42,6 @@ def test_with_the_flag_validate_config_points_main_ppos_run_ppo_at_the_pipeline(
     import types
 
     from async_rl.demo import demo_overrides
-    from async_rl.pipeline import run_async_pipeline
     from async_rl.plugin import enter_async_pipeline
     from async_rl.run_config import RunConfig
     from conftest import compose_ppo
@@ -52,9 +51,12 @@ def test_with_the_flag_validate_config_points_main_ppos_run_ppo_at_the_pipeline(
     main.__spec__ = types.SimpleNamespace(name="verl.trainer.main_ppo")
     main.run_ppo = object()
     monkeypatch.setitem(sys.modules, "__main__", main)
+    runs = []
+    monkeypatch.setattr("async_rl.pipeline.run_async_pipeline", lambda run, runner=None: runs.append((run, runner)))
     enter_async_pipeline(cfg)
-    run, pipeline = main.run_ppo.args  # run_ppo(config, task_runner_class) -> pipeline(run, task_runner_class)
-    assert isinstance(run, RunConfig) and run.total_steps > 0 and pipeline is run_async_pipeline
+    main.run_ppo(cfg, task_runner_class="verl's runner")  # what main_ppo's main() calls next
+    ((run, runner),) = runs
+    assert isinstance(run, RunConfig) and run.total_steps > 0 and runner == "verl's runner"
 
     monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))
     with pytest.raises(RuntimeError, match="call async_rl.pipeline.run_async_pipeline"):
