@@ -57,6 +57,7 @@ def prepare(config) -> None:
     with open_dict(config):
         ray_init = config.ray_kwargs.ray_init
         if not (ray_init.get("address") or os.environ.get("RAY_ADDRESS")):  # a running cluster's resources are its own
+            ray_init.address = "local"  # never a cluster some other `ray start` on this machine left behind
             if ray_init.get("num_cpus") is None:
                 ray_init.num_cpus = max(logical_cpus, os.cpu_count() or 1)  # logical
             if ray_init.get("num_gpus") is None:

@@ -29,12 +29,15 @@ def demo_dir(tmp_path_factory) -> Path:
 def start_cluster(**system_config):
     """A one-node Ray cluster (`ray.cluster_utils.Cluster`): 32 logical CPUs (stages mostly wait), 8 logical
     GPUs (verl's trainer and vLLM's CPU build count devices as GPUs), a 2 GiB object store, no dashboard."""
+    from ray._common.utils import reset_ray_address
     from ray.cluster_utils import Cluster
 
     args = {"num_cpus": 32, "num_gpus": 8, "include_dashboard": False, "object_store_memory": 2 << 30}
     if system_config:
         args["_system_config"] = system_config
-    return Cluster(initialize_head=True, head_node_args=args)
+    cluster = Cluster(initialize_head=True, head_node_args=args)
+    reset_ray_address()  # Cluster advertises itself to every later `ray.init()` on this machine
+    return cluster
 
 
 @pytest.fixture(scope="session")

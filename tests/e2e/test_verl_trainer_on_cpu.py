@@ -34,11 +34,18 @@ def test_prepare_sets_up_ray_for_cpu_workers(demo_dir, monkeypatch):
         monkeypatch.delenv(key, raising=False)
     config = compose_ppo(demo_overrides(demo_dir, extra=FLAG_OFF))
     assert wants_cpu_rollout(config)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
     prepare(config)
     assert all(OmegaConf.select(config, key) is None for key in CONFIG_KEYS)  # verl's dataclasses reject them
     ray_init = config.ray_kwargs.ray_init
     assert ray_init.num_gpus == 2 and ray_init.num_cpus >= 16  # logical: one "GPU" per trainer process
+    assert ray_init.address == "local"  # not a cluster an earlier `ray start` (or ray's Cluster) advertised
     assert dict(ray_init.runtime_env.env_vars) == WORKER_ENV
+
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # joining a running cluster: its resources are its own
+    joined = compose_ppo(demo_overrides(demo_dir, extra=FLAG_OFF))
+    prepare(joined)
+    assert all(joined.ray_kwargs.ray_init.get(key) is None for key in ("address", "num_cpus", "num_gpus"))
 
 
 def test_verls_fully_async_main_is_set_up_for_cpu_at_auto_set_device(demo_dir, monkeypatch):
@@ -54,8 +61,10 @@ def test_verls_fully_async_main_is_set_up_for_cpu_at_auto_set_device(demo_dir, m
     with open_dict(config):  # what fully_async_ppo_trainer.yaml adds to verl's ppo_trainer
         config.async_training = {"staleness_threshold": 1.0}
         config.rollout = {"nnodes": 1, "n_gpus_per_node": 1}
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
     device_module.auto_set_device(config)
     ray_init = config.ray_kwargs.ray_init
+    assert ray_init.address == "local"
     assert config.trainer.device == "cpu" and ray_init.num_gpus == 2 + 1 and ray_init.num_cpus >= 48
     assert dict(ray_init.runtime_env.env_vars) == WORKER_ENV
 
