@@ -133,7 +133,7 @@ def build_stages(built: BuiltPipeline) -> None:
     built.replicas = launch_rollout_replicas(make_rollout_replicas(cfg, len(devices["generate"])), run.backend,
                                              devices["generate"], SETUP_TIMEOUT_S)
     servers = [r.server_handle for r in built.replicas]
-    built.validator = Validator(cfg, tokenizer, servers, settings.reward_timeout_s, settings.reward_on_error)
+    built.validator = Validator(cfg, tokenizer, settings.reward_timeout_s, settings.reward_on_error)
     built.resume_point = find_resume_point(
         run.checkpoint, built.world_sizes["train"], int(cfg.data.get("dataloader_num_workers", 0) or 0),
         settings.dynamic_sampling, built.world_sizes["critic"] if run.critic else None)
@@ -145,7 +145,7 @@ def build_stages(built: BuiltPipeline) -> None:
 
     dataloader = built.stage("dataloader", DataloaderStage, cfg, tokenizer, None if settings.dynamic_sampling else steps,
                              generated, state.dataloader_state if state else None)
-    generate = built.stage("generate", GenerateStage, servers, cfg.actor_rollout_ref.rollout, eta,
+    generate = built.stage("generate", GenerateStage, servers, cfg, eta,
                            request_timeout_s=settings.request_timeout_s, dynamic_sampling=settings.dynamic_sampling,
                            steps_formed=built.start_step, replicas=built.replicas if restarts else None,
                            max_restarts=restarts, relaunch=run.backend.relaunch)
@@ -186,7 +186,8 @@ def build_stages(built: BuiltPipeline) -> None:
     # engines start in parallel; each has its own timeout-bounded wait
     groups = ("actor_train", "logp", "ref_logp") + (("critic_train",) if run.critic else ())
     built.wait({n: built.stages[n].setup.remote() for n in groups}, SETUP_TIMEOUT_S, "start verl worker groups")
-    built.validator.generate_stage = generate  # restarts and timeouts apply to validation too
+    # verl's agent loops with val_kwargs sampling; restarts and timeouts apply to validation too
+    built.validator.generate = lambda rows, n: generate.run_agent_loops.remote(rows, n, None, True)
     upstreams = upstream_counts(run.edges)
     built.wait({name: built.stages[name].connect.remote([built.stages[d] for d in downstream], upstreams[name])
                 for name, downstream in run.edges.items()}, CALL_TIMEOUT_S, "wire stages")

@@ -17,12 +17,13 @@ import async_rl.rollout.backends  # noqa: F401 - registers the built-in rollout 
 from async_rl.api.rollout import RolloutBackend, rollout_backend
 from async_rl.checkpoints import CheckpointConfig, read_checkpoint_config
 from async_rl.core.config import AsyncPipelineConfig, critic_enabled, read_async_config, strip_async_keys
-from async_rl.core.data_checks import check_rl_files
+from async_rl.core.data_checks import agent_names_in, check_rl_files
 from async_rl.core.decoupled_ppo import apply_to_config, uses_behaviour_as_old
 from async_rl.core.errors import AsyncConfigError
 from async_rl.core.placement import Placement, plan_placement
 from async_rl.core.scoring import overlong_shaping
 from async_rl.core.stage_graph import STAGES_KEY, UserStageSpec, build_edges
+from async_rl.rollout.agent_loops import absolute_agent_files, check_agent_loops
 from state_machines.base import StateMachine
 
 REPLICA_RESTARTS_KEY = "actor_rollout_ref.rollout.max_restarts"
@@ -77,10 +78,12 @@ def read_run_config(config: DictConfig) -> RunConfig:
             "them instead needs a backend that can: cpu, vllm)",
         )
     check_files(config)
+    check_agent_loops(config, agent_names_in(config.data.train_files) | agent_names_in(config.data.get("val_files") or []))
 
     config = config.copy()
     strip_async_keys(config)
     resolve_output_dirs(config)
+    absolute_agent_files(config)
     checkpoint = read_checkpoint_config(config)
     total_steps = total_training_steps(config, count_rows(config.data.train_files))
     set_optimizer_horizon(config, total_steps)

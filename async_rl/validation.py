@@ -13,44 +13,35 @@ import numpy as np
 from async_rl.core.generation_dumps import GenerationDumps
 from async_rl.core.prompts import load_prompt_dataset, tokenize_row
 from async_rl.core.scoring import ResponseToScore, RewardFunctionError, load_score_fn, score_each_zeroing_failures
-from async_rl.rollout.requests import generate_one, sampling_params_from_config
 
 
 class Validator:
     """Scores the policy the rollout servers serve on `data.val_files`."""
 
-    def __init__(self, config, tokenizer, servers, reward_timeout_s: float = 60.0, reward_on_error: str = "stop",
-                 generate_stage=None):
+    def __init__(self, config, tokenizer, reward_timeout_s: float = 60.0, reward_on_error: str = "stop",
+                 generate=None):
         """``reward_timeout_s`` (s, per sample) and ``reward_on_error`` as for the reward stage
-        (`reward.async_timeout_s`, `reward.on_error`). ``generate_stage``: when set, requests go through
-        its `generate_many` (a lost or hung server is restarted and its requests resubmitted, as in
-        training) instead of straight to ``servers``."""
-        self.generate_stage = generate_stage
+        (`reward.async_timeout_s`, `reward.on_error`). ``generate``: `generate(rows, n)`, awaitable, -> the
+        Samples of `n` validation trajectories of each row (the generate stage's `run_agent_loops` with
+        `validate=True`: verl's agent loops with `val_kwargs` sampling, a lost or hung server restarted and
+        its requests resubmitted as in training); set before `run`."""
+        self.generate = generate
         self.config = config
         self.reward_timeout_s, self.reward_on_error = reward_timeout_s, reward_on_error
         self.tokenizer = tokenizer
-        self.servers = list(servers)
         dataset = load_prompt_dataset(config.data.val_files, config.data, tokenizer, is_train=False)
         max_len = int(config.data.max_prompt_length)
         truncation, prompt_key = str(config.data.get("truncation", "error")), str(config.data.get("prompt_key", "prompt"))
         self.rows = [tokenize_row(dataset[i], tokenizer, max_len, truncation, config.data.val_files, prompt_key)
                      for i in range(len(dataset))]
         self.score_fn, _ = load_score_fn(config)
-        self.sampling_params = sampling_params_from_config(config.actor_rollout_ref.rollout, validate=True)
         self.n = int(config.actor_rollout_ref.rollout.val_kwargs.get("n", 1))
         self.dumps = GenerationDumps(config.trainer.get("validation_data_dir"))
 
     async def _generate_all(self, timeout_s: float):
-        if self.generate_stage is not None:
-            prompts = [prompt_ids for prompt_ids, _ in self.rows for _ in range(self.n)]
-            return await asyncio.wait_for(
-                self.generate_stage.generate_many.remote(prompts, self.sampling_params), timeout=timeout_s)
-        jobs = []
-        for i, (prompt_ids, _) in enumerate(self.rows):
-            for k in range(self.n):
-                server = self.servers[(i * self.n + k) % len(self.servers)]
-                jobs.append(generate_one(server, prompt_ids, self.sampling_params, timeout_s))
-        return await asyncio.gather(*jobs)
+        if self.generate is None:
+            raise RuntimeError("Validator.generate is not set (the generate stage's run_agent_loops)")
+        return await asyncio.wait_for(self.generate([info for _, info in self.rows], self.n), timeout=timeout_s)
 
     def run(self, timeout_s: float, step: int = 0) -> dict[str, float]:
         """Validation metrics of the served policy; with `trainer.validation_data_dir`, also verl's
@@ -61,9 +52,9 @@ class Validator:
         sources, uids, texts, responses = [], [], [], []
         for j, out in enumerate(outputs):
             _, info = self.rows[j // self.n]
-            texts.append(self.tokenizer.decode(out.token_ids, skip_special_tokens=True))
+            texts.append(self.tokenizer.decode(out.response_ids, skip_special_tokens=True))
             responses.append(ResponseToScore(info["data_source"], texts[-1], info["reward_model"]["ground_truth"],
-                                             info.get("extra_info"), len(out.token_ids)))
+                                             info.get("extra_info"), len(out.response_ids)))
             sources.append(info["data_source"])
             uids.append(str(j // self.n))
         scored, failures = asyncio.run(score_each_zeroing_failures(responses, self.score_fn, None,

@@ -32,6 +32,7 @@ from async_rl.core.devices import world_size_of
 from async_rl.core.fault_points import hold_at
 from async_rl.core.generation_dumps import GenerationDumps
 from async_rl.core.messages import (
+    TURNS_INTERRUPTED,
     CriticBatch,
     LogpResult,
     NewWeights,
@@ -40,6 +41,7 @@ from async_rl.core.messages import (
     TrainingBatch,
     ValuesResult,
     resolve,
+    response_lengths,
 )
 from async_rl.core.staleness import version_metrics
 from async_rl.training import engine_calls
@@ -60,11 +62,12 @@ class StalenessViolation(RuntimeError):
     """A sample older than the bound reached training (a scheduling bug, never expected)."""
 
 
-def place_scores_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """Sequence scores (bs,) -> token-level scores (bs, resp_len), on each last response token."""
-    token_scores = torch.zeros_like(response_mask, dtype=torch.float32)
-    last = (response_mask.sum(-1) - 1).clamp(min=0).long()
-    has_tokens = response_mask.sum(-1) > 0
+def place_scores_on_last_token(scores: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """Sequence scores (bs,) -> token-level scores (bs, width), on each response's last token (`lengths`:
+    `response_lengths`, tool tokens of a multi-turn trajectory included, as verl's reward managers place it)."""
+    token_scores = torch.zeros((len(scores), width), dtype=torch.float32)
+    last = (lengths - 1).clamp(min=0).long()
+    has_tokens = lengths > 0
     rows = torch.arange(len(scores))[has_tokens]
     token_scores[rows, last[has_tokens]] = scores[has_tokens]
     return token_scores
@@ -206,8 +209,8 @@ class ActorTrainStage(StateMachine):
         from verl.trainer.ppo.ray_trainer import compute_advantage
 
         algo = self.config.algorithm
-        response_mask = batch.batch["response_mask"]
-        batch.batch["token_level_scores"] = place_scores_on_last_token(parts["reward"].scores, response_mask)
+        batch.batch["token_level_scores"] = place_scores_on_last_token(
+            parts["reward"].scores, response_lengths(batch), batch.batch["responses"].shape[1])
         if parts["logp"].old_log_probs is not None:
             batch.batch["old_log_probs"] = parts["logp"].old_log_probs
         if parts["ref_logp"].ref_log_prob is not None:
@@ -240,6 +243,9 @@ class ActorTrainStage(StateMachine):
             batch.batch["token_versions"], batch.batch["response_mask"], batch.non_tensor_batch["start_version"],
             self.version, self.max_staleness,
         )
+        if TURNS_INTERRUPTED in batch.non_tensor_batch:  # agent loops: turns a weight load split, per trajectory
+            metrics["async/partial/turns_interrupted"] = float(np.mean(
+                batch.non_tensor_batch[TURNS_INTERRUPTED].astype(np.float64)))
         if metrics["async/staleness/max"] > self.max_staleness:
             raise StalenessViolation(
                 f"step {self.version}: a sample has staleness {metrics['async/staleness/max']:g} "

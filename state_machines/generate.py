@@ -1,34 +1,36 @@
-"""generate stage: admits prompt batches under the staleness bound and samples responses.
+"""generate stage: admits prompt batches under the staleness bound and runs verl's agent loop
+of every sample.
 
-Talks to rollout servers only through verl's server interface (`generate` on the
-server handle of a `RolloutReplica`), so the CPU backend, sglang and vllm are
-interchangeable. Each batch's n samples per prompt are spread round-robin over the
-servers; up to `generate_ahead_steps` batches are in flight, each admitted only when
-AReaL's rule allows it (`async_rl.core.staleness`).
+Each sample is one trajectory of the agent loop verl would run for it (single-turn, tool calls, a
+user's own loop: async_rl/rollout/agent_loops.py), whose model calls go to the rollout servers only
+through verl's server interface (`generate` on the server handle of a `RolloutReplica`), so the CPU
+backend, sglang and vllm are interchangeable. Trajectories are spread round-robin over the
+servers, each keeping its turns on one; up to `generate_ahead_steps` batches are in flight, each
+admitted only when AReaL's rule allows it (`async_rl.core.staleness`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 
 from async_rl.core.fault_points import hold_at
 from async_rl.core.messages import GeneratedBatch, PromptBatch, Sample
 from async_rl.core.staleness import StalenessController
-from async_rl.rollout.requests import Response, generate_resumable, sampling_params_from_config
+from async_rl.rollout.agent_loops import make_agent_loop_worker, make_client, prompt_rows, samples_from_agent_output
 from async_rl.rollout.supervisor import ReplicaSupervisor
 from state_machines.base import StateMachine
 
 
 class GenerateStage(StateMachine):
-    """Samples `n` responses per prompt on the rollout servers, within the staleness bound."""
+    """Runs `n` agent-loop trajectories per prompt on the rollout servers, within the staleness bound."""
 
     def __init__(
-        self, servers, rollout_cfg, max_staleness: int, request_timeout_s: float = 600.0, dynamic_sampling: bool = False,
+        self, servers, config, max_staleness: int, request_timeout_s: float = 600.0, dynamic_sampling: bool = False,
         steps_formed: int = 0, replicas=None, max_restarts: int = 0, relaunch=None,
     ):
-        """`dynamic_sampling`: batch indices are not training steps; a batch is admitted while the next
-        training batch to form (`set_steps_formed`; `steps_formed` at start) is within the staleness bound.
+        """`config`: the run's verl config (its rollout and agent-loop keys). `dynamic_sampling`: batch
+        indices are not training steps; a batch is admitted while the next training batch to form
+        (`set_steps_formed`; `steps_formed` at start) is within the staleness bound.
         `replicas` (verl RolloutReplica objects behind `servers`), `relaunch` (the backend's
         `async relaunch(replica, attempt) -> server handle`, async_rl/api/rollout.py) and `max_restarts`:
         a lost server is restarted up to that many times (async_rl/rollout/supervisor.py); the new one
@@ -45,11 +47,11 @@ class GenerateStage(StateMachine):
             relaunch=self._relaunch if restartable else None,
             feed_weights=self._feed_weights if restartable else None,
         )
-        self.n = int(rollout_cfg.n)
-        self.sampling_params = sampling_params_from_config(rollout_cfg)
+        self.config = config
+        self.n = int(config.actor_rollout_ref.rollout.n)
+        self._agent_loops = None  # verl's AgentLoopWorker, built at first use (loads the tokenizer and tools)
         self.staleness = StalenessController(max_staleness)
         self.request_timeout_s = request_timeout_s
-        self._next_server = 0
         self.dynamic_sampling = dynamic_sampling
         self.steps_formed = steps_formed
 
@@ -76,17 +78,29 @@ class GenerateStage(StateMachine):
             pass
 
     async def server_handles(self) -> list:
-        """The current server of every replica, once none is restarting (validation uses them)."""
+        """The current server of every replica, once none is restarting (the weight digests read them)."""
         return await self.servers.all_ready()
 
-    async def generate_many(self, prompts: list[list[int]], sampling_params: dict) -> list[Response]:
-        """One response per prompt, spread over the replicas through the same supervised path as
-        training requests (validation uses it)."""
-        served = self.staleness.served_version
-        return await asyncio.gather(*(
-            generate_resumable(self.servers, i % len(self.servers.handles), prompt, sampling_params,
-                               self.request_timeout_s, served)
-            for i, prompt in enumerate(prompts)))
+    def agent_loops(self):
+        """verl's agent-loop worker on this stage's servers (async_rl/rollout/agent_loops.py)."""
+        if self._agent_loops is None:
+            client = make_client(self.config, self.servers, self.request_timeout_s,
+                                 lambda: self.staleness.served_version)
+            self._agent_loops = make_agent_loop_worker(self.config, client)
+        return self._agent_loops
+
+    async def run_agent_loops(self, rows: list[dict], n: int, start_version: int | None = None,
+                              validate: bool = False) -> list[Sample]:
+        """`n` trajectories of each row (a dataset row's non-tensor fields: `raw_prompt`, `agent_name`, ...),
+        through the same supervised path as training; validation uses it with `validate=True` (verl's
+        `val_kwargs` sampling). `start_version`: the version served when the batch was admitted (None:
+        the version served now)."""
+        if start_version is None:
+            start_version = self.staleness.served_version
+        proto = prompt_rows(rows, [uuid.uuid4().hex for _ in rows], n, start_version)
+        proto.meta_info["validate"] = validate
+        output = await self.agent_loops().generate_sequences(proto)
+        return samples_from_agent_output(output, start_version)
 
     def fault_counts(self) -> dict[str, float]:
         """Cumulative `async/faults/replica_restarts` and `async/faults/requests_resubmitted`."""
@@ -114,33 +128,9 @@ class GenerateStage(StateMachine):
                 await self.staleness.wait_until_admitted(item.index)
         return item
 
-    def _pick_server(self) -> int:
-        index = self._next_server % len(self.servers.handles)
-        self._next_server += 1
-        return index
-
     async def process_data(self, batch: PromptBatch) -> GeneratedBatch:
         start_version = self.staleness.served_version
-        jobs, meta = [], []
-        for prompt_ids, non_tensor in zip(batch.prompt_ids, batch.non_tensor):
-            uid = uuid.uuid4().hex
-            for _ in range(self.n):
-                jobs.append(generate_resumable(self.servers, self._pick_server(), prompt_ids, self.sampling_params,
-                                               self.request_timeout_s, start_version))
-                meta.append((uid, prompt_ids, non_tensor))
-        outputs = await asyncio.gather(*jobs)
+        samples = await self.run_agent_loops(batch.non_tensor, self.n, start_version)
         if batch.index > self.staleness.served_version:  # generated ahead of the trainer
             hold_at("generate_ahead", batch.index + 1)
-        samples = []
-        for (uid, prompt_ids, non_tensor), out in zip(meta, outputs):
-            samples.append(
-                Sample(
-                    uid=uid,
-                    prompt_ids=list(prompt_ids),
-                    response_ids=out.token_ids,
-                    rollout_log_probs=out.log_probs,
-                    token_versions=out.token_versions,
-                    non_tensor={**non_tensor, "start_version": start_version},
-                )
-            )
         return GeneratedBatch(index=batch.index, samples=samples, start_version=start_version)

@@ -81,6 +81,22 @@ def check_rl_files(files, prompt_key: str = "prompt", label: str = "data.train_f
             )
 
 
+def agent_names_in(files) -> frozenset:
+    """The distinct values of the `agent_name` column (the agent loop verl runs for each row) of the
+    local parquet files, or none."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    names = set()
+    for path in _as_list(files):
+        if path.startswith(("hdfs://", "s3://")) or not path.endswith(".parquet"):
+            continue
+        if "agent_name" in pq.read_schema(path).names:
+            column = pq.read_table(path, columns=["agent_name"]).column("agent_name")
+            names |= {str(v) for v in pc.unique(column).to_pylist() if v is not None}
+    return frozenset(names)
+
+
 def locate_prompt(files: Iterable[str], prompt_key: str, raw_prompt) -> tuple[str, int] | None:
     """(file, row) of the first row whose prompt equals ``raw_prompt`` (a list of chat messages), or None."""
     import pandas as pd

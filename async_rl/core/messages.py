@@ -10,9 +10,10 @@ once into Ray's object store by the rollout stage.
 
 `build_batch` lays samples out as verl does: prompts left-padded to `max_prompt_length`,
 responses right-padded to `max_response_length`, `input_ids = prompts ++ responses`, with
-`attention_mask`, `position_ids` and `response_mask`; the rollout's log-probs and the policy
+`attention_mask`, `position_ids` and `response_mask` (1 on the model's tokens; 0 on padding and
+on the tool/environment tokens of a multi-turn trajectory); the rollout's log-probs and the policy
 version of each response token ride along as `rollout_log_probs` and `token_versions` (-1 on
-padding).
+padding and on tool/environment tokens).
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ import torch
 
 if TYPE_CHECKING:
     from verl import DataProto
+
+
+TURNS_INTERRUPTED = "turns_interrupted"  # non-tensor column: turns of a trajectory a weight load (or a lost
+# server) split, by agent-loop trajectory
 
 
 @dataclass
@@ -48,6 +53,7 @@ class Sample:
     token_versions: list[int]  # policy version that produced each response token
     non_tensor: dict[str, Any] = field(default_factory=dict)  # data_source, reward_model, ...
     score: float | None = None  # filled by the reward stage
+    response_mask: list[int] | None = None  # 1: a model token, 0: a tool/environment token (None: all 1)
 
 
 def build_batch(samples: list[Sample], max_prompt_length: int, max_response_length: int, pad_token_id: int) -> DataProto:
@@ -58,7 +64,8 @@ def build_batch(samples: list[Sample], max_prompt_length: int, max_response_leng
     prompts = torch.full((n, max_prompt_length), pad_token_id, dtype=torch.long)
     prompt_mask = torch.zeros((n, max_prompt_length), dtype=torch.long)
     responses = torch.full((n, max_response_length), pad_token_id, dtype=torch.long)
-    response_mask = torch.zeros((n, max_response_length), dtype=torch.long)
+    response_mask = torch.zeros((n, max_response_length), dtype=torch.long)  # model tokens
+    response_attention = torch.zeros((n, max_response_length), dtype=torch.long)  # every response token
     rollout_log_probs = torch.zeros((n, max_response_length), dtype=torch.float32)
     token_versions = torch.full((n, max_response_length), -1, dtype=torch.long)
     for i, s in enumerate(samples):
@@ -69,10 +76,11 @@ def build_batch(samples: list[Sample], max_prompt_length: int, max_response_leng
             prompt_mask[i, -len(p) :] = 1
         if r:
             responses[i, : len(r)] = torch.tensor(r)
-            response_mask[i, : len(r)] = 1
+            response_attention[i, : len(r)] = 1
+            response_mask[i, : len(r)] = torch.tensor(s.response_mask[: len(r)]) if s.response_mask is not None else 1
             rollout_log_probs[i, : len(r)] = torch.tensor(s.rollout_log_probs[: len(r)], dtype=torch.float32)
             token_versions[i, : len(r)] = torch.tensor(s.token_versions[: len(r)])
-    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    attention_mask = torch.cat([prompt_mask, response_attention], dim=1)
     position_ids = torch.clamp(torch.cumsum(attention_mask, dim=1) - 1, min=0)
     tensors = {
         "prompts": prompts,
@@ -85,9 +93,24 @@ def build_batch(samples: list[Sample], max_prompt_length: int, max_response_leng
         "token_versions": token_versions,
     }
     keys = sorted({k for s in samples for k in s.non_tensor})
-    non_tensors = {k: np.array([s.non_tensor.get(k) for s in samples], dtype=object) for k in keys}
-    non_tensors["uid"] = np.array([s.uid for s in samples], dtype=object)
+    non_tensors = {k: object_column([s.non_tensor.get(k) for s in samples]) for k in keys}
+    non_tensors["uid"] = object_column([s.uid for s in samples])
     return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors)
+
+
+def response_lengths(batch) -> torch.Tensor:
+    """(bs,) tokens of each response before its padding: the model's and, in a multi-turn trajectory,
+    the tools' (the attention mask's response part, as verl's reward managers count them)."""
+    width = batch.batch["responses"].shape[1]
+    return batch.batch["attention_mask"][:, -width:].sum(-1)
+
+
+def object_column(values: list) -> np.ndarray:
+    """A 1-D object array of `values` (list values stay elements, never a second axis)."""
+    column = np.empty(len(values), dtype=object)
+    for i, value in enumerate(values):
+        column[i] = value
+    return column
 
 
 @dataclass

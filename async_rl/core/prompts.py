@@ -4,9 +4,9 @@ dataloader stage, validation and the checks before Ray starts."""
 
 from __future__ import annotations
 
-from async_rl.core.data_checks import prompt_too_long_error
+import torch
 
-_NON_TENSOR_KEYS = ("data_source", "reward_model", "extra_info", "index")
+from async_rl.core.data_checks import prompt_too_long_error
 
 
 def load_prompt_dataset(data_files, data_config, tokenizer, is_train: bool):
@@ -36,7 +36,9 @@ def make_train_dataloader(data_config, dataset):
 
 def tokenize_row(row: dict, tokenizer, max_prompt_length: int, truncation: str = "left", files=None,
                  prompt_key: str = "prompt") -> tuple[list[int], dict]:
-    """Chat-template token ids of one dataset row and its non-tensor fields.
+    """Chat-template token ids of one dataset row and its non-tensor fields (every field verl's agent
+    loops get: `raw_prompt`, `data_source`, `reward_model`, `extra_info`, `index`, `tools_kwargs`,
+    `interaction_kwargs`, `agent_name` where the data has it, ...).
 
     A prompt over ``max_prompt_length`` tokens is left-truncated, as verl 0.9.1's agent loop
     does, unless ``truncation`` is "error" (verl's `data.truncation` default): then a BadDataError
@@ -48,7 +50,7 @@ def tokenize_row(row: dict, tokenizer, max_prompt_length: int, truncation: str =
     ids = list(ids)
     if len(ids) > max_prompt_length and truncation == "error":
         raise prompt_too_long_error(files, prompt_key, row["raw_prompt"], len(ids), max_prompt_length)
-    return ids[-max_prompt_length:], {k: row[k] for k in _NON_TENSOR_KEYS if k in row}
+    return ids[-max_prompt_length:], {k: v for k, v in row.items() if not isinstance(v, torch.Tensor)}
 
 
 def batch_rows(batch: dict) -> list[dict]:

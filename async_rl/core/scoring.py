@@ -15,6 +15,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from async_rl.core.messages import response_lengths
+
 
 class RewardFunctionError(RuntimeError):
     """The reward function raised or timed out."""
@@ -85,7 +87,7 @@ class ResponseToScore:
 def decode_responses(batch, tokenizer) -> list[ResponseToScore]:
     """Decode each response, skipping special tokens, as verl's reward manager does."""
     responses = batch.batch["responses"]
-    lengths = batch.batch["response_mask"].sum(-1).tolist()
+    lengths = response_lengths(batch).tolist()
     extra = batch.non_tensor_batch.get("extra_info", [None] * len(batch))
     return [
         ResponseToScore(

@@ -12,20 +12,6 @@ from async_rl.core.errors import is_lost_server_error
 from async_rl.rollout.supervisor import REQUEST_TIMEOUT_KEY, ReplicaSupervisor
 
 
-def sampling_params_from_config(rollout_cfg, validate: bool = False) -> dict:
-    """verl's rollout sampling keys (`val_kwargs` for validation, greedy unless it samples) -> server
-    sampling params (vllm/sglang names)."""
-    keys = rollout_cfg.val_kwargs if validate else rollout_cfg
-    greedy = validate and not keys.do_sample
-    return {
-        "temperature": 0.0 if greedy else float(keys.temperature),
-        "top_p": 1.0 if greedy else float(keys.top_p),
-        "top_k": -1 if greedy else int(keys.top_k),
-        "max_tokens": int(rollout_cfg.response_length),
-        "logprobs": True,
-    }
-
-
 async def generate_one(server, prompt_ids: list[int], sampling_params: dict, timeout_s: float):
     """One request through verl's server interface; returns its TokenOutput."""
     request_id = uuid.uuid4().hex
@@ -41,6 +27,7 @@ class Response:
     log_probs: list[float]
     token_versions: list[int]
     segments: int
+    stop_reason: str = "completed"  # the last segment's ("length" when the token budget is used up)
 
 
 async def generate_resumable(
@@ -80,5 +67,6 @@ async def generate_resumable(
         versions += list(fields.get("token_versions") or [version if version is not None else served_version]
                          * len(out.token_ids))
         if out.stop_reason != "aborted" or len(tokens) >= budget:
-            return Response(tokens, log_probs, versions, segment)
+            stop = "length" if len(tokens) >= budget else (out.stop_reason or "completed")
+            return Response(tokens, log_probs, versions, segment, stop)
     raise RuntimeError(f"request aborted {max_segments} times in a row; the rollout server keeps aborting it")

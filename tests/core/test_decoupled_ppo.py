@@ -112,6 +112,23 @@ def test_a_fully_masked_row_contributes_nothing():
     torch.testing.assert_close(with_row, without_row)
 
 
+def test_tool_tokens_inside_a_response_get_no_gradient_and_no_say_in_the_loss():
+    """A multi-turn trajectory: the environment's tokens sit between the model's turns with
+    response_mask 0. Whatever their log-probs (current, proximal, behaviour), the loss is the same
+    and their gradient is 0."""
+    logp, prox, behav, adv, mask = random_batch(4)
+    mask[:, 5:9] = 0  # an environment reply in the middle of every response
+    mask[:, :5] = 1
+    loss, grad = loss_and_grad(lambda x: verl_loss(x, prox, behav, adv, mask), logp)
+    assert torch.all(grad[:, 5:9] == 0) and torch.any(grad[:, :5] != 0)
+    noise = torch.randn(logp.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64) * 5
+    tool = torch.zeros_like(mask, dtype=torch.bool)
+    tool[:, 5:9] = True
+    changed = [torch.where(tool, t + noise, t) for t in (logp, prox, behav)]
+    torch.testing.assert_close(verl_loss(*changed, adv, mask), loss, rtol=0, atol=0)
+    assert_same(logp, prox, behav, adv, mask)
+
+
 def test_extreme_log_ratios_stay_finite_and_match():
     logp, prox, behav, adv, mask = random_batch(4)
     mask[:2] = 1

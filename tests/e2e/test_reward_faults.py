@@ -108,9 +108,11 @@ class EchoServer:
 def test_validation_scores_through_the_same_guard(demo_dir, tmp_path, on_error):
     from transformers import AutoTokenizer
 
+    from async_rl.core.config import strip_async_keys
     from async_rl.core.scoring import RewardFunctionError
     from async_rl.demo import demo_overrides
     from async_rl.validation import Validator
+    from state_machines.generate import GenerateStage
     from conftest import compose_ppo
 
     flaky = tmp_path / "flaky.py"
@@ -120,7 +122,10 @@ def test_validation_scores_through_the_same_guard(demo_dir, tmp_path, on_error):
                      "    return 1.0\n")
     config = compose_ppo(demo_overrides(demo_dir, extra={"reward.custom_reward_function.path": str(flaky),
                                                          "+actor_rollout_ref.async_pipeline": False}))
-    validator = Validator(config, AutoTokenizer.from_pretrained(demo_dir / "model"), [EchoServer()], 5.0, on_error)
+    strip_async_keys(config)
+    stage = GenerateStage([EchoServer()], config, max_staleness=1)  # verl's agent loops on the echo server
+    validator = Validator(config, AutoTokenizer.from_pretrained(demo_dir / "model"), 5.0, on_error,
+                          generate=lambda rows, n: stage.run_agent_loops(rows, n, validate=True))
     if on_error == "stop":
         with pytest.raises(RewardFunctionError, match="validation at step 7: .*sample 3: ValueError: bad val sample"):
             validator.run(timeout_s=30, step=7)

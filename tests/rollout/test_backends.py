@@ -22,7 +22,6 @@ import async_rl.rollout.backends  # noqa: F401 - registers the built-in rollout 
 from async_rl.api.rollout import rollout_backend
 from async_rl.core.errors import AsyncConfigError
 from async_rl.core.messages import PromptBatch
-from async_rl.rollout.requests import sampling_params_from_config
 from async_rl.rollout.verl_replicas import make_rollout_replicas
 from conftest import compose_ppo
 from state_machines.generate import GenerateStage
@@ -33,14 +32,19 @@ GPU_SERVERS = {
 }
 # the sampling keys verl's own agent loop sends these servers (verl/experimental/agent_loop/agent_loop.py)
 VERL_AGENT_LOOP_KEYS = {"temperature", "top_p", "top_k", "repetition_penalty", "logprobs"}
+MESSAGES = [[{"role": "user", "content": "copy 123"}], [{"role": "user", "content": "copy 45"}]]
 
 
-def rollout_cfg(**overrides):
-    base = {
-        "name": "cpu", "n": 2, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "response_length": 5,
-        "val_kwargs": {"do_sample": False, "temperature": 0.0, "top_p": 1.0, "top_k": -1, "n": 1},
-    }
-    return OmegaConf.create({**base, **overrides})
+def demo_config(demo_dir, **rollout):
+    """The demo's verl config with `actor_rollout_ref.rollout.<key>=<value>` for each of `rollout`
+    (n=2 and response_length=5 unless given), as the pipeline hands it to its stages."""
+    from async_rl.core.config import strip_async_keys
+    from async_rl.demo import demo_overrides
+
+    rollout = {"n": 2, "response_length": 5, **rollout}
+    config = compose_ppo(demo_overrides(demo_dir, extra={f"actor_rollout_ref.rollout.{k}": v for k, v in rollout.items()}))
+    strip_async_keys(config)
+    return config
 
 
 def server_generate_def(name: str) -> ast.AsyncFunctionDef:
@@ -97,14 +101,19 @@ class RecordingServer:
         self.generate = _Generate()
 
 
-def captured_requests(cfg) -> list[dict]:
+def captured_requests(config, validate: bool = False) -> list[dict]:
+    """The requests the generate stage sends for two chat prompts (`MESSAGES`), through verl's agent loop."""
     servers = [RecordingServer(), RecordingServer()]
-    stage = GenerateStage(servers, cfg, max_staleness=1)
-    batch = PromptBatch(index=0, prompt_ids=[[1, 2, 3], [4, 5]], non_tensor=[{"data_source": "d"}] * 2)
-    out = asyncio.run(asyncio.wait_for(stage.process_data(batch), 10))
-    assert len(out.samples) == 4 and all(s.response_ids == [5, 6] for s in out.samples)
+    stage = GenerateStage(servers, config, max_staleness=1)
+    rows = [{"raw_prompt": messages, "data_source": "d", "index": i} for i, messages in enumerate(MESSAGES)]
+    if validate:
+        samples = asyncio.run(asyncio.wait_for(stage.run_agent_loops(rows, 1, validate=True), 60))
+    else:
+        samples = asyncio.run(asyncio.wait_for(stage.process_data(PromptBatch(0, [[0], [0]], rows)), 60)).samples
+    n = 1 if validate else int(config.actor_rollout_ref.rollout.n)
+    assert len(samples) == 2 * n and all(s.response_ids == [5, 6] for s in samples)
     calls = servers[0].calls + servers[1].calls
-    assert len(servers[0].calls) == len(servers[1].calls) == 2  # spread round-robin
+    assert len(servers[0].calls) == len(servers[1].calls) == n  # spread round-robin
     return calls
 
 
@@ -182,34 +191,35 @@ def test_cpu_backend_builds_the_replicas_asked_for(demo_dir):
 
 
 @pytest.mark.parametrize("name", sorted(GPU_SERVERS))
-def test_generate_requests_fit_verl_gpu_server(name):
+def test_generate_requests_fit_verl_gpu_server(name, demo_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(demo_dir / "model")
+    chat = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True) for m in MESSAGES]
+    chat = [list(ids["input_ids"] if hasattr(ids, "keys") else ids) for ids in chat]
     fn = server_generate_def(name)
     signature = signature_of(fn)
     handled = popped_sampling_keys(fn) | VERL_AGENT_LOOP_KEYS
     assert {"max_tokens", "max_new_tokens", "logprobs"} <= popped_sampling_keys(fn)  # the parser sees them
-    for cfg in (rollout_cfg(), rollout_cfg(temperature=0.7, top_p=0.9, top_k=20)):
-        for call in captured_requests(cfg):
+    for config in (demo_config(demo_dir), demo_config(demo_dir, temperature=0.7, top_p=0.9, top_k=20)):
+        for call in captured_requests(config):
             signature.bind("self", **call)  # raises TypeError on a keyword the server does not take
             assert set(call["sampling_params"]) <= handled, set(call["sampling_params"]) - handled
-            assert call["prompt_ids"] in ([1, 2, 3], [4, 5])
+            assert call["prompt_ids"] in chat  # the chat template's tokens, as verl's agent loop builds them
             assert call["sampling_params"]["max_tokens"] == 5 and call["sampling_params"]["logprobs"] is True
 
 
-def test_sampling_params_follow_the_rollout_config():
-    cfg = rollout_cfg(temperature=0.7, top_p=0.9, top_k=20)
-    assert sampling_params_from_config(cfg) == {
-        "temperature": 0.7, "top_p": 0.9, "top_k": 20, "max_tokens": 5, "logprobs": True,
-    }
-    greedy = sampling_params_from_config(cfg, validate=True)
-    assert (greedy["temperature"], greedy["top_p"], greedy["top_k"]) == (0.0, 1.0, -1)
-    sampled = sampling_params_from_config(
-        rollout_cfg(val_kwargs={"do_sample": True, "temperature": 0.5, "top_p": 0.8, "top_k": 3, "n": 4}), validate=True
-    )
-    assert (sampled["temperature"], sampled["top_p"], sampled["top_k"]) == (0.5, 0.8, 3)
+def test_sampling_params_follow_the_rollout_config(demo_dir):
+    """verl's agent loop's sampling: the rollout keys in training, `val_kwargs` in validation."""
+    val = {"val_kwargs.do_sample": True, "val_kwargs.temperature": 0.5, "val_kwargs.top_p": 0.8, "val_kwargs.top_k": 3}
+    config = demo_config(demo_dir, temperature=0.7, top_p=0.9, top_k=20, **val)
+    train = {k: captured_requests(config)[0]["sampling_params"][k] for k in ("temperature", "top_p", "top_k")}
+    val = {k: captured_requests(config, validate=True)[0]["sampling_params"][k] for k in ("temperature", "top_p", "top_k")}
+    assert (train, val) == ({"temperature": 0.7, "top_p": 0.9, "top_k": 20}, {"temperature": 0.5, "top_p": 0.8, "top_k": 3})
 
 
-def test_requests_with_a_distinct_id_each():
-    calls = captured_requests(rollout_cfg())
+def test_requests_with_a_distinct_id_each(demo_dir):
+    calls = captured_requests(demo_config(demo_dir))
     assert len({c["request_id"] for c in calls}) == len(calls)
 
 

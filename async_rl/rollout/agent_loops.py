@@ -1,0 +1,244 @@
+"""verl's agent loops (`verl.experimental.agent_loop`) run inside the generate stage.
+
+Every sample, training and validation, goes through the agent loop verl would run for it: the
+row's `agent_name`, else `actor_rollout_ref.rollout.agent.default_agent_loop`; loops come from
+verl's registry (`single_turn_agent`, `tool_agent`, and those of
+`rollout.agent.agent_loop_config_path`). verl's own `AgentLoopWorker` instantiates them and
+post-processes their output (padding, `response_mask`, position ids, `__num_turns__`,
+`turn_scores`, `tool_rewards`); the only piece that is the pipeline's is the LLM client the loops
+call, `PipelineLLMClient`: its `generate` goes through the pipeline's replicas
+(`async_rl.rollout.requests.generate_resumable`: a weight load that aborts a turn resumes it under
+the new weights, a lost server is restarted and the turn resubmitted, a request timeout bounds it),
+keeps a trajectory's turns on one replica (prefix cache), and records the weight version of every
+model token of the trajectory. Tokens, never text: a loop's prompt tokens and each turn's tokens
+go to the trainer exactly as the engine returned them.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import importlib
+import os
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import OmegaConf, open_dict
+
+from async_rl.core.errors import AsyncConfigError
+from async_rl.core.messages import TURNS_INTERRUPTED, Sample, object_column
+from async_rl.rollout.requests import generate_resumable
+from async_rl.rollout.supervisor import ReplicaSupervisor
+
+AGENT_LOOP_KEY = "actor_rollout_ref.rollout.agent.default_agent_loop"
+AGENT_LOOP_CONFIG_KEY = "actor_rollout_ref.rollout.agent.agent_loop_config_path"
+VERSIONS_FIELD = "token_versions"  # the per-trajectory versions, as the agent loop worker hands them back
+
+
+@dataclass
+class TrajectoryRecord:
+    """What one trajectory's generate calls produced, in call order."""
+
+    versions: list[int] = field(default_factory=list)  # weight version of each model token
+    turns: int = 0  # generate calls
+    segments: int = 0  # segments over all calls (a weight load or a lost server ends one early)
+
+
+_TRAJECTORY: contextvars.ContextVar[Optional[TrajectoryRecord]] = contextvars.ContextVar(
+    "async_rl_trajectory", default=None)
+
+
+def _base_classes():
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+    from verl.workers.rollout.llm_server import LLMServerClient
+
+    return AgentLoopWorker, LLMServerClient
+
+
+def make_client(config, servers: ReplicaSupervisor, request_timeout_s: float, served_version: Callable[[], int],
+                sticky_entries: int = 10000):
+    """A `PipelineLLMClient` (see `PipelineLLMClient.__doc__`); built here so that importing this module
+    does not import verl's agent-loop stack."""
+    _, LLMServerClient = _base_classes()
+    from verl.workers.rollout.replica import TokenOutput
+
+    class PipelineLLMClient(LLMServerClient):
+        """verl's LLM client interface for agent loops, served by the pipeline's replicas.
+
+        `generate(request_id, prompt_ids=, sampling_params=)` returns verl's TokenOutput with the
+        behaviour log-probs of every token; calls with the same `request_id` go to the same replica
+        while it serves. `max_tokens` defaults as verl's servers default it:
+        min(response_length, prompt_length + response_length - len(prompt_ids)), at least 1.
+        """
+
+        def __init__(self):
+            super().__init__(config, load_balancer_handle=None)
+            rollout = config.actor_rollout_ref.rollout
+            self.prompt_length, self.response_length = int(rollout.prompt_length), int(rollout.response_length)
+            self._sticky: OrderedDict[str, int] = OrderedDict()
+            self._next = 0
+
+        def _replica_for(self, request_id: str) -> int:
+            if request_id in self._sticky:
+                self._sticky.move_to_end(request_id)
+                return self._sticky[request_id]
+            index = self._next % len(servers.handles)
+            self._next += 1
+            self._sticky[request_id] = index
+            if len(self._sticky) > sticky_entries:
+                self._sticky.popitem(last=False)
+            return index
+
+        async def generate(self, request_id, *, prompt_ids, sampling_params, image_data=None, video_data=None,
+                           audio_data=None, mm_processor_kwargs=None, **kwargs: Any):
+            if image_data or video_data or audio_data:
+                raise NotImplementedError("the pipeline's agent-loop client is text-only (got image, video or "
+                                          "audio data)")
+            prompt_ids = [int(t) for t in prompt_ids]
+            params = {k: v for k, v in dict(sampling_params).items() if k not in ("max_new_tokens", "max_tokens")}
+            limit = sampling_params.get("max_tokens", sampling_params.get("max_new_tokens"))
+            if limit is None:
+                limit = min(self.response_length, self.prompt_length + self.response_length - len(prompt_ids))
+            params.update(max_tokens=max(1, int(limit)), logprobs=True)  # the behaviour policy's log-probs
+            out = await generate_resumable(servers, self._replica_for(str(request_id)), prompt_ids, params,
+                                           request_timeout_s, served_version())
+            record = _TRAJECTORY.get()
+            if record is not None:
+                record.versions += out.token_versions
+                record.turns += 1
+                record.segments += out.segments
+            low, high = (min(out.token_versions), max(out.token_versions)) if out.token_versions else (None, None)
+            return TokenOutput(token_ids=out.token_ids, log_probs=out.log_probs, stop_reason=out.stop_reason,
+                               num_preempted=0,
+                               extra_fields={"global_steps": high, "min_global_steps": low, "max_global_steps": high})
+
+    return PipelineLLMClient()
+
+
+def make_agent_loop_worker(config, client):
+    """verl's `AgentLoopWorker` on the pipeline's client, each trajectory recording its tokens' versions
+    (`VERSIONS_FIELD` among its extra fields)."""
+    AgentLoopWorker, _ = _base_classes()
+
+    class PipelineAgentLoopWorker(AgentLoopWorker):
+        async def _run_agent_loop(self, sampling_params, trajectory, *, agent_name, trace=True, **kwargs):
+            record = TrajectoryRecord()
+            _TRAJECTORY.set(record)  # verl runs each trajectory in its own task: the record is this one's
+            output = await super()._run_agent_loop(sampling_params, trajectory, agent_name=agent_name,
+                                                   trace=trace, **kwargs)
+            output.extra_fields[VERSIONS_FIELD] = record.versions
+            output.extra_fields[TURNS_INTERRUPTED] = record.segments - record.turns
+            return output
+
+    # resolved once: loops read the config per trajectory, and each read of an interpolated key parses it
+    resolved = OmegaConf.create(OmegaConf.to_container(config, resolve=True))
+    return PipelineAgentLoopWorker(resolved, client)
+
+
+MULTI_TURN_FILES = ("tool_config_path", "interaction_config_path", "function_tool_path")
+
+
+def _agent_files(config) -> dict[str, str]:
+    """key -> the path set there, for every agent-loop file key of the config."""
+    rollout = config.actor_rollout_ref.rollout
+    files = {AGENT_LOOP_CONFIG_KEY: rollout.agent.get("agent_loop_config_path")}
+    multi_turn = rollout.get("multi_turn") or {}
+    files.update({f"actor_rollout_ref.rollout.multi_turn.{key}": multi_turn.get(key) for key in MULTI_TURN_FILES})
+    return {key: str(path) for key, path in files.items() if path}
+
+
+def check_agent_loops(config, data_agent_names: frozenset = frozenset()) -> None:
+    """At start: every agent-loop, tool and interaction file exists, the agent-loop file loads and its
+    `_target_`s import, and `rollout.agent.default_agent_loop` and every `agent_name` of the data
+    (`data_agent_names`) is a registered loop. Raises AsyncConfigError naming the key."""
+    from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
+    from verl.utils.import_utils import resolve_config_path
+
+    for key, path in _agent_files(config).items():
+        try:
+            found = os.path.isfile(resolve_config_path(path))
+        except FileNotFoundError:
+            found = False
+        if not found:
+            raise AsyncConfigError(key, path, "an existing file")
+    names = set(_agent_loop_registry)
+    path = config.actor_rollout_ref.rollout.agent.get("agent_loop_config_path")
+    if path:
+        try:
+            targets = {str(entry.name): str(entry._target_) for entry in OmegaConf.load(resolve_config_path(path))}
+        except Exception as exc:  # noqa: BLE001 - any unreadable file is the same user error
+            raise AsyncConfigError(AGENT_LOOP_CONFIG_KEY, path,
+                                   f"a YAML list of {{name, _target_}} entries ({type(exc).__name__}: {exc})") from None
+        for name, target in targets.items():
+            module, _, attr = target.rpartition(".")
+            try:
+                loaded = getattr(importlib.import_module(module), attr)
+            except Exception as exc:  # noqa: BLE001
+                raise AsyncConfigError(AGENT_LOOP_CONFIG_KEY, path, f"agent loop {name!r}: _target_ {target} "
+                                       f"that imports ({type(exc).__name__}: {exc})") from None
+            if not callable(loaded):
+                raise AsyncConfigError(AGENT_LOOP_CONFIG_KEY, path, f"agent loop {name!r}: a class as _target_")
+        names |= set(targets)
+    registered = f"a registered agent loop: {', '.join(sorted(names))}"
+    default = str(config.actor_rollout_ref.rollout.agent.default_agent_loop)
+    if default not in names:
+        raise AsyncConfigError(AGENT_LOOP_KEY, default, registered)
+    for name in sorted(set(data_agent_names) - names):
+        raise AsyncConfigError("agent_name (a column of data.train_files / data.val_files)", name, registered)
+
+
+def absolute_agent_files(config) -> None:
+    """Write every agent-loop, tool and interaction file key as an absolute path (in place): the stages
+    that read them run in Ray workers whose working directory is not the driver's."""
+    from verl.utils.import_utils import resolve_config_path
+
+    for key, path in _agent_files(config).items():
+        parent, _, leaf = key.rpartition(".")
+        section = OmegaConf.select(config, parent)
+        with open_dict(section):
+            section[leaf] = resolve_config_path(path)
+
+
+def prompt_rows(batch_non_tensor: list[dict], uids: list[str], n: int, start_version: int):
+    """verl's agent-loop input (a DataProto of non-tensor columns), each prompt's row `n` times in a
+    row (GRPO groups), with its `uid` and the batch's `start_version`."""
+    from verl import DataProto
+
+    rows = [{**row, "uid": uid} for row, uid in zip(batch_non_tensor, uids) for _ in range(n)]
+    keys = sorted({key for row in rows for key in row})
+    columns = {key: object_column([row.get(key) for row in rows]) for key in keys}
+    proto = DataProto.from_dict(non_tensors=columns)
+    proto.meta_info["global_steps"] = start_version
+    return proto
+
+
+def samples_from_agent_output(output, start_version: int, agent_names=None) -> list[Sample]:
+    """One Sample per row of verl's agent-loop output (unpadded: the prompt's tokens, the response's
+    tokens with `response_mask` 1 on model tokens, 0 on tool/environment tokens). Each model token gets
+    the version recorded for it; tool tokens get -1, like padding."""
+    batch, columns = output.batch, output.non_tensor_batch
+    prompt_width = batch["prompts"].shape[1]
+    samples = []
+    for i in range(len(output)):
+        mask = batch["attention_mask"][i]
+        prompt_ids = batch["prompts"][i][mask[:prompt_width].bool()].tolist()
+        length = int(mask[prompt_width:].sum())
+        response_ids = batch["responses"][i][:length].tolist()
+        model_tokens = batch["response_mask"][i][:length].tolist()
+        log_probs = (batch["rollout_log_probs"][i][:length].tolist() if "rollout_log_probs" in batch.keys()
+                     else [0.0] * length)
+        recorded = list(columns[VERSIONS_FIELD][i] or [])
+        versions, k = [], 0
+        for is_model in model_tokens:
+            if is_model:
+                versions.append(int(recorded[min(k, len(recorded) - 1)]) if recorded else start_version)
+                k += 1
+            else:
+                versions.append(-1)
+        non_tensor = {key: columns[key][i] for key in columns if key not in (VERSIONS_FIELD, "uid")}
+        non_tensor["start_version"] = start_version
+        samples.append(Sample(uid=str(columns["uid"][i]), prompt_ids=prompt_ids, response_ids=response_ids,
+                              rollout_log_probs=log_probs, token_versions=versions, non_tensor=non_tensor,
+                              response_mask=[int(m) for m in model_tokens]))
+    return samples

@@ -1,0 +1,37 @@
+"""End to end: a user's own multi-turn agent loop (two_turn_loop.py, from this folder, registered
+through verl's `agent_loop_config_path`) trains under the flag as under verl's own trainer."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from conftest import dumped_step_inputs, every_step_with, read_jsonl, run_verl
+from two_turn_loop import ENV_REPLY
+
+HERE = Path(__file__).parent
+
+
+def test_a_users_two_turn_loop_trains_under_the_flag_as_under_verls_trainer(demo_dir, tmp_path, ray_address,
+                                                                             monkeypatch):
+    """At k=1, the pipeline and verl's synchronous trainer train the same prompts, every trajectory with
+    both turns and the environment's reply between them, `num_turns` 4 at every step."""
+    steps = 2
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])))
+    extra = {"trainer.total_training_steps": steps, "trainer.test_freq": -1, "trainer.val_before_train": False,
+             "actor_rollout_ref.rollout.agent.agent_loop_config_path": str(HERE / "two_turn_loop.yaml"),
+             "actor_rollout_ref.rollout.agent.default_agent_loop": "two_turn",
+             "+ray_kwargs.ray_init.runtime_env.env_vars.PYTHONPATH": str(HERE)}  # the Ray workers import the loop
+    runs = {}
+    for name, flag in (("pipeline", True), ("verl", False)):
+        dumps = tmp_path / name / "dumps"
+        code, out, rows = run_verl(demo_dir, {**extra, "+actor_rollout_ref.async_pipeline": flag,
+                                              "+trainer.generate_ahead_steps": 1, "trainer.rollout_data_dir": str(dumps)},
+                                   tmp_path / name, ray_address=ray_address)
+        assert code == 0, out[-4000:]
+        by_step = every_step_with(rows, steps, ["num_turns/mean", "num_turns/min"])
+        assert all(m["num_turns/min"] == m["num_turns/mean"] == 4 for m in by_step.values()), by_step
+        runs[name] = dumps
+    pipeline = {step: read_jsonl(runs["pipeline"] / f"{step}.jsonl") for step in range(1, steps + 1)}
+    assert all(ENV_REPLY in row["output"] for rows in pipeline.values() for row in rows)  # both turns, every one
+    assert dumped_step_inputs(runs["pipeline"]) == dumped_step_inputs(runs["verl"])  # the same prompts, step for step
