@@ -30,4 +30,6 @@ class TwoTurnAgentLoop(AgentLoopBase):
         log_probs = list(first.log_probs) + [0.0] * len(env) + list(second.log_probs)
         return AgentLoopOutput(prompt_ids=prompt_ids, response_ids=response[:budget], response_mask=mask[:budget],
                                response_logprobs=log_probs[:budget], num_turns=4, metrics={},
-                               extra_fields={"turn_scores": [], "tool_rewards": []})
+                               extra_fields={"turn_scores": [], "tool_rewards": [],  # verl's trainer reads these
+                                             "min_global_steps": first.extra_fields.get("min_global_steps"),
+                                             "max_global_steps": second.extra_fields.get("max_global_steps")})
