@@ -19,6 +19,7 @@ from async_rl.core.staleness import oldest_versions
 from async_rl.rollout.agent_loops import check_agent_loops
 from conftest import compose_ppo
 from state_machines.actor_train import place_scores_on_last_token
+from scripted_server import ScriptedServer
 from state_machines.generate import GenerateStage
 
 E2E = Path(__file__).parent.parent / "e2e"
@@ -33,26 +34,14 @@ def two_turn_path(monkeypatch):
     sys.modules.pop("two_turn_loop", None)
 
 
-class VersionedServer:
-    """A server handle answering turn t of each trajectory with TURNS[t] under weight version 3 + t
-    (a weight load between the turns); records every request."""
+def versioned_server() -> ScriptedServer:
+    """Answers turn t of each trajectory with TURNS[t] under weight version 3 + t (a weight load between
+    the turns)."""
+    def answer(kwargs, calls):
+        turn = sum(1 for c in calls if c["prompt_ids"][:5] == kwargs["prompt_ids"][:5]) % 2
+        return TURNS[turn], 3 + turn, "completed"
 
-    def __init__(self):
-        self.calls = []
-        server = self
-
-        class _Generate:
-            @staticmethod
-            async def remote(**kwargs):
-                from verl.workers.rollout.replica import TokenOutput
-
-                turn = sum(1 for c in server.calls if c["prompt_ids"][:5] == kwargs["prompt_ids"][:5]) % 2
-                server.calls.append(kwargs)
-                tokens = TURNS[turn]
-                return TokenOutput(token_ids=tokens, log_probs=[-0.5] * len(tokens), stop_reason="completed",
-                                   extra_fields={"token_versions": [3 + turn] * len(tokens)})
-
-        self.generate = _Generate()
+    return ScriptedServer(answer)
 
 
 @pytest.fixture
@@ -95,7 +84,7 @@ def test_a_users_multi_turn_loop_reaches_the_trainer_token_for_token(demo_dir, m
 
     config = config_with(demo_dir, merging_model, agent_loop_config_path=str(LOOP_FILE), default_agent_loop="two_turn")
     check_agent_loops(config)
-    servers = [VersionedServer(), VersionedServer()]
+    servers = [versioned_server(), versioned_server()]
     stage = GenerateStage(servers, config, max_staleness=1)
     rows = [{"raw_prompt": [{"role": "user", "content": f"copy {d}"}], "data_source": "d", "index": i,
              "reward_model": {"ground_truth": d}} for i, d in enumerate(("123", "4567"))]
@@ -129,31 +118,18 @@ def test_a_users_multi_turn_loop_reaches_the_trainer_token_for_token(demo_dir, m
     assert scores[:, length - 1].tolist() == [1.0] * 4 and scores.sum() == 4
 
 
-class LoadingServer:
-    """A server handle under which a weight load interrupts every trajectory's second turn: the first
-    turn under version 3, the second aborted after one token (version 4) and resumed under version 5."""
+def loading_server(env: list[int]) -> ScriptedServer:
+    """A weight load interrupts every trajectory's second turn: the first turn under version 3, the
+    second aborted after one token (version 4) and resumed under version 5."""
+    def answer(kwargs, calls):
+        prompt = kwargs["prompt_ids"]
+        if prompt[-len(env):] == env:
+            return [14], 4, "aborted"
+        if prompt[-len(env) - 1:-1] == env:
+            return [15, 9], 5, "completed"
+        return TURNS[0], 3, "completed"
 
-    def __init__(self, env):
-        self.env, self.calls = env, []
-        server = self
-
-        class _Generate:
-            @staticmethod
-            async def remote(**kwargs):
-                from verl.workers.rollout.replica import TokenOutput
-
-                prompt = kwargs["prompt_ids"]
-                server.calls.append(kwargs)
-                if prompt[-len(server.env):] == server.env:
-                    tokens, version, stop = [14], 4, "aborted"
-                elif prompt[-len(server.env) - 1:-1] == server.env:
-                    tokens, version, stop = [15, 9], 5, "completed"
-                else:
-                    tokens, version, stop = TURNS[0], 3, "completed"
-                return TokenOutput(token_ids=tokens, log_probs=[-0.5] * len(tokens), stop_reason=stop,
-                                   extra_fields={"token_versions": [version] * len(tokens)})
-
-        self.generate = _Generate()
+    return ScriptedServer(answer)
 
 
 def test_a_weight_load_inside_a_turn_resumes_it_and_each_token_keeps_its_version(demo_dir, two_turn_path):
@@ -162,7 +138,7 @@ def test_a_weight_load_inside_a_turn_resumes_it_and_each_token_keeps_its_version
     from two_turn_loop import ENV_REPLY
 
     env = AutoTokenizer.from_pretrained(demo_dir / "model").encode(ENV_REPLY, add_special_tokens=False)
-    server = LoadingServer(env)
+    server = loading_server(env)
     stage = GenerateStage([server], config_with(demo_dir, default_agent_loop="two_turn",
                                                 agent_loop_config_path=str(LOOP_FILE)), max_staleness=2)
     rows = [{"raw_prompt": [{"role": "user", "content": "copy 12"}], "data_source": "d", "index": 0}]
@@ -180,7 +156,7 @@ def test_a_weight_load_inside_a_turn_resumes_it_and_each_token_keeps_its_version
 def test_validation_and_training_run_the_rows_own_agent_loop(demo_dir, two_turn_path):
     """A row's `agent_name` picks its loop (verl's per-row column); the default covers the others."""
     config = config_with(demo_dir, agent_loop_config_path=str(LOOP_FILE))
-    stage = GenerateStage([VersionedServer()], config, max_staleness=1)
+    stage = GenerateStage([versioned_server()], config, max_staleness=1)
     rows = [{"raw_prompt": [{"role": "user", "content": "copy 1"}], "data_source": "d", "index": 0,
              "agent_name": "two_turn"},
             {"raw_prompt": [{"role": "user", "content": "copy 2"}], "data_source": "d", "index": 1,

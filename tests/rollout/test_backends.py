@@ -24,6 +24,7 @@ from async_rl.core.errors import AsyncConfigError
 from async_rl.core.messages import PromptBatch
 from async_rl.rollout.verl_replicas import make_rollout_replicas
 from conftest import compose_ppo
+from scripted_server import ScriptedServer
 from state_machines.generate import GenerateStage
 
 GPU_SERVERS = {
@@ -83,27 +84,14 @@ def popped_sampling_keys(fn: ast.AsyncFunctionDef) -> set[str]:
     return keys
 
 
-class RecordingServer:
-    """Stands in for a verl server actor handle: records `generate.remote(**kwargs)` calls."""
-
-    def __init__(self):
-        self.calls = []
-        server = self
-
-        class _Generate:
-            @staticmethod
-            async def remote(**kwargs):
-                from verl.workers.rollout.replica import TokenOutput
-
-                server.calls.append(kwargs)
-                return TokenOutput(token_ids=[5, 6], log_probs=[-0.1, -0.2], stop_reason="completed")
-
-        self.generate = _Generate()
+def recording_server() -> ScriptedServer:
+    """Answers every request with tokens [5, 6]."""
+    return ScriptedServer(lambda kwargs, calls: ([5, 6], None, "completed"))
 
 
 def captured_requests(config, validate: bool = False) -> list[dict]:
     """The requests the generate stage sends for two chat prompts (`MESSAGES`), through verl's agent loop."""
-    servers = [RecordingServer(), RecordingServer()]
+    servers = [recording_server(), recording_server()]
     stage = GenerateStage(servers, config, max_staleness=1)
     rows = [{"raw_prompt": messages, "data_source": "d", "index": i} for i, messages in enumerate(MESSAGES)]
     if validate:
