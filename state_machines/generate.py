@@ -16,7 +16,12 @@ import uuid
 from async_rl.core.fault_points import hold_at
 from async_rl.core.messages import GeneratedBatch, PromptBatch, Sample
 from async_rl.core.staleness import StalenessController
-from async_rl.rollout.agent_loops import make_agent_loop_worker, make_client, prompt_rows, samples_from_agent_output
+from async_rl.rollout.agent_loops import (
+    PipelineAgentLoopWorker,
+    PipelineLLMClient,
+    prompt_rows,
+    samples_from_agent_output,
+)
 from async_rl.rollout.supervisor import ReplicaSupervisor
 from state_machines.base import StateMachine
 
@@ -84,9 +89,9 @@ class GenerateStage(StateMachine):
     def agent_loops(self):
         """verl's agent-loop worker on this stage's servers (async_rl/rollout/agent_loops.py)."""
         if self._agent_loops is None:
-            client = make_client(self.config, self.servers, self.request_timeout_s,
-                                 lambda: self.staleness.served_version)
-            self._agent_loops = make_agent_loop_worker(self.config, client)
+            client = PipelineLLMClient(self.config, self.servers, self.request_timeout_s,
+                                       lambda: self.staleness.served_version)
+            self._agent_loops = PipelineAgentLoopWorker(self.config, client)
         return self._agent_loops
 
     async def run_agent_loops(self, rows: list[dict], n: int, start_version: int | None = None,

@@ -25,6 +25,10 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from omegaconf import OmegaConf, open_dict
+from verl.experimental.agent_loop.agent_loop import AgentLoopWorker, _agent_loop_registry
+from verl.utils.import_utils import resolve_config_path
+from verl.workers.rollout.llm_server import LLMServerClient
+from verl.workers.rollout.replica import TokenOutput
 
 from async_rl.core.errors import AsyncConfigError
 from async_rl.core.messages import TURNS_INTERRUPTED, Sample, object_column
@@ -49,91 +53,78 @@ _TRAJECTORY: contextvars.ContextVar[Optional[TrajectoryRecord]] = contextvars.Co
     "async_rl_trajectory", default=None)
 
 
-def _base_classes():
-    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
-    from verl.workers.rollout.llm_server import LLMServerClient
+class PipelineLLMClient(LLMServerClient):
+    """verl's LLM client interface for agent loops, served by the pipeline's replicas.
 
-    return AgentLoopWorker, LLMServerClient
+    `generate(request_id, prompt_ids=, sampling_params=)` returns verl's TokenOutput with the behaviour
+    log-probs of every token, through `generate_resumable` on `servers` (a ReplicaSupervisor; each
+    request bounded by `request_timeout_s`, s). Calls with the same `request_id` go to the same replica
+    while it serves (the newest `sticky_entries` ids are remembered). `max_tokens` defaults as verl's
+    servers default it: min(response_length, prompt_length + response_length - len(prompt_ids)), at
+    least 1. `served_version()`: the version the replicas serve now.
+    """
 
+    def __init__(self, config, servers: ReplicaSupervisor, request_timeout_s: float,
+                 served_version: Callable[[], int], sticky_entries: int = 10000):
+        super().__init__(config, load_balancer_handle=None)
+        rollout = config.actor_rollout_ref.rollout
+        self.prompt_length, self.response_length = int(rollout.prompt_length), int(rollout.response_length)
+        self.servers, self.request_timeout_s, self.served_version = servers, request_timeout_s, served_version
+        self._sticky: OrderedDict[str, int] = OrderedDict()
+        self._sticky_entries = sticky_entries
+        self._next = 0
 
-def make_client(config, servers: ReplicaSupervisor, request_timeout_s: float, served_version: Callable[[], int],
-                sticky_entries: int = 10000):
-    """A `PipelineLLMClient` (see `PipelineLLMClient.__doc__`); built here so that importing this module
-    does not import verl's agent-loop stack."""
-    _, LLMServerClient = _base_classes()
-    from verl.workers.rollout.replica import TokenOutput
+    def _replica_for(self, request_id: str) -> int:
+        if request_id in self._sticky:
+            self._sticky.move_to_end(request_id)
+            return self._sticky[request_id]
+        index = self._next % len(self.servers.handles)
+        self._next += 1
+        self._sticky[request_id] = index
+        if len(self._sticky) > self._sticky_entries:
+            self._sticky.popitem(last=False)
+        return index
 
-    class PipelineLLMClient(LLMServerClient):
-        """verl's LLM client interface for agent loops, served by the pipeline's replicas.
-
-        `generate(request_id, prompt_ids=, sampling_params=)` returns verl's TokenOutput with the
-        behaviour log-probs of every token; calls with the same `request_id` go to the same replica
-        while it serves. `max_tokens` defaults as verl's servers default it:
-        min(response_length, prompt_length + response_length - len(prompt_ids)), at least 1.
-        """
-
-        def __init__(self):
-            super().__init__(config, load_balancer_handle=None)
-            rollout = config.actor_rollout_ref.rollout
-            self.prompt_length, self.response_length = int(rollout.prompt_length), int(rollout.response_length)
-            self._sticky: OrderedDict[str, int] = OrderedDict()
-            self._next = 0
-
-        def _replica_for(self, request_id: str) -> int:
-            if request_id in self._sticky:
-                self._sticky.move_to_end(request_id)
-                return self._sticky[request_id]
-            index = self._next % len(servers.handles)
-            self._next += 1
-            self._sticky[request_id] = index
-            if len(self._sticky) > sticky_entries:
-                self._sticky.popitem(last=False)
-            return index
-
-        async def generate(self, request_id, *, prompt_ids, sampling_params, image_data=None, video_data=None,
-                           audio_data=None, mm_processor_kwargs=None, **kwargs: Any):
-            if image_data or video_data or audio_data:
-                raise NotImplementedError("the pipeline's agent-loop client is text-only (got image, video or "
-                                          "audio data)")
-            prompt_ids = [int(t) for t in prompt_ids]
-            params = {k: v for k, v in dict(sampling_params).items() if k not in ("max_new_tokens", "max_tokens")}
-            limit = sampling_params.get("max_tokens", sampling_params.get("max_new_tokens"))
-            if limit is None:
-                limit = min(self.response_length, self.prompt_length + self.response_length - len(prompt_ids))
-            params.update(max_tokens=max(1, int(limit)), logprobs=True)  # the behaviour policy's log-probs
-            out = await generate_resumable(servers, self._replica_for(str(request_id)), prompt_ids, params,
-                                           request_timeout_s, served_version())
-            record = _TRAJECTORY.get()
-            if record is not None:
-                record.versions += out.token_versions
-                record.turns += 1
-                record.segments += out.segments
-            low, high = (min(out.token_versions), max(out.token_versions)) if out.token_versions else (None, None)
-            return TokenOutput(token_ids=out.token_ids, log_probs=out.log_probs, stop_reason=out.stop_reason,
-                               num_preempted=0,
-                               extra_fields={"global_steps": high, "min_global_steps": low, "max_global_steps": high})
-
-    return PipelineLLMClient()
+    async def generate(self, request_id, *, prompt_ids, sampling_params, image_data=None, video_data=None,
+                       audio_data=None, mm_processor_kwargs=None, **kwargs: Any) -> TokenOutput:
+        if image_data or video_data or audio_data:
+            raise NotImplementedError("the pipeline's agent-loop client is text-only (got image, video or audio data)")
+        prompt_ids = [int(t) for t in prompt_ids]
+        params = {k: v for k, v in dict(sampling_params).items() if k not in ("max_new_tokens", "max_tokens")}
+        limit = sampling_params.get("max_tokens", sampling_params.get("max_new_tokens"))
+        if limit is None:
+            limit = min(self.response_length, self.prompt_length + self.response_length - len(prompt_ids))
+        params.update(max_tokens=max(1, int(limit)), logprobs=True)  # the behaviour policy's log-probs
+        served = self.served_version()
+        out = await generate_resumable(self.servers, self._replica_for(str(request_id)), prompt_ids, params,
+                                       self.request_timeout_s, served)
+        record = _TRAJECTORY.get()
+        if record is not None:
+            record.versions += out.token_versions
+            record.turns += 1
+            record.segments += out.segments
+        low, high = (min(out.token_versions), max(out.token_versions)) if out.token_versions else (served, served)
+        return TokenOutput(token_ids=out.token_ids, log_probs=out.log_probs, stop_reason=out.stop_reason,
+                           num_preempted=0,
+                           extra_fields={"global_steps": high, "min_global_steps": low, "max_global_steps": high})
 
 
-def make_agent_loop_worker(config, client):
-    """verl's `AgentLoopWorker` on the pipeline's client, each trajectory recording its tokens' versions
-    (`VERSIONS_FIELD` among its extra fields)."""
-    AgentLoopWorker, _ = _base_classes()
+class PipelineAgentLoopWorker(AgentLoopWorker):
+    """verl's `AgentLoopWorker`, each trajectory recording its model tokens' versions (`VERSIONS_FIELD`)
+    and the turns a load split (`TURNS_INTERRUPTED`) among its extra fields."""
 
-    class PipelineAgentLoopWorker(AgentLoopWorker):
-        async def _run_agent_loop(self, sampling_params, trajectory, *, agent_name, trace=True, **kwargs):
-            record = TrajectoryRecord()
-            _TRAJECTORY.set(record)  # verl runs each trajectory in its own task: the record is this one's
-            output = await super()._run_agent_loop(sampling_params, trajectory, agent_name=agent_name,
-                                                   trace=trace, **kwargs)
-            output.extra_fields[VERSIONS_FIELD] = record.versions
-            output.extra_fields[TURNS_INTERRUPTED] = record.segments - record.turns
-            return output
+    def __init__(self, config, client: PipelineLLMClient):
+        # resolved once: loops read the config per trajectory, and each read of an interpolated key parses it
+        super().__init__(OmegaConf.create(OmegaConf.to_container(config, resolve=True)), client)
 
-    # resolved once: loops read the config per trajectory, and each read of an interpolated key parses it
-    resolved = OmegaConf.create(OmegaConf.to_container(config, resolve=True))
-    return PipelineAgentLoopWorker(resolved, client)
+    async def _run_agent_loop(self, sampling_params, trajectory, *, agent_name, trace=True, **kwargs):
+        record = TrajectoryRecord()
+        _TRAJECTORY.set(record)  # verl runs each trajectory in its own task: the record is this one's
+        output = await super()._run_agent_loop(sampling_params, trajectory, agent_name=agent_name,
+                                               trace=trace, **kwargs)
+        output.extra_fields[VERSIONS_FIELD] = record.versions
+        output.extra_fields[TURNS_INTERRUPTED] = record.segments - record.turns
+        return output
 
 
 MULTI_TURN_FILES = ("tool_config_path", "interaction_config_path", "function_tool_path")
@@ -152,9 +143,6 @@ def check_agent_loops(config, data_agent_names: frozenset = frozenset()) -> None
     """At start: every agent-loop, tool and interaction file exists, the agent-loop file loads and its
     `_target_`s import, and `rollout.agent.default_agent_loop` and every `agent_name` of the data
     (`data_agent_names`) is a registered loop. Raises AsyncConfigError naming the key."""
-    from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
-    from verl.utils.import_utils import resolve_config_path
-
     for key, path in _agent_files(config).items():
         try:
             found = os.path.isfile(resolve_config_path(path))
@@ -191,8 +179,6 @@ def check_agent_loops(config, data_agent_names: frozenset = frozenset()) -> None
 def absolute_agent_files(config) -> None:
     """Write every agent-loop, tool and interaction file key as an absolute path (in place): the stages
     that read them run in Ray workers whose working directory is not the driver's."""
-    from verl.utils.import_utils import resolve_config_path
-
     for key, path in _agent_files(config).items():
         parent, _, leaf = key.rpartition(".")
         section = OmegaConf.select(config, parent)
