@@ -146,7 +146,8 @@ def build_stages(built: BuiltPipeline) -> None:
     dataloader = built.stage("dataloader", DataloaderStage, cfg, tokenizer, None if settings.dynamic_sampling else steps,
                              generated, state.dataloader_state if state else None)
     generate = built.stage("generate", GenerateStage, servers, cfg, eta,
-                           request_timeout_s=settings.request_timeout_s, dynamic_sampling=settings.dynamic_sampling,
+                           request_timeout_s=settings.request_timeout_s, tool_timeout_s=settings.tool_timeout_s,
+                           dynamic_sampling=settings.dynamic_sampling,
                            steps_formed=built.start_step, replicas=built.replicas if restarts else None,
                            max_restarts=restarts, relaunch=run.backend.relaunch)
     built.stage("rollout", RolloutStage, int(cfg.data.max_prompt_length),

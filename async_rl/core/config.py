@@ -163,6 +163,9 @@ KEYS = (
         "above 0 with `cpu` or `vllm`", "`3` with `rollout.name=cpu`, else `0`"),
     Key("actor_rollout_ref.rollout.request_timeout_s", "request_timeout_s", 600.0, _as_positive_number, "> 0",
         "a request unanswered this long marks its server lost (killed, restarted)", "`600`"),
+    Key("actor_rollout_ref.rollout.multi_turn.tool_timeout_s", "tool_timeout_s", 120.0, _as_positive_number, "> 0",
+        "an agent loop's tool call unanswered this long ends in an error the model reads, naming this key",
+        "`120`"),
 )
 CONFIG_KEYS = tuple(k.key for k in KEYS)
 _DEFAULTS = {k.field: k.default for k in KEYS}
@@ -189,6 +192,7 @@ class AsyncPipelineConfig:
     proximal_logp_workers: str = _DEFAULTS["proximal_logp_workers"]
     replica_max_restarts: Optional[int] = _DEFAULTS["replica_max_restarts"]  # None: the rollout backend's default
     request_timeout_s: float = _DEFAULTS["request_timeout_s"]
+    tool_timeout_s: float = _DEFAULTS["tool_timeout_s"]
     ratios_by_role: dict = field(default_factory=dict)  # role -> its share of the devices (derived)
     dynamic_sampling: bool = False  # verl's algorithm.filter_groups.enable (derived)
 

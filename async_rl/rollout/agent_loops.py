@@ -16,6 +16,7 @@ go to the trainer exactly as the engine returned them.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import importlib
 import os
@@ -26,6 +27,7 @@ from typing import Any, Optional
 
 from omegaconf import OmegaConf, open_dict
 from verl.experimental.agent_loop.agent_loop import AgentLoopWorker, _agent_loop_registry
+from verl.tools.function_tool import FunctionTool
 from verl.utils.import_utils import resolve_config_path
 from verl.workers.rollout.llm_server import LLMServerClient
 from verl.workers.rollout.replica import TokenOutput
@@ -113,9 +115,11 @@ class PipelineAgentLoopWorker(AgentLoopWorker):
     """verl's `AgentLoopWorker`, each trajectory recording its model tokens' versions (`VERSIONS_FIELD`)
     and the turns a load split (`TURNS_INTERRUPTED`) among its extra fields."""
 
-    def __init__(self, config, client: PipelineLLMClient):
+    def __init__(self, config, client: PipelineLLMClient, tool_timeout_s: float = 120.0):
         # resolved once: loops read the config per trajectory, and each read of an interpolated key parses it
         super().__init__(OmegaConf.create(OmegaConf.to_container(config, resolve=True)), client)
+        for tool in self.tools:  # verl's loaders built them; every loop of this worker shares them
+            bound_tool_calls(tool, tool_timeout_s)
 
     async def _run_agent_loop(self, sampling_params, trajectory, *, agent_name, trace=True, **kwargs):
         record = TrajectoryRecord()
@@ -125,6 +129,31 @@ class PipelineAgentLoopWorker(AgentLoopWorker):
         output.extra_fields[VERSIONS_FIELD] = record.versions
         output.extra_fields[TURNS_INTERRUPTED] = record.segments - record.turns
         return output
+
+
+TOOL_TIMEOUT_KEY = "actor_rollout_ref.rollout.multi_turn.tool_timeout_s"
+
+
+class ToolTimeoutError(TimeoutError):
+    """A tool call of an agent loop did not answer within `tool_timeout_s`."""
+
+
+def bound_tool_calls(tool, timeout_s: float) -> None:
+    """Bound every call into `tool` (a verl FunctionTool's `call`; a BaseTool's `create`, `execute`,
+    `release`) by `timeout_s` (s), in place: a call past it raises ToolTimeoutError naming the tool and
+    the key. verl's tool loop catches what `call`, `create` and `execute` raise and hands the model the
+    error as the tool's reply; the trajectory goes on."""
+    def bounded(method):
+        async def call(*args, **kwargs):
+            try:
+                return await asyncio.wait_for(method(*args, **kwargs), timeout_s)
+            except asyncio.TimeoutError:
+                raise ToolTimeoutError(f"tool {tool.name!r} did not answer within {timeout_s:g} s "
+                                       f"({TOOL_TIMEOUT_KEY})") from None
+        return call
+
+    for name in ("call",) if isinstance(tool, FunctionTool) else ("create", "execute", "release"):
+        setattr(tool, name, bounded(getattr(tool, name)))
 
 
 MULTI_TURN_FILES = ("tool_config_path", "interaction_config_path", "function_tool_path")

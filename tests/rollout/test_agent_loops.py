@@ -206,3 +206,47 @@ def test_agent_files_become_absolute_for_the_stages(demo_dir, monkeypatch, two_t
     check_agent_loops(config)
     absolute_agent_files(config)
     assert config.actor_rollout_ref.rollout.agent.agent_loop_config_path == str(LOOP_FILE)
+
+
+def test_a_hanging_tool_call_ends_within_its_timeout_as_a_reply_the_model_reads(demo_dir):
+    """verl's tool agent loop, with the tools the stage's worker loaded: the call that hangs is answered
+    by an error naming the tool and `multi_turn.tool_timeout_s`, and the trajectory goes on."""
+    import time
+
+    from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap
+    from verl.experimental.agent_loop.tool_agent_loop import ToolAgentLoop
+    from verl.experimental.agent_loop.tool_parser import FunctionCall
+
+    config = config_with(demo_dir)
+    with open_dict(config.actor_rollout_ref.rollout.multi_turn):
+        config.actor_rollout_ref.rollout.multi_turn.function_tool_path = str(Path(__file__).parent / "slow_tools.py")
+    worker = GenerateStage([versioned_server()], config, max_staleness=1, tool_timeout_s=0.5).agent_loops()
+    loop = ToolAgentLoop(trainer_config=DictConfigWrap(worker.config), server_manager=worker.llm_client,
+                         tokenizer=worker.tokenizer, processor=None, dataset_cls=worker.dataset_cls,
+                         data_config=DictConfigWrap(worker.config.data), tools=ToolListWrap(worker.tools))
+    start = time.monotonic()
+    reply, reward, _ = asyncio.run(loop._call_tool(FunctionCall(name="lookup_forever", arguments='{"key": "7"}'),
+                                                   {}, agent_data=None))
+    assert time.monotonic() - start < 5
+    assert "'lookup_forever' did not answer within 0.5 s (actor_rollout_ref.rollout.multi_turn.tool_timeout_s)" \
+        in reply.text and reward == 0.0
+
+
+def test_every_call_into_a_stateful_tool_is_bounded():
+    from verl.tools.base_tool import BaseTool
+    from verl.tools.schemas import OpenAIFunctionToolSchema
+
+    from async_rl.rollout.agent_loops import ToolTimeoutError, bound_tool_calls
+
+    class Sandbox(BaseTool):
+        async def execute(self, instance_id, parameters, **kwargs):
+            await asyncio.sleep(3600)
+
+    schema = OpenAIFunctionToolSchema.model_validate(
+        {"type": "function", "function": {"name": "sandbox", "description": "runs code",
+                                          "parameters": {"type": "object", "properties": {}, "required": []}}})
+    tool = Sandbox({}, schema)
+    bound_tool_calls(tool, 0.2)
+    instance, _ = asyncio.run(tool.create())  # what answers in time is untouched
+    with pytest.raises(ToolTimeoutError, match="tool 'sandbox' did not answer within 0.2 s"):
+        asyncio.run(tool.execute(instance, {}))
