@@ -28,10 +28,11 @@ CAP = "algorithm.behav_imp_weight_cap"
 PARTIAL = "actor_rollout_ref.rollout.partial_rollout"
 PROXIMAL = "algorithm.proximal_logp_workers"
 REQUEST_TIMEOUT = "actor_rollout_ref.rollout.request_timeout_s"
+TOOL_TIMEOUT = "actor_rollout_ref.rollout.multi_turn.tool_timeout_s"
 REPLICA_RESTARTS = "actor_rollout_ref.rollout.max_restarts"
 
 BOOL_KEYS = (ENABLED, DUAL, DECOUPLED, PARTIAL)
-POSITIVE_KEYS = (PREDUCE, CONSUME, STALL, REWARD, REQUEST_TIMEOUT)
+POSITIVE_KEYS = (PREDUCE, CONSUME, STALL, REWARD, REQUEST_TIMEOUT, TOOL_TIMEOUT)
 
 
 def nested(values: dict) -> dict:
@@ -96,7 +97,7 @@ def test_config_keys_listed():
     assert set(CONFIG_KEYS) == set(BOOL_KEYS + POSITIVE_KEYS + (RATIOS, AHEAD, CAP, PROXIMAL, "reward.on_error",
                                                                 "trainer.max_restarts", "trainer.async_stages",
                                                                 REPLICA_RESTARTS))
-    assert len(CONFIG_KEYS) == 17
+    assert len(CONFIG_KEYS) == 18
 
 
 def test_every_key_is_read():
@@ -115,6 +116,7 @@ def test_every_key_is_read():
                 CAP: 2,
                 PARTIAL: False,
                 PROXIMAL: "logp",
+                TOOL_TIMEOUT: 7,
             }
         )
     )
@@ -129,6 +131,7 @@ def test_every_key_is_read():
     assert c.consume_bucket_size_mb == 0.5
     assert c.generate_ahead_steps == 4 and c.max_staleness == 3
     assert c.stall_timeout_s == 30.0 and c.reward_timeout_s == 2.5
+    assert c.tool_timeout_s == 7.0 and isinstance(c.tool_timeout_s, float)
 
 
 def test_a_fifth_ratio_is_the_critics():
