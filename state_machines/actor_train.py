@@ -324,7 +324,8 @@ class ActorTrainStage(StateMachine):
                 self.dumps.flush()  # every dump of a saved step is on disk with it
                 metrics.update(await self.checkpointer.save(self.version, self.worker_group, self._kl_coef()))
             metrics.update(self.checkpointer.pop_written())  # the newest write committed beside training
-        metrics.update(compute_data_metrics(batch, use_critic=self.critic_sink is not None))
+        data_metrics = compute_data_metrics(batch, use_critic=self.critic_sink is not None)
+        metrics.update({k: float(v) for k, v in data_metrics.items()})  # `num_turns/*` are numpy ints; JSON wants floats
         now = time.perf_counter()
         metrics.update(
             {
