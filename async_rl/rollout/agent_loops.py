@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import importlib
 import os
 from collections import OrderedDict
@@ -25,9 +26,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import hydra
 from omegaconf import OmegaConf, open_dict
-from verl.experimental.agent_loop.agent_loop import AgentLoopWorker, _agent_loop_registry
+from verl.experimental.agent_loop.agent_loop import (
+    AgentLoopWorker,
+    DictConfigWrap,
+    ToolListWrap,
+    _agent_loop_registry,
+)
 from verl.tools.function_tool import FunctionTool
+from verl.utils.rollout_trace import rollout_trace_attr
 from verl.utils.import_utils import resolve_config_path
 from verl.workers.rollout.llm_server import LLMServerClient
 from verl.workers.rollout.replica import TokenOutput
@@ -120,15 +128,44 @@ class PipelineAgentLoopWorker(AgentLoopWorker):
         super().__init__(OmegaConf.create(OmegaConf.to_container(config, resolve=True)), client)
         for tool in self.tools:  # verl's loaders built them; every loop of this worker shares them
             bound_tool_calls(tool, tool_timeout_s)
+        self._factories: dict[str, Callable] = {}  # agent name -> loop_factory of its registry entry
 
     async def _run_agent_loop(self, sampling_params, trajectory, *, agent_name, trace=True, **kwargs):
+        """verl's `_run_agent_loop` (a fresh loop per trajectory, built with the arguments verl gives it, run,
+        then verl's post-processing), the loop built by `loop_factory` instead of a per-trajectory
+        `hydra.utils.instantiate` (which cost 4x the rest of a single-turn trajectory's work here)."""
         record = TrajectoryRecord()
         _TRAJECTORY.set(record)  # verl runs each trajectory in its own task: the record is this one's
-        output = await super()._run_agent_loop(sampling_params, trajectory, agent_name=agent_name,
-                                               trace=trace, **kwargs)
+        with rollout_trace_attr(step=trajectory["step"], sample_index=trajectory["sample_index"],
+                                rollout_n=trajectory["rollout_n"], validate=trajectory["validate"], name="agent_loop",
+                                trace=trace):
+            if agent_name not in _agent_loop_registry:
+                raise ValueError(f"agent loop {agent_name!r} is not registered; registered: "
+                                 f"{', '.join(sorted(_agent_loop_registry))}")
+            if agent_name not in self._factories:
+                self._factories[agent_name] = loop_factory(_agent_loop_registry[agent_name])
+            loop = self._factories[agent_name](
+                trainer_config=DictConfigWrap(config=self.config), server_manager=self.llm_client,
+                tokenizer=self.tokenizer, processor=self.processor, hf_model_type=self.hf_model_type,
+                dataset_cls=self.dataset_cls, data_config=DictConfigWrap(self.config.data),
+                tools=ToolListWrap(self.tools))
+            output = await loop.run(sampling_params, **kwargs)
+            output = await self._agent_loop_postprocess(output, trajectory["validate"], **kwargs)
         output.extra_fields[VERSIONS_FIELD] = record.versions
         output.extra_fields[TURNS_INTERRUPTED] = record.segments - record.turns
         return output
+
+
+def loop_factory(entry) -> Callable:
+    """`factory(**verl's arguments) -> agent loop` for a registry entry (`{_target_, ...}`), as
+    `hydra.utils.instantiate(entry, **arguments)` builds it: the `_target_` called with the entry's other
+    keys and the arguments. Resolved once; an entry with hydra's own keys (`_partial_`, `_recursive_`,
+    ...) or non-scalar values stays with hydra."""
+    fields = OmegaConf.to_container(entry, resolve=True) if OmegaConf.is_config(entry) else dict(entry)
+    target = fields.pop("_target_")
+    if any(key.startswith("_") or isinstance(value, (dict, list)) for key, value in fields.items()):
+        return functools.partial(hydra.utils.instantiate, entry)
+    return functools.partial(hydra.utils.get_object(target), **fields)
 
 
 TOOL_TIMEOUT_KEY = "actor_rollout_ref.rollout.multi_turn.tool_timeout_s"
@@ -228,7 +265,7 @@ def prompt_rows(batch_non_tensor: list[dict], uids: list[str], n: int, start_ver
     return proto
 
 
-def samples_from_agent_output(output, start_version: int, agent_names=None) -> list[Sample]:
+def samples_from_agent_output(output, start_version: int) -> list[Sample]:
     """One Sample per row of verl's agent-loop output (unpadded: the prompt's tokens, the response's
     tokens with `response_mask` 1 on model tokens, 0 on tool/environment tokens). Each model token gets
     the version recorded for it; tool tokens get -1, like padding."""

@@ -250,3 +250,34 @@ def test_every_call_into_a_stateful_tool_is_bounded():
     instance, _ = asyncio.run(tool.create())  # what answers in time is untouched
     with pytest.raises(ToolTimeoutError, match="tool 'sandbox' did not answer within 0.2 s"):
         asyncio.run(tool.execute(instance, {}))
+
+
+def test_the_loop_factory_builds_what_hydras_instantiate_builds(demo_dir, two_turn_path):
+    """The stage builds each trajectory's loop with `loop_factory` (resolved once per name) where verl's
+    worker calls `hydra.utils.instantiate` per trajectory: same class, same constructor arguments."""
+    import hydra
+    from omegaconf import OmegaConf
+
+    from async_rl.rollout.agent_loops import loop_factory
+
+    seen = []
+
+    class Probe:
+        def __init__(self, **kwargs):
+            seen.append(kwargs)
+
+    module = type(sys)("probe_loops")
+    module.Probe = Probe
+    sys.modules["probe_loops"] = module
+    try:
+        for entry in ({"_target_": "probe_loops.Probe"},
+                      OmegaConf.create({"name": "probe", "_target_": "probe_loops.Probe", "depth": 3})):
+            hydra.utils.instantiate(entry, tools="t", server_manager="s")
+            loop_factory(entry)(tools="t", server_manager="s")
+            assert seen[-1] == seen[-2] and "tools" in seen[-1]
+        assert seen[-1] == {"name": "probe", "depth": 3, "tools": "t", "server_manager": "s"}
+        # hydra's own keys stay with hydra
+        partial = loop_factory(OmegaConf.create({"_target_": "probe_loops.Probe", "_partial_": True}))
+        assert isinstance(partial(tools="t"), __import__("functools").partial)
+    finally:
+        sys.modules.pop("probe_loops")
