@@ -90,7 +90,7 @@ def main() -> None:
               "logprobs": True}
 
     async def agent_loop_batch(index: int):
-        await stage.process_data(PromptBatch(index, [ids for ids, _ in rows], [info for _, info in rows]))
+        await stage.process_data(PromptBatch(index, [info for _, info in rows]))
 
     async def bare_batch(index: int):
         jobs = [generate_resumable(stage.servers, k % 2, ids, params, 60.0, 0) for k, (ids, _) in

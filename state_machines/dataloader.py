@@ -5,8 +5,8 @@ The batches come from the dataloader verl's trainer builds (`create_rl_dataset`,
 trainer draws them, a new epoch on exhaustion), so a run with the same seed trains the same
 prompts at the same steps as verl's trainer, and its state is verl's `data.pt`. The stage
 keeps the loader's state before each batch it emits until a checkpoint takes it
-(`state_before`). Each chat prompt is tokenized with the model's chat template, as verl's
-rollout does.
+(`state_before`). A batch carries each prompt's dataset row (`raw_prompt`, `reward_model`, ...);
+the agent loop of the generate stage builds the prompt's tokens, as in verl's trainer.
 """
 
 from __future__ import annotations
@@ -82,6 +82,8 @@ class DataloaderStage(StateMachine):
     async def process_data(self, step: int) -> PromptBatch:
         rows = batch_rows(self._next_batch())
         self._states[step + 1] = copy.deepcopy(self.loader.state_dict())
+        # the chat template's tokens only to refuse an over-long prompt here, naming its row (data.truncation=error);
+        # the agent loop builds the prompt's tokens itself
         tokenized = [tokenize_row(r, self.tokenizer, self.max_prompt_length, self.truncation, self.files,
                                   self.prompt_key) for r in rows]
-        return PromptBatch(index=step, prompt_ids=[t[0] for t in tokenized], non_tensor=[t[1] for t in tokenized])
+        return PromptBatch(index=step, non_tensor=[info for _, info in tokenized])

@@ -38,8 +38,7 @@ class PromptBatch:
     """Prompts of one training step (`index` = the step's batch index, 0-based)."""
 
     index: int
-    prompt_ids: list[list[int]]
-    non_tensor: list[dict[str, Any]] = field(default_factory=list)
+    non_tensor: list[dict[str, Any]] = field(default_factory=list)  # each prompt's dataset row, tensors aside
 
 
 @dataclass

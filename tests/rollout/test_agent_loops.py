@@ -88,7 +88,7 @@ def test_a_users_multi_turn_loop_reaches_the_trainer_token_for_token(demo_dir, m
     stage = GenerateStage(servers, config, max_staleness=1)
     rows = [{"raw_prompt": [{"role": "user", "content": f"copy {d}"}], "data_source": "d", "index": i,
              "reward_model": {"ground_truth": d}} for i, d in enumerate(("123", "4567"))]
-    out = asyncio.run(asyncio.wait_for(stage.process_data(PromptBatch(0, [[0], [0]], rows)), 60))
+    out = asyncio.run(asyncio.wait_for(stage.process_data(PromptBatch(0, rows)), 60))
 
     assert len(out.samples) == 4
     for sample in out.samples:

@@ -97,7 +97,7 @@ def captured_requests(config, validate: bool = False) -> list[dict]:
     if validate:
         samples = asyncio.run(asyncio.wait_for(stage.run_agent_loops(rows, 1, validate=True), 60))
     else:
-        samples = asyncio.run(asyncio.wait_for(stage.process_data(PromptBatch(0, [[0], [0]], rows)), 60)).samples
+        samples = asyncio.run(asyncio.wait_for(stage.process_data(PromptBatch(0, rows)), 60)).samples
     n = 1 if validate else int(config.actor_rollout_ref.rollout.n)
     assert len(samples) == 2 * n and all(s.response_ids == [5, 6] for s in samples)
     calls = servers[0].calls + servers[1].calls

@@ -21,10 +21,11 @@ def small_demo(tmp_path_factory):
 
 
 def emit(stage, first: int, count: int) -> list[tuple[int, list]]:
+    """(index, each prompt's chat messages) of `count` batches from `first`."""
     async def main():
         return [await stage.process_data(i) for i in range(first, first + count)]
 
-    return [(b.index, b.prompt_ids) for b in asyncio.run(main())]
+    return [(b.index, [row["raw_prompt"] for row in b.non_tensor]) for b in asyncio.run(main())]
 
 
 @pytest.mark.parametrize("workers", [0, 2])
