@@ -33,7 +33,9 @@ def batch_and_parts(seed: int = 0):
     old = ref + 0.5 * torch.rand(ROWS, RESPONSE_LEN, generator=gen)  # log pi_old - log pi_ref in [0, 0.5)
     scores = torch.tensor([1.0, 0.25, 0.5, 0.0])
     uids = np.array(["a", "a", "b", "b"], dtype=object)
-    batch = DataProto.from_dict(tensors={"response_mask": mask, "rollout_log_probs": behav},
+    attention = torch.cat([torch.ones(ROWS, 2), mask], dim=1).long()  # 2 prompt tokens, then the response
+    batch = DataProto.from_dict(tensors={"response_mask": mask, "rollout_log_probs": behav, "attention_mask": attention,
+                                         "responses": torch.ones(ROWS, RESPONSE_LEN, dtype=torch.long)},
                                 non_tensors={"uid": uids})
     parts = {
         "reward": ScoredBatch(index=0, scores=scores, uids=uids),
