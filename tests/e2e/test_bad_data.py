@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 
 from async_rl.core.data_checks import BadDataError, check_rl_files, prompt_too_long_error
 from conftest import run_verl, step_rows
@@ -69,8 +70,8 @@ def test_truncation_error_refuses_a_long_prompt_and_other_modes_left_truncate(de
     files = str(demo_dir / "data" / "train.parquet")
     row = {"raw_prompt": list(demo_rows(demo_dir, 1).at[0, "prompt"]), "data_source": "d"}
     full, _ = tokenize_row(row, tokenizer, 1000, "error", files)
-    kept, fields = tokenize_row(row, tokenizer, 4, "left", files)
-    assert kept == full[-4:] and fields == {"data_source": "d"}
+    kept, fields = tokenize_row({**row, "dummy_tensor": torch.zeros(1)}, tokenizer, 4, "left", files)
+    assert kept == full[-4:] and fields == row  # every field the agent loop gets, tensors aside
     with pytest.raises(BadDataError, match=f"{files} row 0: the prompt is {len(full)} tokens"):
         tokenize_row(row, tokenizer, 4, "error", files)
 
