@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
-import importlib
 import os
 from collections import OrderedDict
 from collections.abc import Callable
@@ -225,9 +224,8 @@ def check_agent_loops(config, data_agent_names: frozenset = frozenset()) -> None
             raise AsyncConfigError(AGENT_LOOP_CONFIG_KEY, path,
                                    f"a YAML list of {{name, _target_}} entries ({type(exc).__name__}: {exc})") from None
         for name, target in targets.items():
-            module, _, attr = target.rpartition(".")
             try:
-                loaded = getattr(importlib.import_module(module), attr)
+                loaded = hydra.utils.get_object(target)  # as loop_factory resolves it in the stage
             except Exception as exc:  # noqa: BLE001
                 raise AsyncConfigError(AGENT_LOOP_CONFIG_KEY, path, f"agent loop {name!r}: _target_ {target} "
                                        f"that imports ({type(exc).__name__}: {exc})") from None
@@ -268,7 +266,8 @@ def prompt_rows(batch_non_tensor: list[dict], uids: list[str], n: int, start_ver
 def samples_from_agent_output(output, start_version: int) -> list[Sample]:
     """One Sample per row of verl's agent-loop output (unpadded: the prompt's tokens, the response's
     tokens with `response_mask` 1 on model tokens, 0 on tool/environment tokens). Each model token gets
-    the version recorded for it; tool tokens get -1, like padding."""
+    the version recorded for it (a loop marking more model tokens than were generated: the last recorded
+    version on the rest; none recorded: `start_version`); tool tokens get -1, like padding."""
     batch, columns = output.batch, output.non_tensor_batch
     prompt_width = batch["prompts"].shape[1]
     samples = []
