@@ -147,6 +147,7 @@ def build_stages(built: BuiltPipeline) -> None:
                              generated, state.dataloader_state if state else None)
     generate = built.stage("generate", GenerateStage, servers, cfg, eta,
                            request_timeout_s=settings.request_timeout_s, tool_timeout_s=settings.tool_timeout_s,
+                           tool_pool_size=settings.tool_pool_size,
                            dynamic_sampling=settings.dynamic_sampling,
                            steps_formed=built.start_step, replicas=built.replicas if restarts else None,
                            max_restarts=restarts, relaunch=run.backend.relaunch)

@@ -53,7 +53,10 @@ per run.
 system generates with vLLM's CPU build through verl's vLLM servers (fp32, eager) instead of this
 package's CPU engine; verl's synchronous trainer then runs on one device (its hybrid replica).
 
-    python bench/e2e.py [--seeds 0,1] [--steps 400] [--rollout cpu|vllm] [--json PATH] [--png PATH]
+`--task lookup`: the demo's agent task (`overrides_agent.txt`: verl agent loops calling a lookup tool,
+2 to 4 turns a trajectory), the same target.
+
+    python bench/e2e.py [--seeds 0,1] [--steps 400] [--rollout cpu|vllm] [--task copy|lookup] [--json PATH] [--png PATH]
 """
 
 from __future__ import annotations
@@ -76,7 +79,8 @@ from bench.command import command_line  # noqa: E402
 
 # the validation reward: the pipeline logs it as val-core; verl's trainer logs the same score as val-aux
 # (its val-core entry is `acc`, which verl's reward manager sets to the same float)
-VAL_KEYS = ("val-core/async_rl/copy_digits/reward/mean@1", "val-aux/async_rl/copy_digits/reward/mean@1")
+VAL_KEYS = tuple(f"val-{kind}/{source}/reward/mean@1" for source in ("async_rl/copy_digits", "async_rl/lookup")
+                 for kind in ("core", "aux"))
 # AReaL's naive PPO: pi_old = the behaviour policy, logp recomputes nothing (README "Algorithms")
 NAIVE_PPO = {"+algorithm.decoupled_ppo": False, "algorithm.rollout_correction.bypass_mode": True}
 LOGP_STAGE = {"+algorithm.proximal_logp_workers": "logp"}  # pi_prox on the logp stage's own rank
@@ -149,8 +153,10 @@ def stop_process_group(proc: subprocess.Popen, grace_s: float = 60.0) -> None:
 
 
 def run_system(name: str, demo_dir: Path, workdir: Path, metrics_path: Path, extra: dict, timeout_s: float,
-               critic: bool = False, stop_at: float | None = None, main: str = "verl.trainer.main_ppo") -> list[dict]:
-    """One training run by the plain verl command (`critic`: the demo's PPO with GAE); returns its JSONL rows.
+               critic: bool = False, stop_at: float | None = None, main: str = "verl.trainer.main_ppo",
+               agent: bool = False) -> list[dict]:
+    """One training run by the plain verl command (`critic`: the demo's PPO with GAE; `agent`: the lookup
+    task, `overrides_agent.txt`); returns its JSONL rows.
 
     ``stop_at``: end the run at its first validation reward >= this (the rows up to it are kept).
     ``main``: verl's entry module (FULLY_ASYNC_MAIN: without the pipeline's keys).
@@ -158,7 +164,7 @@ def run_system(name: str, demo_dir: Path, workdir: Path, metrics_path: Path, ext
     from async_rl.demo import demo_overrides
 
     env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(metrics_path), "PYTHONUNBUFFERED": "1"}
-    overrides = demo_overrides(demo_dir, extra=extra, critic=critic)
+    overrides = demo_overrides(demo_dir, extra=extra, critic=critic, agent=agent)
     if main == FULLY_ASYNC_MAIN:
         overrides = [o for o in overrides if not o.startswith(PIPELINE_KEYS)]
     cmd = [sys.executable, "-m", main, *overrides]
@@ -356,7 +362,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--steps", type=int, default=400, help="most steps a run takes (it stops at TARGET)")
     parser.add_argument("--seeds", default="0,1", help="demo seeds (model init and data), runs interleaved")
     parser.add_argument("--no-stop-at-target", action="store_true", help="run all --steps")
-    parser.add_argument("--response-length", type=int, default=4, help="max response tokens (the demo's: 4)")
+    parser.add_argument("--response-length", type=int, default=4, help="max response tokens (the copy task's: 4)")
+    parser.add_argument("--task", choices=("copy", "lookup"), default="copy",
+                        help="the demo's copy task, or its lookup task (an agent loop calling a tool, overrides_agent.txt)")
     parser.add_argument("--ks", default="1,2,5", help="generate_ahead_steps of the pipeline runs")
     parser.add_argument("--test-freq", type=int, default=10)
     parser.add_argument("--naive-ks", default="",
@@ -385,7 +393,7 @@ def main(argv=None) -> list[dict]:
 
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     common = {
-        "data.max_response_length": args.response_length,
+        **({"data.max_response_length": args.response_length} if args.task == "copy" else {}),
         "trainer.total_training_steps": args.steps,
         "trainer.test_freq": args.test_freq,
         "trainer.val_before_train": True,
@@ -427,14 +435,16 @@ def main(argv=None) -> list[dict]:
                         prepare(demo_dir, seed=seed)
                     entry = FULLY_ASYNC_MAIN if name == "verl-fully-async" else "verl.trainer.main_ppo"
                     metrics = run_system(name, demo_dir, Path(tmp), path, {**common, **extra}, args.timeout_s,
-                                         critic, stop_at, entry)
+                                         critic, stop_at, entry, agent=args.task == "lookup")
                 row, curve = summarize(name, k, metrics, TRAIN_BATCH_SIZE * GROUP_SIZE, TARGET)
                 row["seed"] = seed
                 rows.append(row)
                 curves[f"{name} seed {seed}"] = curve
                 print(f"done: {json.dumps(row)}", flush=True)
     print(f"\ncommand: {command}\ncpus: {os.cpu_count()}; up to {args.steps} steps of {TRAIN_BATCH_SIZE} prompts x "
-          f"{GROUP_SIZE} samples; responses up to {args.response_length} tokens; target {TARGET} (fixed); "
+          f"{GROUP_SIZE} samples; task {args.task}; "
+          + (f"responses up to {args.response_length} tokens; " if args.task == "copy" else "")
+          + f"target {TARGET} (fixed); "
           f"seeds {seeds}; rollout {args.rollout}; " + ("each run stops at the target" if stop_at else "all steps"))
     if grpo_verl and args.rollout == "cpu":
         print(f"verl-fully-async: not run: {FULLY_ASYNC_NOT_RUN}")

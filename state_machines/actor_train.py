@@ -32,6 +32,8 @@ from async_rl.core.devices import world_size_of
 from async_rl.core.fault_points import hold_at
 from async_rl.core.generation_dumps import GenerationDumps
 from async_rl.core.messages import (
+    AGENT_LOOP_TIMINGS,
+    TOOL_POOL_WAIT,
     TURNS_INTERRUPTED,
     CriticBatch,
     LogpResult,
@@ -94,6 +96,24 @@ def trainable_rows(kept: int, mini_batch_rows: int, dp_size: int, group_size: in
         return kept - kept % mini_batch_rows
     unit = math.lcm(group_size, dp_size)
     return kept - kept % unit
+
+
+def agent_loop_timings(non_tensor_batch: dict) -> dict[str, float]:
+    """verl's `agent_loop/{generate_sequences,tool_calls}/{min,max,mean}` (seconds a trajectory) and
+    `async/tool_pool/wait_s/{mean,max}` (seconds a trajectory's tool calls waited for an environment) over
+    the batch's trajectories; {} for a batch without the columns."""
+    metrics = {}
+    if TOOL_POOL_WAIT in non_tensor_batch:
+        waits = non_tensor_batch[TOOL_POOL_WAIT].astype(np.float64)
+        metrics.update({"async/tool_pool/wait_s/mean": float(waits.mean()),
+                        "async/tool_pool/wait_s/max": float(waits.max())})
+    for name, column in AGENT_LOOP_TIMINGS.items():
+        if column in non_tensor_batch:
+            seconds = non_tensor_batch[column].astype(np.float64)
+            metrics.update({f"agent_loop/{name}/min": float(seconds.min()),
+                            f"agent_loop/{name}/max": float(seconds.max()),
+                            f"agent_loop/{name}/mean": float(seconds.mean())})
+    return metrics
 
 
 class ActorTrainStage(StateMachine):
@@ -246,6 +266,7 @@ class ActorTrainStage(StateMachine):
         if TURNS_INTERRUPTED in batch.non_tensor_batch:  # agent loops: turns a weight load split, per trajectory
             metrics["async/partial/turns_interrupted"] = float(np.mean(
                 batch.non_tensor_batch[TURNS_INTERRUPTED].astype(np.float64)))
+        metrics.update(agent_loop_timings(batch.non_tensor_batch))
         if metrics["async/staleness/max"] > self.max_staleness:
             raise StalenessViolation(
                 f"step {self.version}: a sample has staleness {metrics['async/staleness/max']:g} "

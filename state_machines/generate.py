@@ -31,10 +31,11 @@ class GenerateStage(StateMachine):
 
     def __init__(
         self, servers, config, max_staleness: int, request_timeout_s: float = 600.0, tool_timeout_s: float = 120.0,
-        dynamic_sampling: bool = False, steps_formed: int = 0, replicas=None, max_restarts: int = 0, relaunch=None,
+        tool_pool_size: int | None = None, dynamic_sampling: bool = False, steps_formed: int = 0, replicas=None, max_restarts: int = 0, relaunch=None,
     ):
         """`config`: the run's verl config (its rollout and agent-loop keys). `request_timeout_s`,
-        `tool_timeout_s` (s): bound one model request, one tool call of an agent loop. `dynamic_sampling`: batch
+        `tool_timeout_s` (s): bound one model request, one tool call of an agent loop. `tool_pool_size`: each
+        tool's environments in use at once (None: no limit). `dynamic_sampling`: batch
         indices are not training steps; a batch is admitted while the next training batch to form
         (`set_steps_formed`; `steps_formed` at start) is within the staleness bound.
         `replicas` (verl RolloutReplica objects behind `servers`), `relaunch` (the backend's
@@ -58,6 +59,7 @@ class GenerateStage(StateMachine):
         self._agent_loops = None  # verl's AgentLoopWorker, built at first use (loads the tokenizer and tools)
         self.staleness = StalenessController(max_staleness)
         self.request_timeout_s, self.tool_timeout_s = request_timeout_s, tool_timeout_s
+        self.tool_pool_size = tool_pool_size
         self.dynamic_sampling = dynamic_sampling
         self.steps_formed = steps_formed
 
@@ -92,7 +94,7 @@ class GenerateStage(StateMachine):
         if self._agent_loops is None:
             client = PipelineLLMClient(self.config, self.servers, self.request_timeout_s,
                                        lambda: self.staleness.served_version)
-            self._agent_loops = PipelineAgentLoopWorker(self.config, client, self.tool_timeout_s)
+            self._agent_loops = PipelineAgentLoopWorker(self.config, client, self.tool_timeout_s, self.tool_pool_size)
         return self._agent_loops
 
     async def run_agent_loops(self, rows: list[dict], n: int, start_version: int | None = None,

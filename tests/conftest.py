@@ -77,16 +77,17 @@ def small_objects_ray(small_objects_ray_address, request):
 
 
 def run_verl(demo_dir: Path, extra, workdir: Path, timeout_s: float = 600, critic: bool = False,
-             ray_address: str | None = None) -> tuple[int, str, list[dict]]:
-    """`python -m verl.trainer.main_ppo <demo overrides + extra>` (`critic`: the demo's PPO with GAE), on the
-    Ray cluster at `ray_address` (None: a Ray of its own); returns (exit code, output, JSONL rows)."""
+             ray_address: str | None = None, agent: bool = False) -> tuple[int, str, list[dict]]:
+    """`python -m verl.trainer.main_ppo <demo overrides + extra>` (`critic`: the demo's PPO with GAE; `agent`:
+    the lookup task's agent loop), on the Ray cluster at `ray_address` (None: a Ray of its own); returns
+    (exit code, output, JSONL rows)."""
     from async_rl.demo import demo_overrides
 
     workdir.mkdir(parents=True, exist_ok=True)
     metrics_path = workdir / "metrics.jsonl"
     env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(metrics_path), "PYTHONUNBUFFERED": "1",
            **({"RAY_ADDRESS": ray_address} if ray_address else {})}
-    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *demo_overrides(demo_dir, extra=extra, critic=critic)]
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *demo_overrides(demo_dir, extra=extra, critic=critic, agent=agent)]
     if ray_address:  # workers of a running cluster do not inherit this process's environment: verl's trainer
         # logs from its TaskRunner actor
         cmd.append(f"+ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH={metrics_path}")

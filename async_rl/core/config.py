@@ -98,6 +98,14 @@ def _as_optional_count(key: str, value) -> Optional[int]:
     return None if value is None else _as_count(key, value)
 
 
+def _as_optional_pool_size(key: str, value) -> Optional[int]:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise AsyncConfigError(key, value, "an integer >= 1, or null for no limit")
+    return value
+
+
 @dataclass(frozen=True)
 class Key:
     """One config key. `check(key, value)` returns the validated value or raises AsyncConfigError
@@ -166,6 +174,9 @@ KEYS = (
     Key("actor_rollout_ref.rollout.multi_turn.tool_timeout_s", "tool_timeout_s", 120.0, _as_positive_number, "> 0",
         "an agent loop's tool call unanswered this long ends in an error the model reads, naming this key",
         "`120`"),
+    Key("actor_rollout_ref.rollout.multi_turn.tool_pool_size", "tool_pool_size", None, _as_optional_pool_size,
+        "int >= 1", "each tool's environments in use at once, shared by all trajectories; a wait past "
+        "`tool_timeout_s` is the call's error ([docs](docs/agent_loops.md#environment-pool))", "none"),
 )
 CONFIG_KEYS = tuple(k.key for k in KEYS)
 _DEFAULTS = {k.field: k.default for k in KEYS}
@@ -193,6 +204,7 @@ class AsyncPipelineConfig:
     replica_max_restarts: Optional[int] = _DEFAULTS["replica_max_restarts"]  # None: the rollout backend's default
     request_timeout_s: float = _DEFAULTS["request_timeout_s"]
     tool_timeout_s: float = _DEFAULTS["tool_timeout_s"]
+    tool_pool_size: Optional[int] = _DEFAULTS["tool_pool_size"]
     ratios_by_role: dict = field(default_factory=dict)  # role -> its share of the devices (derived)
     dynamic_sampling: bool = False  # verl's algorithm.filter_groups.enable (derived)
 

@@ -31,6 +31,11 @@ if TYPE_CHECKING:
 
 TURNS_INTERRUPTED = "turns_interrupted"  # non-tensor column: turns of a trajectory a weight load (or a lost
 # server) split, by agent-loop trajectory
+TOOL_POOL_WAIT = "tool_pool_wait_s"  # non-tensor column: seconds a trajectory's tool calls waited for a free
+# environment (`multi_turn.tool_pool_size`)
+# non-tensor columns: seconds an agent-loop trajectory spent generating and in tool calls (verl's
+# AgentLoopMetrics), logged as verl's `agent_loop/<name>/{min,max,mean}`
+AGENT_LOOP_TIMINGS = {"generate_sequences": "agent_loop_generate_s", "tool_calls": "agent_loop_tool_calls_s"}
 
 
 @dataclass

@@ -1,7 +1,9 @@
-"""Copy-digits demo task: a tiny local model, data and reward for verl.
+"""Demo tasks on a tiny local model: copy-digits (``task``) and lookup, an agent calling a tool
+(``lookup``).
 
-``python -m async_rl.demo prepare --output-dir DIR`` writes everything a verl
-run needs; ``DIR/overrides.txt`` lists the hydra overrides that point verl at it.
+``python -m async_rl.demo prepare --output-dir DIR`` writes everything a verl run needs;
+``DIR/overrides.txt`` lists the hydra overrides that point verl at the copy task,
+``DIR/overrides_agent.txt`` at the lookup task.
 """
 
 from async_rl.demo.reward import compute_score

@@ -9,7 +9,7 @@ def main(argv=None) -> None:
     """Parse arguments and run the chosen command."""
     parser = argparse.ArgumentParser(prog="python -m async_rl.demo", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    prep = commands.add_parser("prepare", help="write model, tokenizer, data, reward.py and overrides.txt")
+    prep = commands.add_parser("prepare", help="write model, tokenizer, data, rewards and overrides (.txt, _ppo.txt, _agent.txt)")
     prep.add_argument("--output-dir", required=True)
     prep.add_argument("--seed", type=int, default=0)
     prep.add_argument("--train-size", type=int, default=DEFAULT_TRAIN_SIZE)

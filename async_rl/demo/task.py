@@ -17,12 +17,16 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from async_rl.demo import lookup, lookup_reward
 from async_rl.demo import reward as reward_module
 from async_rl.demo.reward import NUM_DIGITS
 from async_rl.demo.tokenizer import build_tokenizer
 
 DATA_SOURCE = "async_rl/copy_digits"
 ABILITY = "copy"
+
+LOOKUP_AGENT = "lookup"  # the lookup task's agent loop, as registered in AGENT_LOOPS_FILE
+AGENT_LOOPS_FILE = "agent_loops.yaml"
 
 DEFAULT_TRAIN_SIZE = 4096
 DEFAULT_VAL_SIZE = 64
@@ -32,6 +36,7 @@ RESPONSE_LENGTH = NUM_DIGITS
 GROUP_SIZE = 8
 TRAIN_BATCH_SIZE = 32
 LEARNING_RATE = 3e-4
+LOOKUP_LEARNING_RATE = 1e-3  # the lookup task learns faster at 1e-3 than at 3e-4 (docs/agent_loops.md)
 
 # one attention head of 64: vLLM's CPU attention refuses head_dim 16 (4 heads of 64) and its
 # Qwen2 ignores an explicit `head_dim`, so the same model runs on both rollout backends
@@ -169,13 +174,31 @@ PPO_OVERRIDES: dict[str, str] = {
 }
 
 
+def lookup_overrides(root: Path) -> dict[str, str]:
+    """The lookup task (``async_rl.demo.lookup``) in place of the copy task: its data, reward and
+    agent loop (verl's ``agent_loop_config_path`` + ``default_agent_loop``)."""
+    return {
+        "data.train_files": _format_value(str(root / "data" / "lookup_train.parquet")),
+        "data.val_files": _format_value(str(root / "data" / "lookup_val.parquet")),
+        "data.max_prompt_length": _format_value(lookup.PROMPT_LENGTH),
+        "data.max_response_length": _format_value(lookup.RESPONSE_LENGTH),
+        "reward.custom_reward_function.path": _format_value(str(root / "lookup_reward.py")),
+        "actor_rollout_ref.rollout.agent.agent_loop_config_path": _format_value(str(root / AGENT_LOOPS_FILE)),
+        "actor_rollout_ref.rollout.agent.default_agent_loop": LOOKUP_AGENT,
+        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": _format_value(lookup.MAX_ASSISTANT_TURNS),
+        "actor_rollout_ref.actor.optim.lr": _format_value(LOOKUP_LEARNING_RATE),
+        "trainer.experiment_name": "lookup",
+    }
+
+
 def demo_overrides(output_dir: str | Path, extra: Mapping[str, Any] | Iterable[str] | None = None,
-                   critic: bool = False) -> list[str]:
+                   critic: bool = False, agent: bool = False) -> list[str]:
     """verl hydra overrides (``key=value``) for the demo prepared in ``output_dir``.
 
     ``extra`` (a mapping, or ``key=value`` strings) is merged last: a key that is
     already present is replaced in place, new keys are appended. ``critic``: PPO with GAE and a
-    critic (``PPO_OVERRIDES``) instead of GRPO.
+    critic (``PPO_OVERRIDES``) instead of GRPO. ``agent``: the lookup task, an agent loop calling a
+    tool (``lookup_overrides``), instead of the copy task.
     """
     root = Path(output_dir).resolve()
     overrides: dict[str, str] = {
@@ -194,6 +217,8 @@ def demo_overrides(output_dir: str | Path, extra: Mapping[str, Any] | Iterable[s
     }
     if critic:
         overrides.update({**PPO_OVERRIDES, "critic.model.path": _format_value(str(root / "model"))})
+    if agent:
+        overrides.update(lookup_overrides(root))
     if isinstance(extra, Mapping):
         overrides.update({key: _format_value(value) for key, value in extra.items()})
     elif extra is not None:
@@ -212,7 +237,8 @@ def prepare(
     val_size: int = DEFAULT_VAL_SIZE,
 ) -> dict[str, Path]:
     """Write model + tokenizer, train/val parquet, reward.py, overrides.txt (GRPO) and
-    overrides_ppo.txt (PPO with a critic) under ``output_dir``."""
+    overrides_ppo.txt (PPO with a critic) under ``output_dir``; and the lookup task's (one model for
+    both): its parquet files, lookup_reward.py, agent_loops.yaml and overrides_agent.txt."""
     root = Path(output_dir).resolve()
     model_dir, data_dir = root / "model", root / "data"
     model_dir.mkdir(parents=True, exist_ok=True)
@@ -231,10 +257,24 @@ def prepare(
         "reward": root / "reward.py",
         "overrides": root / "overrides.txt",
         "ppo_overrides": root / "overrides_ppo.txt",
+        "lookup_train": data_dir / "lookup_train.parquet",
+        "lookup_val": data_dir / "lookup_val.parquet",
+        "lookup_reward": root / "lookup_reward.py",
+        "agent_loops": root / AGENT_LOOPS_FILE,
+        "agent_overrides": root / "overrides_agent.txt",
     }
     make_rows(train, "train").to_parquet(paths["train"], index=False)
     make_rows(val, "test").to_parquet(paths["val"], index=False)
     shutil.copyfile(reward_module.__file__, paths["reward"])
     paths["overrides"].write_text("\n".join(demo_overrides(root)) + "\n")
     paths["ppo_overrides"].write_text("\n".join(demo_overrides(root, critic=True)) + "\n")
+
+    table = lookup.LookupTable.build(seed)
+    train_keys, val_keys = lookup.sample_keys(table, np.random.default_rng(seed), train_size, val_size)
+    lookup.make_rows(table, train_keys, "train").to_parquet(paths["lookup_train"], index=False)
+    lookup.make_rows(table, val_keys, "test").to_parquet(paths["lookup_val"], index=False)
+    shutil.copyfile(lookup_reward.__file__, paths["lookup_reward"])
+    paths["agent_loops"].write_text(  # verl's agent-loop registry file: a list of {name, _target_, kwargs}
+        f"- name: {LOOKUP_AGENT}\n  _target_: {lookup.LookupAgentLoop.__module__}.LookupAgentLoop\n  seed: {seed}\n")
+    paths["agent_overrides"].write_text("\n".join(demo_overrides(root, agent=True)) + "\n")
     return paths

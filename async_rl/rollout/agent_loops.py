@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import hydra
+import numpy as np
 from omegaconf import OmegaConf, open_dict
 from verl.experimental.agent_loop.agent_loop import (
     AgentLoopWorker,
@@ -40,7 +41,8 @@ from verl.workers.rollout.llm_server import LLMServerClient
 from verl.workers.rollout.replica import TokenOutput
 
 from async_rl.core.errors import AsyncConfigError
-from async_rl.core.messages import TURNS_INTERRUPTED, Sample, object_column
+from async_rl.core.messages import AGENT_LOOP_TIMINGS, TOOL_POOL_WAIT, TURNS_INTERRUPTED, Sample, object_column
+from async_rl.rollout.environment_pool import EnvironmentPool
 from async_rl.rollout.requests import generate_resumable
 from async_rl.rollout.supervisor import ReplicaSupervisor
 
@@ -56,10 +58,16 @@ class TrajectoryRecord:
     versions: list[int] = field(default_factory=list)  # weight version of each model token
     turns: int = 0  # generate calls
     segments: int = 0  # segments over all calls (a weight load or a lost server ends one early)
+    pool_wait_s: float = 0.0  # seconds its tool calls waited for a free environment (EnvironmentPool)
+    sequence: Optional[list[int]] = None  # the last call's prompt + its tokens: the next call must extend it
 
 
 _TRAJECTORY: contextvars.ContextVar[Optional[TrajectoryRecord]] = contextvars.ContextVar(
     "async_rl_trajectory", default=None)
+
+
+class NonExtendingTurnError(ValueError):
+    """An agent loop's turn whose prompt does not extend the trajectory's sequence so far."""
 
 
 class PipelineLLMClient(LLMServerClient):
@@ -70,7 +78,8 @@ class PipelineLLMClient(LLMServerClient):
     request bounded by `request_timeout_s`, s). Calls with the same `request_id` go to the same replica
     while it serves (the newest `sticky_entries` ids are remembered). `max_tokens` defaults as verl's
     servers default it: min(response_length, prompt_length + response_length - len(prompt_ids)), at
-    least 1. `served_version()`: the version the replicas serve now.
+    least 1. `served_version()`: the version the replicas serve now. Within one trajectory each call's
+    prompt must extend the previous call's prompt + tokens, else NonExtendingTurnError.
     """
 
     def __init__(self, config, servers: ReplicaSupervisor, request_timeout_s: float,
@@ -104,11 +113,18 @@ class PipelineLLMClient(LLMServerClient):
         if limit is None:
             limit = min(self.response_length, self.prompt_length + self.response_length - len(prompt_ids))
         params.update(max_tokens=max(1, int(limit)), logprobs=True)  # the behaviour policy's log-probs
+        record = _TRAJECTORY.get()
+        if record is not None and record.sequence is not None and prompt_ids[:len(record.sequence)] != record.sequence:
+            raise NonExtendingTurnError(
+                f"agent loop turn {record.turns + 1}: its prompt does not extend the trajectory so far (the previous "
+                "turn's prompt + the tokens generated, then what came between). verl 0.9.1's AgentLoopOutput holds "
+                "one token sequence, so a loop that summarises or truncates its context between turns cannot be "
+                "trained as one trajectory; make each turn extend the last")
         served = self.served_version()
         out = await generate_resumable(self.servers, self._replica_for(str(request_id)), prompt_ids, params,
                                        self.request_timeout_s, served)
-        record = _TRAJECTORY.get()
         if record is not None:
+            record.sequence = prompt_ids + list(out.token_ids)
             record.versions += out.token_versions
             record.turns += 1
             record.segments += out.segments
@@ -120,13 +136,18 @@ class PipelineLLMClient(LLMServerClient):
 
 class PipelineAgentLoopWorker(AgentLoopWorker):
     """verl's `AgentLoopWorker`, each trajectory recording its model tokens' versions (`VERSIONS_FIELD`)
-    and the turns a load split (`TURNS_INTERRUPTED`) among its extra fields."""
+    and the turns a load split (`TURNS_INTERRUPTED`) among its extra fields. `tool_pool_size`: each tool's
+    environments in use at once (an EnvironmentPool per tool, waits bounded by `tool_timeout_s`, the
+    seconds waited in `TOOL_POOL_WAIT`); None: no limit."""
 
-    def __init__(self, config, client: PipelineLLMClient, tool_timeout_s: float = 120.0):
+    def __init__(self, config, client: PipelineLLMClient, tool_timeout_s: float = 120.0,
+                 tool_pool_size: Optional[int] = None):
         # resolved once: loops read the config per trajectory, and each read of an interpolated key parses it
         super().__init__(OmegaConf.create(OmegaConf.to_container(config, resolve=True)), client)
+        self.pools = {tool.name: EnvironmentPool(tool.name, tool_pool_size, tool_timeout_s)
+                      for tool in self.tools} if tool_pool_size is not None else {}
         for tool in self.tools:  # verl's loaders built them; every loop of this worker shares them
-            bound_tool_calls(tool, tool_timeout_s)
+            bound_tool_calls(tool, tool_timeout_s, self.pools.get(tool.name))
         self._factories: dict[str, Callable] = {}  # agent name -> loop_factory of its registry entry
 
     async def _run_agent_loop(self, sampling_params, trajectory, *, agent_name, trace=True, **kwargs):
@@ -152,6 +173,7 @@ class PipelineAgentLoopWorker(AgentLoopWorker):
             output = await self._agent_loop_postprocess(output, trajectory["validate"], **kwargs)
         output.extra_fields[VERSIONS_FIELD] = record.versions
         output.extra_fields[TURNS_INTERRUPTED] = record.segments - record.turns
+        output.extra_fields[TOOL_POOL_WAIT] = record.pool_wait_s
         return output
 
 
@@ -174,11 +196,13 @@ class ToolTimeoutError(TimeoutError):
     """A tool call of an agent loop did not answer within `tool_timeout_s`."""
 
 
-def bound_tool_calls(tool, timeout_s: float) -> None:
+def bound_tool_calls(tool, timeout_s: float, pool: Optional[EnvironmentPool] = None) -> None:
     """Bound every call into `tool` (a verl FunctionTool's `call`; a BaseTool's `create`, `execute`,
     `release`) by `timeout_s` (s), in place: a call past it raises ToolTimeoutError naming the tool and
     the key. verl's tool loop catches what `call`, `create` and `execute` raise and hands the model the
-    error as the tool's reply; the trajectory goes on."""
+    error as the tool's reply; the trajectory goes on. With a `pool`, a `call` holds one of its
+    environments while it runs, a BaseTool instance from `create` to `release` (verl's loop releases
+    each instance after its call); the seconds waited for one add to the trajectory's record."""
     def bounded(method):
         async def call(*args, **kwargs):
             try:
@@ -188,8 +212,48 @@ def bound_tool_calls(tool, timeout_s: float) -> None:
                                        f"({TOOL_TIMEOUT_KEY})") from None
         return call
 
-    for name in ("call",) if isinstance(tool, FunctionTool) else ("create", "execute", "release"):
-        setattr(tool, name, bounded(getattr(tool, name)))
+    async def take_environment() -> None:
+        waited = await pool.acquire()
+        record = _TRAJECTORY.get()
+        if record is not None:
+            record.pool_wait_s += waited
+
+    def pooled_call(method):
+        async def call(*args, **kwargs):
+            await take_environment()
+            try:
+                return await method(*args, **kwargs)
+            finally:
+                pool.release()
+        return call
+
+    def pooled_create(method):
+        async def create(*args, **kwargs):
+            await take_environment()
+            try:
+                created = await method(*args, **kwargs)
+            except BaseException:
+                pool.release()
+                raise
+            if not (created[0] if isinstance(created, tuple) else created):
+                pool.release()  # verl's loop releases only an instance with an id
+            return created
+        return create
+
+    def pooled_release(method):
+        async def release(*args, **kwargs):
+            try:
+                return await method(*args, **kwargs)
+            finally:
+                pool.release()
+        return release
+
+    if isinstance(tool, FunctionTool):
+        tool.call = bounded(tool.call) if pool is None else pooled_call(bounded(tool.call))
+        return
+    tool.create, tool.execute, tool.release = bounded(tool.create), bounded(tool.execute), bounded(tool.release)
+    if pool is not None:
+        tool.create, tool.release = pooled_create(tool.create), pooled_release(tool.release)
 
 
 MULTI_TURN_FILES = ("tool_config_path", "interaction_config_path", "function_tool_path")
@@ -263,12 +327,18 @@ def prompt_rows(batch_non_tensor: list[dict], uids: list[str], n: int, start_ver
     return proto
 
 
+def _python_scalar(value):
+    """A numpy scalar as Python's (a column of numpy ints in an object array averages to an int)."""
+    return value.item() if isinstance(value, np.generic) else value
+
+
 def samples_from_agent_output(output, start_version: int) -> list[Sample]:
     """One Sample per row of verl's agent-loop output (unpadded: the prompt's tokens, the response's
     tokens with `response_mask` 1 on model tokens, 0 on tool/environment tokens). Each model token gets
     the version recorded for it (a loop marking more model tokens than were generated: the last recorded
     version on the rest; none recorded: `start_version`); tool tokens get -1, like padding."""
     batch, columns = output.batch, output.non_tensor_batch
+    timings = output.meta_info.get("metrics") or []
     prompt_width = batch["prompts"].shape[1]
     samples = []
     for i in range(len(output)):
@@ -287,8 +357,10 @@ def samples_from_agent_output(output, start_version: int) -> list[Sample]:
                 k += 1
             else:
                 versions.append(-1)
-        non_tensor = {key: columns[key][i] for key in columns if key not in (VERSIONS_FIELD, "uid")}
+        non_tensor = {key: _python_scalar(columns[key][i]) for key in columns if key not in (VERSIONS_FIELD, "uid")}
         non_tensor["start_version"] = start_version
+        for name, column in AGENT_LOOP_TIMINGS.items():  # verl's per-trajectory AgentLoopMetrics, seconds
+            non_tensor[column] = float(timings[i].get(name, 0.0)) if i < len(timings) else 0.0
         samples.append(Sample(uid=str(columns["uid"][i]), prompt_ids=prompt_ids, response_ids=response_ids,
                               rollout_log_probs=log_probs, token_versions=versions, non_tensor=non_tensor,
                               response_mask=[int(m) for m in model_tokens]))

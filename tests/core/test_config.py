@@ -29,6 +29,7 @@ PARTIAL = "actor_rollout_ref.rollout.partial_rollout"
 PROXIMAL = "algorithm.proximal_logp_workers"
 REQUEST_TIMEOUT = "actor_rollout_ref.rollout.request_timeout_s"
 TOOL_TIMEOUT = "actor_rollout_ref.rollout.multi_turn.tool_timeout_s"
+TOOL_POOL_SIZE = "actor_rollout_ref.rollout.multi_turn.tool_pool_size"
 REPLICA_RESTARTS = "actor_rollout_ref.rollout.max_restarts"
 
 BOOL_KEYS = (ENABLED, DUAL, DECOUPLED, PARTIAL)
@@ -96,8 +97,8 @@ def test_the_key_table_is_the_one_source_of_defaults_and_of_the_readme():
 def test_config_keys_listed():
     assert set(CONFIG_KEYS) == set(BOOL_KEYS + POSITIVE_KEYS + (RATIOS, AHEAD, CAP, PROXIMAL, "reward.on_error",
                                                                 "trainer.max_restarts", "trainer.async_stages",
-                                                                REPLICA_RESTARTS))
-    assert len(CONFIG_KEYS) == 18
+                                                                REPLICA_RESTARTS, TOOL_POOL_SIZE))
+    assert len(CONFIG_KEYS) == 19
 
 
 def test_every_key_is_read():
@@ -117,6 +118,7 @@ def test_every_key_is_read():
                 PARTIAL: False,
                 PROXIMAL: "logp",
                 TOOL_TIMEOUT: 7,
+                TOOL_POOL_SIZE: 3,
             }
         )
     )
@@ -132,6 +134,7 @@ def test_every_key_is_read():
     assert c.generate_ahead_steps == 4 and c.max_staleness == 3
     assert c.stall_timeout_s == 30.0 and c.reward_timeout_s == 2.5
     assert c.tool_timeout_s == 7.0 and isinstance(c.tool_timeout_s, float)
+    assert c.tool_pool_size == 3 and read_async_config(cfg({})).tool_pool_size is None
 
 
 def test_a_fifth_ratio_is_the_critics():

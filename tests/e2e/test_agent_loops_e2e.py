@@ -1,5 +1,6 @@
 """End to end: a user's own multi-turn agent loop (two_turn_loop.py, from this folder, registered
-through verl's `agent_loop_config_path`) trains under the flag as under verl's own trainer."""
+through verl's `agent_loop_config_path`) and the demo's lookup agent train under the flag as under
+verl's own trainer."""
 
 from __future__ import annotations
 
@@ -35,3 +36,20 @@ def test_a_users_two_turn_loop_trains_under_the_flag_as_under_verls_trainer(demo
     pipeline = {step: read_jsonl(runs["pipeline"] / f"{step}.jsonl") for step in range(1, steps + 1)}
     assert all(ENV_REPLY in row["output"] for rows in pipeline.values() for row in rows)  # both turns, every one
     assert dumped_step_inputs(runs["pipeline"]) == dumped_step_inputs(runs["verl"])  # the same prompts, step for step
+
+
+def test_the_lookup_demo_trains_under_the_flag_and_under_verls_trainer(demo_dir, tmp_path, ray_address):
+    """The demo's agent task (`overrides_agent.txt`: the lookup tool, async_rl/demo/lookup.py) runs with the
+    flag and with verl's own trainer: trajectories of varying turns, verl's `num_turns` and
+    `tool_call_counts` metrics at every step."""
+    steps = 2
+    extra = {"trainer.total_training_steps": steps, "trainer.test_freq": -1, "trainer.val_before_train": False}
+    for name, flag in (("pipeline", True), ("verl", False)):
+        code, out, rows = run_verl(demo_dir, {**extra, "+actor_rollout_ref.async_pipeline": flag}, tmp_path / name,
+                                   ray_address=ray_address, agent=True)
+        assert code == 0, out[-4000:]
+        by_step = every_step_with(rows, steps, ["num_turns/min", "num_turns/max", "tool_call_counts/max",
+                                                "critic/score/mean"])
+        assert all(m["num_turns/min"] >= 2 for m in by_step.values()), by_step  # the prompt and an answer at least
+        assert any(m["num_turns/max"] > m["num_turns/min"] for m in by_step.values()), by_step  # turns vary
+        assert any(m["tool_call_counts/max"] >= 1 for m in by_step.values()), by_step

@@ -194,7 +194,7 @@ def test_a_missing_tool_file_and_an_unknown_agent_name_in_the_data_are_refused_a
     rows["agent_name"] = ["single_turn_agent", "react", "single_turn_agent", None]
     rows.to_parquet(tmp_path / "agents.parquet")
     assert agent_names_in([str(tmp_path / "agents.parquet")]) == {"single_turn_agent", "react"}
-    with pytest.raises(AsyncConfigError, match=r"agent_name .*='react'; allowed: a registered agent loop: single_turn"):
+    with pytest.raises(AsyncConfigError, match=r"agent_name .*='react'; allowed: a registered agent loop: .*single_turn_agent"):
         check_agent_loops(config_with(demo_dir), agent_names_in([str(tmp_path / "agents.parquet")]))
 
 
@@ -281,3 +281,22 @@ def test_the_loop_factory_builds_what_hydras_instantiate_builds(demo_dir, two_tu
         assert isinstance(partial(tools="t"), __import__("functools").partial)
     finally:
         sys.modules.pop("probe_loops")
+
+
+def test_a_loop_whose_turn_does_not_extend_the_trajectory_is_refused_naming_why(demo_dir, tmp_path):
+    """verl 0.9.1's AgentLoopOutput holds one sequence: a turn whose prompt drops earlier tokens (a summarised
+    context) cannot be trained as one trajectory, and the stage says so instead of training a wrong one."""
+    from async_rl.rollout.agent_loops import NonExtendingTurnError
+
+    loops = tmp_path / "loops.yaml"
+    loops.write_text("- name: summarising\n  _target_: summarising_loop.SummarisingAgentLoop\n")
+    config = config_with(demo_dir, agent_loop_config_path=str(loops), default_agent_loop="summarising")
+    check_agent_loops(config)
+    server = ScriptedServer(lambda kwargs, calls: ([5, 6], 0, "completed"))
+    stage = GenerateStage([server], config, max_staleness=1)
+    rows = [{"raw_prompt": [{"role": "user", "content": "123"}], "data_source": "d", "index": 0,
+             "reward_model": {"ground_truth": "123"}}]
+    with pytest.raises(NonExtendingTurnError, match="turn 2: its prompt does not extend the trajectory"):
+        asyncio.run(asyncio.wait_for(stage.process_data(PromptBatch(0, rows)), 60))
+    prompts = {tuple(call["prompt_ids"]) for call in server.calls}
+    assert len(prompts) == 1 and len(next(iter(prompts))) > 1  # the cut context never reached a server
