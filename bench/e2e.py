@@ -290,7 +290,7 @@ def bottleneck(row: dict) -> str | None:
             "upstream stages: " + ", ".join(f"{s} {b:.2f}" for s, b in sorted(busy.items(), key=lambda x: -x[1])[1:4]))
 
 
-def plot(curves: dict, path: str, target: float, response_length: int) -> None:
+def plot(curves: dict, path: str, target: float, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -302,7 +302,7 @@ def plot(curves: dict, path: str, target: float, response_length: int) -> None:
     ax.axhline(target, color="grey", linestyle="--", linewidth=0.8)
     ax.set_xlabel("training time (s)")
     ax.set_ylabel("validation reward (mean@1)")
-    ax.set_title(f"copy-digits, responses up to {response_length} tokens: verl vs async pipeline")
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -481,7 +481,9 @@ def main(argv=None) -> list[dict]:
     if args.png and importlib.util.find_spec("matplotlib") is None:
         print("plot: not drawn (matplotlib is not installed in this venv)")
     elif args.png:
-        plot(curves, args.png, TARGET, args.response_length)
+        workload = (f"copy-digits, responses up to {args.response_length} tokens" if args.task == "copy"
+                    else "lookup agent, 2-4 turns")
+        plot(curves, args.png, TARGET, f"{workload}: verl vs async pipeline")
         print(f"plot: {args.png}")
     if args.json:
         keys = ("system", "seed", "generate_ahead_steps", "wall_s_per_sample", "time_to_target_s", "steps",

@@ -116,6 +116,7 @@ class LookupAgentLoop(AgentLoopBase):
         response, mask, log_probs = [], [], []
         turns, calls = 1, 0  # the user's prompt, then assistant and tool turns
         seconds = {"generate_sequences": 0.0, "tool_calls": 0.0}  # verl's AgentLoopMetrics
+        versions = []  # the weight versions the server reports per turn (verl's trainer reads their range)
         for _ in range(self.max_assistant_turns):
             if len(response) >= budget:
                 break
@@ -124,6 +125,8 @@ class LookupAgentLoop(AgentLoopBase):
                 request_id=request_id, prompt_ids=prompt_ids + response,
                 sampling_params={**sampling_params, "max_tokens": min(TURN_TOKENS, budget - len(response))})
             seconds["generate_sequences"] += time.perf_counter() - started
+            versions += [v for v in (out.extra_fields.get("min_global_steps"), out.extra_fields.get("max_global_steps"))
+                         if v is not None]
             response += out.token_ids
             mask += [1] * len(out.token_ids)
             log_probs += list(out.log_probs)
@@ -144,4 +147,6 @@ class LookupAgentLoop(AgentLoopBase):
         return AgentLoopOutput(prompt_ids=prompt_ids, response_ids=response, response_mask=mask,
                                response_logprobs=log_probs, num_turns=turns, metrics=seconds,
                                extra_fields={"turn_scores": [], "tool_rewards": [],
-                                             "tool_call_counts": calls})  # verl's tool_call_counts/* metrics
+                                             "tool_call_counts": calls,  # verl's tool_call_counts/* metrics
+                                             "min_global_steps": min(versions, default=None),
+                                             "max_global_steps": max(versions, default=None)})

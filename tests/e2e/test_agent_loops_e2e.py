@@ -40,16 +40,17 @@ def test_a_users_two_turn_loop_trains_under_the_flag_as_under_verls_trainer(demo
 
 def test_the_lookup_demo_trains_under_the_flag_and_under_verls_trainer(demo_dir, tmp_path, ray_address):
     """The demo's agent task (`overrides_agent.txt`: the lookup tool, async_rl/demo/lookup.py) runs with the
-    flag and with verl's own trainer: trajectories of varying turns, verl's `num_turns` and
-    `tool_call_counts` metrics at every step."""
+    flag and with verl's own trainer: trajectories of varying turns, verl's `num_turns` metrics at every
+    step (and, under the flag, `tool_call_counts`)."""
     steps = 2
     extra = {"trainer.total_training_steps": steps, "trainer.test_freq": -1, "trainer.val_before_train": False}
     for name, flag in (("pipeline", True), ("verl", False)):
         code, out, rows = run_verl(demo_dir, {**extra, "+actor_rollout_ref.async_pipeline": flag}, tmp_path / name,
                                    ray_address=ray_address, agent=True)
         assert code == 0, out[-4000:]
-        by_step = every_step_with(rows, steps, ["num_turns/min", "num_turns/max", "tool_call_counts/max",
-                                                "critic/score/mean"])
+        # verl 0.9.1's own trainer does not log a loop's `tool_call_counts`; the pipeline does
+        counted = ["tool_call_counts/max"] if flag else []
+        by_step = every_step_with(rows, steps, ["num_turns/min", "num_turns/max", "critic/score/mean", *counted])
         assert all(m["num_turns/min"] >= 2 for m in by_step.values()), by_step  # the prompt and an answer at least
         assert any(m["num_turns/max"] > m["num_turns/min"] for m in by_step.values()), by_step  # turns vary
-        assert any(m["tool_call_counts/max"] >= 1 for m in by_step.values()), by_step
+        assert not flag or any(m["tool_call_counts/max"] >= 1 for m in by_step.values()), by_step
