@@ -93,7 +93,8 @@ def make_rows(table: LookupTable, keys: list, split: str) -> pd.DataFrame:
 def sample_keys(table: LookupTable, rng: np.random.Generator, train_size: int, val_size: int
                 ) -> tuple[list, list]:
     """Prompt keys of the table: validation keys unique and never a training prompt."""
-    order = [sorted(table.items)[int(k)] for k in rng.permutation(len(table.items))]
+    keys = sorted(table.items)
+    order = [keys[int(k)] for k in rng.permutation(len(keys))]
     val, pool = order[:val_size], order[val_size:]
     return [pool[int(i)] for i in rng.integers(len(pool), size=train_size)], val
 
