@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from async_rl.build import CALL_TIMEOUT_S, SETUP_TIMEOUT_S, BuiltPipeline
 from async_rl.core.errors import PipelineError
-from async_rl.stop_signals import STOP_BUDGET_S, PipelinePreempted
+from async_rl.stop_signals import TEARDOWN_RESERVE_S, PipelinePreempted
 
 FAILURE_READ_TIMEOUT_S = 10.0  # after a stage failed, reading the steps finished before it may take this long
 DEAD_STAGE_GRACE_S = 2.0  # after a stage failed, the wait for a dead neighbour's run to fail too
@@ -91,6 +91,8 @@ class TrainingLoop:
                 raise PipelineError(f"no training step completed for {built.run.async_cfg.stall_timeout_s:g} s "
                                     f"(trainer.async_stall_timeout_s); stage states: {states}")
         progress.close()
+        if built.stop.requested:  # every step trained before the stop came round: saved at the end, as verl saves
+            return self.history
         if test_freq > 0 or cfg.trainer.get("val_before_train", True):
             self.validate(step)
         return self.history
@@ -146,14 +148,16 @@ class TrainingLoop:
             self.log(metrics, int(metrics["training/global_step"]))
 
     def checkpoint_and_stop(self) -> None:
-        """On a stop signal: the running step finishes, the last completed one is saved; raises PipelinePreempted."""
+        """On a stop signal: the running step finishes, the last completed one is saved, both within
+        `trainer.stop_deadline_s` less the teardown's share; raises PipelinePreempted."""
         signum = self.built.stop.signum
+        budget_s = max(1.0, self.built.stop.seconds_left() - TEARDOWN_RESERVE_S)
         ref = self.stages["actor_train"].checkpoint_and_stop.remote()
         try:
-            saved = ray.get(ref, timeout=STOP_BUDGET_S)
+            saved = ray.get(ref, timeout=budget_s)
         except ray.exceptions.GetTimeoutError:
-            raise PipelinePreempted(signum, None, f"the running step and its checkpoint took over {STOP_BUDGET_S:g} s, "
-                                                  "abandoned; the newest earlier checkpoint stands") from None
+            raise PipelinePreempted(signum, None, f"the running step and its checkpoint did not end within "
+                                                  f"{budget_s:.0f} s (trainer.stop_deadline_s), abandoned") from None
         except ray.exceptions.RayError as exc:
             raise PipelineError(f"saving the checkpoint on {signal.Signals(signum).name} failed:\n{_cause(exc)}") from exc
         self.log_steps_left()  # the step just saved: a resume goes on after it

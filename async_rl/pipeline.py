@@ -17,6 +17,7 @@ import logging
 from collections.abc import Callable
 from typing import Optional
 
+import psutil
 import ray
 from omegaconf import DictConfig, OmegaConf
 from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
@@ -26,10 +27,13 @@ from async_rl.build import BuiltPipeline, build_stages, place, resume, shutdown,
 from async_rl.core.errors import PipelineError
 from async_rl.loop import TrainingLoop
 from async_rl.run_config import RunConfig, ray_init_kwargs, read_run_config
-from async_rl.stop_signals import PipelinePreempted, stop_signals_caught
+from async_rl.stop_signals import (PipelinePreempted, kill_ray_processes, ray_processes, sigterm_blocked,
+                                   stop_signals_caught)
 from verl_patches.cpu_patches import set_engine_device_env, use_cpu_platform
 
 logger = logging.getLogger(__name__)
+
+RAY_EXIT_WAIT_S = 5.0  # after ray.shutdown and the SIGKILL of what is left, the wait until all are gone
 
 
 def run_pipeline(run: RunConfig, tracking=None, restarts: int = 0,
@@ -43,7 +47,8 @@ def run_pipeline(run: RunConfig, tracking=None, restarts: int = 0,
     owns_ray, env_vars = start_ray(run.config)
     built = BuiltPipeline(run, env_vars=env_vars)
     try:
-        with stop_signals_caught() as built.stop:  # after ray.init, which installs its own SIGTERM handler
+        # after ray.init, which installs its own SIGTERM handler
+        with stop_signals_caught(run.async_cfg.stop_deadline_s) as built.stop:
             place(built)
             build_stages(built)
             start_weight_sync(built)
@@ -55,10 +60,17 @@ def run_pipeline(run: RunConfig, tracking=None, restarts: int = 0,
     except PipelineError as failure:
         failure.during_training = built.training
         raise
+    except KeyboardInterrupt:
+        if built.stop is None or not built.stop.requested:
+            raise
+        raise PipelinePreempted(built.stop.signum, None, "a second signal stopped it at once") from None
     finally:
+        started = ray_processes() if owns_ray else []  # before the actors go: their children are still theirs
         shutdown(built)
-        if owns_ray and ray.is_initialized():
-            ray.shutdown()
+        if owns_ray:
+            stop_ray(started)
+        if built.stop is not None:
+            built.stop.cancel()
         if own_tracking:
             tracking.finish()
 
@@ -96,8 +108,11 @@ def run_async_pipeline(config, task_runner_class=None) -> None:
                 logger.warning("%s\n%s", message, failure)
                 print(message, flush=True)
     except PipelinePreempted as stopped:
-        logger.warning("%s", stopped)
-        print(f"async_rl: {stopped}", flush=True)
+        root = getattr(run.checkpoint, "root", None)
+        newest = find_latest_ckpt_path(root) if root else None
+        resume = f"a resume starts after {newest}" if newest else "no checkpoint: a resume starts from the beginning"
+        logger.warning("%s; %s", stopped, resume)
+        print(f"async_rl: {stopped}; {resume}", flush=True)
         raise SystemExit(stopped.exit_code) from None
     finally:
         tracking.finish()
@@ -112,8 +127,27 @@ def start_ray(config: DictConfig) -> tuple[bool, dict]:
     kwargs = ray_init_kwargs(config)
     owns = not ray.is_initialized()
     if owns:
-        ray.init(**kwargs)
+        with sigterm_blocked():  # Ray's processes and all they start ignore a scheduler's SIGTERM (stop_signals)
+            ray.init(**kwargs)
     return owns, kwargs["runtime_env"]["env_vars"]
+
+
+def stop_ray(processes: Optional[list] = None) -> None:
+    """`ray.shutdown()` of the Ray this process started, then SIGKILL to any of `processes` (default:
+    Ray's processes and their descendants now) still alive (the raylet's agents, a killed actor's
+    children outlive a raylet that did not stop them); waits up to `RAY_EXIT_WAIT_S` for them to go.
+    Without Ray's graceful SIGTERM and one-second wait per process: they have SIGTERM blocked
+    (`start_ray`), so Ray's SIGKILL after the wait is what would stop them anyway."""
+    if not ray.is_initialized():
+        return
+    processes = ray_processes() if processes is None else processes
+    node = getattr(ray._private.worker, "_global_node", None)
+    kill_all = getattr(node, "kill_all_processes", None)
+    if kill_all is not None:
+        node.kill_all_processes = lambda **kwargs: kill_all(**{**kwargs, "allow_graceful": False})
+    ray.shutdown()
+    kill_ray_processes(processes)
+    psutil.wait_procs(processes, timeout=RAY_EXIT_WAIT_S)
 
 
 def make_tracking(config: DictConfig) -> Tracking:

@@ -138,18 +138,30 @@ def reached_target(path: Path, target: float) -> bool:
     return any(row["data"].get(key, -1.0) >= target for row in read_metrics(path) for key in VAL_KEYS)
 
 
-def stop_process_group(proc: subprocess.Popen, grace_s: float = 60.0) -> None:
-    """SIGTERM to the run's process group (its driver and the Ray it started), SIGKILL after ``grace_s``."""
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 30.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
+KILL_WAIT_S = 30.0  # Slurm's default KillWait: SIGTERM to every process of the job, SIGKILL this much later
+
+
+def session_pids(sid: int) -> list[int]:
+    """Every process of session `sid` (a run started with start_new_session: all of its processes,
+    Ray's workers included, which sit in process groups of their own)."""
+    out = subprocess.run(["ps", "-eo", "pid=,sid="], capture_output=True, text=True).stdout.split()
+    return [int(pid) for pid, s in zip(out[::2], out[1::2]) if int(s) == sid]
+
+
+def stop_like_a_scheduler(proc: subprocess.Popen, kill_wait_s: float = KILL_WAIT_S) -> None:
+    """Stop a run as Slurm stops a job: SIGTERM to every process of its session, SIGKILL to those left
+    ``kill_wait_s`` later; returns once the driver has exited and the session is empty (or 30 s more)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in session_pids(proc.pid):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + (kill_wait_s if sig == signal.SIGTERM else 30.0)
+        while (proc.poll() is None or session_pids(proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if proc.poll() is not None and not session_pids(proc.pid):
             return
-        try:
-            proc.wait(timeout=wait_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def run_system(name: str, demo_dir: Path, workdir: Path, metrics_path: Path, extra: dict, timeout_s: float,
@@ -184,7 +196,7 @@ def run_system(name: str, demo_dir: Path, workdir: Path, metrics_path: Path, ext
                 time.sleep(5.0)
         finally:
             if proc.poll() is None:
-                stop_process_group(proc)
+                stop_like_a_scheduler(proc)
     if proc.returncode != 0 and not stopped_at_target:
         tail = log_path.read_text()[-3000:]
         raise RuntimeError(f"{name} failed after {time.monotonic() - start:.0f} s (log: {log_path}):\n{tail}")

@@ -10,6 +10,8 @@ subprocess in its own session. At a random step (from `--seed`) the bench inject
 - `reward_actor_sigkill`: SIGKILL of the reward stage's actor (same);
 - `driver_sigterm`: SIGTERM of the driver (it saves a checkpoint and exits; the bench runs the
   command again and it resumes);
+- `group_sigterm`: SIGTERM to every process of the run, as a scheduler stops a job (the same; the
+  driver must exit within `trainer.stop_deadline_s`, 25 s, and no process of the run outlive it by 15 s);
 - `reward_hangs` / `reward_raises`: the reward function hangs on / raises for one sample (scored 0).
 
 Per run it prints: time to detect (injection -> the first log line naming the fault), time to
@@ -44,7 +46,10 @@ from bench.command import command_line  # noqa: E402
 TESTS = Path(__file__).resolve().parents[1] / "tests"  # the test oracle of what each step trains (tests/lineage.py)
 
 FAULTS = ("none", "rollout_server_sigkill", "rollout_server_hang", "train_rank_sigkill", "reward_actor_sigkill",
-          "driver_sigterm", "reward_hangs", "reward_raises")
+          "driver_sigterm", "group_sigterm", "reward_hangs", "reward_raises")
+STOPS = ("driver_sigterm", "group_sigterm")  # the run stops, saved; the bench starts it again to resume
+STOP_DEADLINE_S = 25.0  # trainer.stop_deadline_s default
+LEFT_AFTER_S = 15.0  # a stopped run's processes must be gone this long after its driver exits
 VAL_KEY = "val-core/async_rl/copy_digits/reward/mean@1"
 REQUEST_TIMEOUT_S = 20  # +actor_rollout_ref.rollout.request_timeout_s for the hang
 REWARD_TIMEOUT_S = 5  # reward.async_timeout_s (per sample with on_error=zero)
@@ -56,6 +61,7 @@ DETECTED = {
     "train_rank_sigkill": r"async_rl: restart \d+ of",
     "reward_actor_sigkill": r"async_rl: restart \d+ of",
     "driver_sigterm": r"SIGTERM",
+    "group_sigterm": r"SIGTERM",
     "reward_hangs": r"reward function \S+ failed on",
     "reward_raises": r"reward function \S+ failed on",
 }
@@ -117,6 +123,11 @@ class Segment:
     def max_step(self) -> int:
         return max((s for _, s in self.steps()), default=0)
 
+    def processes(self) -> list[int]:
+        """The pids of the run's session still alive (the driver's session: every process of the run)."""
+        out = subprocess.run(["ps", "-eo", "pid=,sid="], capture_output=True, text=True).stdout.split()
+        return [int(pid) for pid, sid in zip(out[::2], out[1::2]) if int(sid) == self.proc.pid]
+
     def kill(self) -> None:
         """SIGKILL every process of the session (the driver, Ray, every actor)."""
         out = subprocess.run(["ps", "-eo", "pid=,sid="], capture_output=True, text=True).stdout.split()
@@ -161,6 +172,8 @@ def inject(fault: str, segment: Segment, trigger: Path) -> None:
         session_process(segment, "ray::RewardStage").send_signal(signal.SIGKILL)
     elif fault == "driver_sigterm":
         segment.proc.send_signal(signal.SIGTERM)
+    elif fault == "group_sigterm":
+        os.killpg(segment.proc.pid, signal.SIGTERM)
     elif fault in ("reward_hangs", "reward_raises"):
         trigger.touch()
     else:
@@ -203,6 +216,7 @@ def run_one(fault: str, demo: Path, workdir: Path, steps: int, inject_step: int,
     start = time.monotonic()
     segments = [Segment(cmd, env, workdir, "run0")]
     injected_at, outcome = None, "completed"
+    stop_s = procs_left = None
     while True:
         segment = segments[-1]
         if injected_at is None and fault != "none" and segment.max_step() >= inject_step:
@@ -211,7 +225,13 @@ def run_one(fault: str, demo: Path, workdir: Path, steps: int, inject_step: int,
         code = segment.proc.poll()
         if code is not None:
             time.sleep(0.5)  # the reader threads take the last lines
-            if fault == "driver_sigterm" and len(segments) == 1 and injected_at is not None:
+            if fault in STOPS and len(segments) == 1 and injected_at is not None:
+                stop_s = time.monotonic() - injected_at
+                deadline = time.monotonic() + LEFT_AFTER_S
+                while segment.processes() and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                procs_left = len(segment.processes())
+                segment.kill()
                 segments.append(Segment(cmd, env, workdir, "run1"))  # resumes from its checkpoint
                 continue
             outcome = "completed" if code == 0 else f"failed (exit {code})"
@@ -230,7 +250,7 @@ def run_one(fault: str, demo: Path, workdir: Path, steps: int, inject_step: int,
         seen = [t for t, line in lines if t >= injected_at and pattern.search(line)]
         detect_s = seen[0] - injected_at if seen else None
         # recovered: the first step after the fault was handled (for the SIGTERM, by the resumed run)
-        resumed = [item for s in segments[1:] for item in s.steps()] if fault == "driver_sigterm" else step_times
+        resumed = [item for s in segments[1:] for item in s.steps()] if fault in STOPS else step_times
         after = [t for t, _ in resumed if seen and t > seen[0]]
         recover_s = after[0] - injected_at if after else None
     logged = [s for _, s in step_times]
@@ -250,6 +270,8 @@ def run_one(fault: str, demo: Path, workdir: Path, steps: int, inject_step: int,
         "final_val": val[-1] if val else None,
         "replica_restarts": final[-1].get("async/faults/replica_restarts") if final else None,
         "reward_errors": sum(r.get("async/faults/reward_errors", 0.0) for r in final),
+        "stop_s": stop_s,  # a stop signal: injection -> the driver's exit
+        "procs_left": procs_left,  # ... and the run's processes alive LEFT_AFTER_S after it
         "wall_s": time.monotonic() - start,
         "log": str(workdir / "run0.log"),
     }
@@ -260,6 +282,8 @@ def verdict(row: dict) -> str:
         return "ok" if row["outcome"] == "completed" and not row["samples_lost"] and not row["samples_twice"] else "FAIL"
     ok = (row["outcome"] == "completed" and row["detect_s"] is not None and row["detect_s"] <= GOAL_S
           and not row["samples_lost"] and not row["samples_twice"] and not row["steps_missing"])
+    if row["fault"] in STOPS:  # stopped within the deadline, nothing of the run left behind
+        ok = ok and row.get("stop_s") is not None and row["stop_s"] <= STOP_DEADLINE_S and row.get("procs_left") == 0
     return "ok" if ok else "FAIL"
 
 
@@ -268,7 +292,7 @@ def format_table(rows: list[dict]) -> str:
         return "-" if value is None else fmt.format(value)
 
     head = (f"{'fault':<22} {'step':>4} {'outcome':<10} {'detect s':>8} {'recover s':>9} {'redone':>6} "
-            f"{'missing':>7} {'lost':>4} {'twice':>5} {'val':>5} {'vs none':>7}  goal")
+            f"{'missing':>7} {'lost':>4} {'twice':>5} {'val':>5} {'vs none':>7} {'stop s':>6} {'left':>4}  goal")
     base = next((r["final_val"] for r in rows if r["fault"] == "none"), None)
     out = [head, "-" * len(head)]
     for r in rows:
@@ -276,7 +300,8 @@ def format_table(rows: list[dict]) -> str:
         out.append(f"{r['fault']:<22} {num(r['inject_step'], '{}'):>4} {r['outcome'][:10]:<10} {num(r['detect_s']):>8} "
                    f"{num(r['recover_s']):>9} {r['steps_redone']:>6} {r['steps_missing']:>7} {r['samples_lost']:>4} "
                    f"{r['samples_twice']:>5} "
-                   f"{num(r['final_val'], '{:.2f}'):>5} {num(diff, '{:+.2f}'):>7}  {verdict(r)}")
+                   f"{num(r['final_val'], '{:.2f}'):>5} {num(diff, '{:+.2f}'):>7} {num(r.get('stop_s')):>6} "
+                   f"{num(r.get('procs_left'), '{}'):>4}  {verdict(r)}")
     return "\n".join(out)
 
 

@@ -80,7 +80,8 @@ def run_verl(demo_dir: Path, extra, workdir: Path, timeout_s: float = 600, criti
              ray_address: str | None = None, agent: bool = False) -> tuple[int, str, list[dict]]:
     """`python -m verl.trainer.main_ppo <demo overrides + extra>` (`critic`: the demo's PPO with GAE; `agent`:
     the lookup task's agent loop), on the Ray cluster at `ray_address` (None: a Ray of its own); returns
-    (exit code, output, JSONL rows)."""
+    (exit code, output, JSONL rows). With a Ray of its own and the flag on, whether it ended or failed,
+    nothing of the run may be left once it has exited (`assert_nothing_left`)."""
     from async_rl.demo import demo_overrides
 
     workdir.mkdir(parents=True, exist_ok=True)
@@ -91,9 +92,18 @@ def run_verl(demo_dir: Path, extra, workdir: Path, timeout_s: float = 600, criti
     if ray_address:  # workers of a running cluster do not inherit this process's environment: verl's trainer
         # logs from its TaskRunner actor
         cmd.append(f"+ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH={metrics_path}")
-    proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout_s)
+    proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    proc.started_at = time.time()
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        kill_session(proc)
+        raise
+    if ray_address is None and "+actor_rollout_ref.async_pipeline=True" in cmd:
+        assert_nothing_left(proc, f"after the run exited ({proc.returncode}):\n{(out + err)[-2000:]}")
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
-    return proc.returncode, proc.stdout + proc.stderr, rows
+    return proc.returncode, out + err, rows
 
 
 DIGESTS_SCRIPT = """
@@ -158,7 +168,9 @@ def start_verl(demo_dir: Path, extra, workdir: Path, metrics_name: str = "metric
     env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(workdir / metrics_name), "PYTHONUNBUFFERED": "1", **(env or {})}
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *demo_overrides(demo_dir, extra=extra)]
     log = open(workdir / f"{metrics_name}.log", "w")
-    return subprocess.Popen(cmd, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc.started_at = time.time()
+    return proc
 
 
 def wait_until(predicate, proc, what: str, timeout_s: float = 400):
@@ -178,6 +190,23 @@ def wait_until(predicate, proc, what: str, timeout_s: float = 400):
 def session_processes(sid: int) -> list[int]:
     out = subprocess.run(["ps", "-eo", "pid=,sid="], capture_output=True, text=True).stdout.split()
     return [int(p) for p, s in zip(out[::2], out[1::2]) if int(s) == sid]
+
+
+def assert_nothing_left(proc: subprocess.Popen, when: str, within_s: float = 15.0) -> None:
+    """No process of `proc`'s session (the driver, Ray's, every actor and what they forked) is alive
+    `within_s` after `proc` exited, and no weight-sync shared-memory file of its processes remains."""
+    from param_update.transports.shared_memory import PREFIX, SHM_DIR
+
+    deadline = time.monotonic() + within_s
+    while session_processes(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = subprocess.run(["ps", "-o", "pid=,ppid=,args=", "-s", str(proc.pid)], capture_output=True, text=True).stdout
+    assert not session_processes(proc.pid), f"processes left {when}:\n{left}"
+    started = getattr(proc, "started_at", 0.0)  # start_verl's: files of earlier runs are not this run's
+    files = [f for f in os.listdir(SHM_DIR) if f.startswith(PREFIX)
+             and os.path.getmtime(os.path.join(SHM_DIR, f)) >= started  # the creator's pid follows the prefix
+             and not os.path.exists(f"/proc/{f[len(PREFIX):].split('-')[0]}")]
+    assert not files, f"shared-memory files left {when}: {files}"
 
 
 def kill_session(proc: subprocess.Popen, grace_s: float = 30.0) -> None:

@@ -145,6 +145,9 @@ KEYS = (
         "k: staleness bound eta = k - 1 (1 = synchronous on-policy, 2 = one-step-off)"),
     Key("trainer.async_stall_timeout_s", "stall_timeout_s", 600.0, _as_positive_number, "> 0",
         "no training step for this long stops the run with every stage's state", "`600`"),
+    Key("trainer.stop_deadline_s", "stop_deadline_s", 25.0, _as_positive_number, "> 0",
+        "SIGTERM/SIGINT to the job: last step saved, every process gone within this "
+        "([docs](docs/operations.md))", "`25`"),
     Key("reward.async_timeout_s", "reward_timeout_s", 60.0, _as_positive_number, "> 0",
         "one batch's reward scoring may take this long; a hanging reward function fails the run naming it", "`60`"),
     Key("trainer.max_restarts", "max_restarts", 0, _as_count, "int >= 0",
@@ -193,6 +196,7 @@ class AsyncPipelineConfig:
     consume_bucket_size_mb: float = _DEFAULTS["consume_bucket_size_mb"]
     generate_ahead_steps: int = _DEFAULTS["generate_ahead_steps"]
     stall_timeout_s: float = _DEFAULTS["stall_timeout_s"]
+    stop_deadline_s: float = _DEFAULTS["stop_deadline_s"]  # first stop signal -> process exit
     reward_timeout_s: float = _DEFAULTS["reward_timeout_s"]
     reward_on_error: str = _DEFAULTS["reward_on_error"]
     max_restarts: int = _DEFAULTS["max_restarts"]  # whole-pipeline restarts after a stage fails mid-run

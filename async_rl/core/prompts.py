@@ -4,6 +4,12 @@ dataloader stage, validation and the checks before Ray starts."""
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import os
+import signal
+import sys
+
 import torch
 
 from async_rl.core.data_checks import prompt_too_long_error
@@ -19,7 +25,8 @@ def load_prompt_dataset(data_files, data_config, tokenizer, is_train: bool):
 
 
 def make_train_dataloader(data_config, dataset):
-    """The training dataloader exactly as verl's trainer builds it (same batches, same state)."""
+    """The training dataloader exactly as verl's trainer builds it (same batches, same state); its
+    worker processes (`data.dataloader_num_workers`) die with the process that iterates it."""
     from torchdata.stateful_dataloader import StatefulDataLoader
     from verl.trainer.ppo.utils import create_rl_sampler
     from verl.utils.dataset.rl_dataset import collate_fn
@@ -31,7 +38,23 @@ def make_train_dataloader(data_config, dataset):
         drop_last=True,
         collate_fn=collate_fn,
         sampler=create_rl_sampler(data_config, dataset),
+        worker_init_fn=functools.partial(die_with_parent, parent=os.getpid()),
     )
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent(worker_id: int = 0, parent: int = 0) -> None:
+    """Have the kernel SIGKILL this process when the thread that started it exits (Linux; elsewhere
+    nothing); exit at once if `parent` (its pid; 0: the current parent) is already gone. A DataLoader
+    worker whose stage was killed would otherwise live on, orphaned, blocked on its full result pipe."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = parent or os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent:  # the parent died before the prctl
+        os._exit(1)
 
 
 def tokenize_row(row: dict, tokenizer, max_prompt_length: int, truncation: str = "left", files=None,

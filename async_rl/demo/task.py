@@ -130,6 +130,9 @@ CPU_PIPELINE_OVERRIDES: dict[str, str] = {
     "trainer.logger": "[console,file]",
     "trainer.project_name": "async_rl_demo",
     "trainer.experiment_name": "copy_digits",
+    # the demo's batches are a few rows of digits: read in the dataloader stage itself, not in verl's
+    # default 8 forked workers (a few hundred MB each on a 2-core machine)
+    "data.dataloader_num_workers": "0",
     "actor_rollout_ref.rollout.name": "cpu",
     "actor_rollout_ref.rollout.tensor_model_parallel_size": "1",  # a CPU replica is one process
     "actor_rollout_ref.rollout.val_kwargs.do_sample": "False",

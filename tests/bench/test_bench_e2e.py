@@ -113,11 +113,11 @@ def test_a_run_stops_at_its_first_validation_at_the_target_with_its_whole_proces
         if child_pid.exists() and child_pid.read_text().strip():
             break
         __import__("time").sleep(0.05)
-    e2e.stop_process_group(proc, grace_s=5)
+    e2e.stop_like_a_scheduler(proc, kill_wait_s=5)
     assert proc.poll() is not None
     child = int(child_pid.read_text())
     with pytest.raises(ProcessLookupError):
-        for _ in range(50):  # the background sleep was in the group: it is gone (or a zombie being reaped)
+        for _ in range(50):  # the background sleep was in the session: it is gone (or a zombie being reaped)
             os.kill(child, 0)
             __import__("time").sleep(0.1)
         raise AssertionError("the run's child process outlived the stop")

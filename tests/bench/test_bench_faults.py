@@ -39,6 +39,17 @@ def test_verdict_applies_the_issue_goal(change, ok):
     assert (faults.verdict(row(**change)) == "ok") is ok
 
 
+@pytest.mark.parametrize("fault", faults.STOPS)
+@pytest.mark.parametrize("change,ok", [
+    ({"stop_s": 6.0, "procs_left": 0}, True),
+    ({"stop_s": 26.0, "procs_left": 0}, False),  # past trainer.stop_deadline_s: Slurm's SIGKILL would come first
+    ({"stop_s": 6.0, "procs_left": 3}, False),  # processes of the run outlived it
+    ({"stop_s": None, "procs_left": None}, False),  # never stopped
+])
+def test_a_stop_signal_must_end_the_run_within_the_deadline_leaving_nothing(fault, change, ok):
+    assert (faults.verdict(row(fault=fault, **change)) == "ok") is ok
+
+
 def test_table_compares_with_the_unfaulted_run():
     table = faults.format_table([row(fault="none", inject_step=None, detect_s=None, recover_s=None, final_val=0.5),
                                  row(final_val=0.45)])

@@ -29,11 +29,12 @@ PARTIAL = "actor_rollout_ref.rollout.partial_rollout"
 PROXIMAL = "algorithm.proximal_logp_workers"
 REQUEST_TIMEOUT = "actor_rollout_ref.rollout.request_timeout_s"
 TOOL_TIMEOUT = "actor_rollout_ref.rollout.multi_turn.tool_timeout_s"
+STOP_DEADLINE = "trainer.stop_deadline_s"
 TOOL_POOL_SIZE = "actor_rollout_ref.rollout.multi_turn.tool_pool_size"
 REPLICA_RESTARTS = "actor_rollout_ref.rollout.max_restarts"
 
 BOOL_KEYS = (ENABLED, DUAL, DECOUPLED, PARTIAL)
-POSITIVE_KEYS = (PREDUCE, CONSUME, STALL, REWARD, REQUEST_TIMEOUT, TOOL_TIMEOUT)
+POSITIVE_KEYS = (PREDUCE, CONSUME, STALL, REWARD, REQUEST_TIMEOUT, TOOL_TIMEOUT, STOP_DEADLINE)
 
 
 def nested(values: dict) -> dict:
@@ -98,7 +99,7 @@ def test_config_keys_listed():
     assert set(CONFIG_KEYS) == set(BOOL_KEYS + POSITIVE_KEYS + (RATIOS, AHEAD, CAP, PROXIMAL, "reward.on_error",
                                                                 "trainer.max_restarts", "trainer.async_stages",
                                                                 REPLICA_RESTARTS, TOOL_POOL_SIZE))
-    assert len(CONFIG_KEYS) == 19
+    assert len(CONFIG_KEYS) == 20
 
 
 def test_every_key_is_read():
@@ -112,6 +113,7 @@ def test_every_key_is_read():
                 CONSUME: 0.5,
                 AHEAD: 4,
                 STALL: 30,
+                STOP_DEADLINE: 12,
                 REWARD: 2.5,
                 DECOUPLED: False,
                 CAP: 2,
@@ -132,7 +134,7 @@ def test_every_key_is_read():
     assert c.preduce_bucket_size_mb == 64.0 and isinstance(c.preduce_bucket_size_mb, float)
     assert c.consume_bucket_size_mb == 0.5
     assert c.generate_ahead_steps == 4 and c.max_staleness == 3
-    assert c.stall_timeout_s == 30.0 and c.reward_timeout_s == 2.5
+    assert c.stall_timeout_s == 30.0 and c.reward_timeout_s == 2.5 and c.stop_deadline_s == 12.0
     assert c.tool_timeout_s == 7.0 and isinstance(c.tool_timeout_s, float)
     assert c.tool_pool_size == 3 and read_async_config(cfg({})).tool_pool_size is None
 

@@ -13,7 +13,8 @@ import time
 import pytest
 
 from bench import faults
-from conftest import dumped_step_inputs, expected_step_inputs, read_jsonl, start_verl, step_rows, wait_until
+from conftest import (assert_nothing_left, dumped_step_inputs, expected_step_inputs, read_jsonl, start_verl, step_rows,
+                      wait_until)
 
 STEPS = 60  # long enough after the hang's detection (30 s) for its restart (~7 s) before the end: at ~0.35 s
 # a step, 30 steps once ended first
@@ -57,6 +58,7 @@ def test_lost_and_hung_rollout_servers_are_restarted_and_nothing_is_lost(demo_di
             proc.kill()
     log = log_path.read_text()
     assert proc.returncode == 0, log[-4000:]
+    assert_nothing_left(proc, "after the run's end (two servers killed and restarted)")
     by_step = logged_steps(metrics)
     assert sorted(by_step) == list(range(1, STEPS + 1))
     assert all(m["async/staleness/max"] <= K - 1 for m in by_step.values())

@@ -52,7 +52,7 @@ def test_a_train_rank_sigkilled_mid_run_costs_one_checkpoint_and_no_sample(demo_
     import signal
     import time
 
-    from conftest import dumped_step_inputs, expected_step_inputs, read_jsonl, start_verl
+    from conftest import assert_nothing_left, dumped_step_inputs, expected_step_inputs, read_jsonl, start_verl
 
     ckpt, dumps = tmp_path / "ckpt", tmp_path / "dumps"
     steps = 8
@@ -74,6 +74,7 @@ def test_a_train_rank_sigkilled_mid_run_costs_one_checkpoint_and_no_sample(demo_
             proc.kill()
     out = (tmp_path / "metrics.jsonl.log").read_text()
     assert "async_rl: restart 1 of 1 (trainer.max_restarts) from" in out and "stage 'actor_train' failed" in out
+    assert_nothing_left(proc, "after a stage crash, a restart and the run's end")
     logged = [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl") if "training/global_step" in r["data"]]
     assert sorted(set(logged)) == list(range(1, steps + 1))
     assert dumped_step_inputs(dumps) == expected_step_inputs(demo_dir, steps)

@@ -1,7 +1,8 @@
 """Checkpoints and resume end to end, through verl's command line with the flag.
 
 The demo, killed (SIGKILL of every process of the run, as a lost node) during a checkpoint
-write, a weight sync, a training step and generation ahead, then stopped by SIGTERM, and
+write, a weight sync, a training step and generation ahead, then stopped by SIGTERM to every
+process of the run (as a scheduler stops a job), and
 resumed with `trainer.resume_mode=auto` each time: every step trains the prompts the
 uninterrupted run trains at that step, no step is skipped or trained twice in the
 checkpointed lineage, staleness stays within the bound, and it still learns. 16 steps, not the
@@ -11,6 +12,7 @@ the same kills took 14.8 min; README "Checkpoints and resume").
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 
@@ -23,7 +25,7 @@ from conftest import (
     expected_step_inputs,
     kill_session,
     read_jsonl,
-    session_processes,
+    assert_nothing_left,
     start_verl,
     step_rows,
     val_rows,
@@ -34,6 +36,7 @@ VAL_KEY = "val-core/async_rl/copy_digits/reward/mean@1"
 SAVE_FREQ = 2
 TOTAL_STEPS = 16
 # where each killed segment is held, then SIGKILLed (async_rl/core/fault_points.py)
+STOP_DEADLINE_S = 25  # trainer.stop_deadline_s default
 KILLS = ["checkpoint_write@4", "weight_sync@5", "train_step@7", "generate_ahead@10"]
 
 
@@ -65,21 +68,23 @@ def test_demo_learns_across_sigkills_and_a_sigterm(demo_dir, tmp_path):
             assert not (ckpt / f"global_step_{held_step}").exists()
         resumed_from = saved
 
-    # SIGTERM to the driver, as a scheduler preempting the job: the running step finishes and is saved
+    # SIGTERM to the run's whole process group, as a scheduler stopping the job: the running step
+    # finishes and is saved, within trainer.stop_deadline_s (25 s), and nothing of the run is left
     name = "segment_sigterm.jsonl"
     proc = start_verl(demo_dir, extra, tmp_path, name)
     deadline = time.monotonic() + 400
     while not [s for s in segment_steps(tmp_path, name) if s >= resumed_from + 3]:
         assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / f"{name}.log").read_text()[-3000:]
         time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    signalled = time.monotonic()
+    os.killpg(proc.pid, signal.SIGTERM)
+    assert proc.wait(timeout=STOP_DEADLINE_S) == 128 + signal.SIGTERM
+    stop_s = time.monotonic() - signalled
     log = (tmp_path / f"{name}.log").read_text()
     saved = directory.tracked_step()
     assert f"stopped by SIGTERM: checkpoint of step {saved} saved" in log, log[-3000:]
     assert saved == max(segment_steps(tmp_path, name))  # the last completed step, saved and logged
-    time.sleep(5)
-    assert not session_processes(proc.pid), "actors left behind after SIGTERM"
+    assert_nothing_left(proc, f"after SIGTERM to the group (driver exited in {stop_s:.1f} s)")
     segments.append((name, resumed_from))
     resumed_from = saved
 

@@ -18,6 +18,7 @@ from conftest import (
     dumped_step_inputs,
     every_step_with,
     expected_step_inputs,
+    assert_nothing_left,
     kill_session,
     read_jsonl,
     run_pipeline_reading_digests,
@@ -152,6 +153,8 @@ def test_pipeline_on_vllm_restarts_a_killed_server_with_the_newest_weights(demo_
             kill_session(proc)
     log = log_path.read_text()
     assert proc.returncode == 0, log[-4000:]
+    # vLLM's engine processes too
+    assert_nothing_left(proc, "after the run's end (a vLLM server killed and restarted)")
     by_step = every_step_with(read_jsonl(metrics), steps, ["rollout_corr/log_ppl_abs_diff", "async/faults/replica_restarts"])
     assert killed_after < steps
     assert by_step[steps]["async/faults/replica_restarts"] == 1.0
