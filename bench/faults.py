@@ -130,13 +130,11 @@ class Segment:
 
     def kill(self) -> None:
         """SIGKILL every process of the session (the driver, Ray, every actor)."""
-        out = subprocess.run(["ps", "-eo", "pid=,sid="], capture_output=True, text=True).stdout.split()
-        for pid, sid in zip(out[::2], out[1::2]):
-            if int(sid) == self.proc.pid:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        for pid in self.processes():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def titled_processes(root_pid: int, title: str) -> list:
