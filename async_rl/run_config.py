@@ -23,6 +23,7 @@ from async_rl.core.errors import AsyncConfigError
 from async_rl.core.placement import Placement, plan_placement
 from async_rl.core.scoring import overlong_shaping
 from async_rl.core.stage_graph import STAGES_KEY, UserStageSpec, build_edges
+from async_rl.core.verl_keys import refuse_unsupported
 from async_rl.rollout.agent_loops import absolute_agent_files, check_agent_loops
 from state_machines.base import StateMachine
 
@@ -65,6 +66,7 @@ def read_run_config(config: DictConfig) -> RunConfig:
     """Every check that needs no Ray, then the run's derived values; raises AsyncConfigError, ValueError
     or FileNotFoundError naming the key."""
     async_cfg = read_async_config(config)
+    refuse_unsupported(config)
     critic = critic_enabled(config)
     read_checkpoint_config(config)
     user_stages = {spec.name: load_stage_class(spec) for spec in async_cfg.user_stages}
@@ -128,14 +130,23 @@ def load_stage_class(spec: UserStageSpec) -> type:
     return cls
 
 
+# files a command names, checked before Ray starts (the reward's are optional; verl also loads them from
+# "pkg://module", not a file, and "file://path", a file)
+FILE_KEYS = ("data.train_files", "actor_rollout_ref.model.path")
+OPTIONAL_FILE_KEYS = ("reward.custom_reward_function.path", "reward.reward_manager.module.path")
+
+
 def check_files(config: DictConfig) -> None:
-    """The model and data files exist, the data's rows are usable (named by file and row) and the run
-    has steps to train."""
-    for key in ("data.train_files", "actor_rollout_ref.model.path"):
+    """The model, data and reward files exist, the data's rows are usable (named by file and row) and
+    the run has steps to train."""
+    for key in FILE_KEYS + OPTIONAL_FILE_KEYS:
         value = OmegaConf.select(config, key)
+        if value is None and key in OPTIONAL_FILE_KEYS or str(value).startswith("pkg://"):
+            continue
         paths = list(value) if isinstance(value, (list, tuple)) or OmegaConf.is_list(value) else [value]
         for path in paths:
-            if not path or (not str(path).startswith(("hdfs://", "s3://")) and not os.path.exists(str(path))):
+            path = str(path).removeprefix("file://") if path else path
+            if not path or (not path.startswith(("hdfs://", "s3://")) and not os.path.exists(path)):
                 raise FileNotFoundError(f"{key}={path!r}: no such file or directory")
     prompt_key = str(config.data.get("prompt_key", "prompt"))
     for key in ("data.train_files", "data.val_files"):

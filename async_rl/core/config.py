@@ -10,6 +10,7 @@ async_rl/checkpoints.py; whether a run has a critic is verl's own rule (`critic_
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -30,6 +31,8 @@ PREDUCE_BUCKET_KEY = "actor_rollout_ref.rollout.param_update_preduce_bucket_size
 CONSUME_BUCKET_KEY = "actor_rollout_ref.rollout.param_update_consume_bucket_size_mb"
 MB = 1 << 20  # the bucket sizes' unit
 REWARD_ON_ERROR = ("stop", "zero")  # a raising / hanging reward function: fail the run, or score 0 and count
+
+logger = logging.getLogger(__name__)
 
 
 def select_value(config, key: str, default):
@@ -225,16 +228,23 @@ def readme_table() -> str:
     return "\n".join(rows)
 
 
-def _check_decoupled(config, enabled: bool) -> None:
-    """Decoupled PPO writes verl's rollout_correction; refuse to overwrite the user's own settings."""
+def decoupled_ppo_setting(config, value):
+    """`algorithm.decoupled_ppo` as the run takes it (`value`: as read, the default when absent). A command
+    that sets verl's `algorithm.rollout_correction` itself gets verl's rollout correction as set: the
+    default turns off, and the log says so; `decoupled_ppo=True` set beside it is refused naming both."""
     rollout_correction = OmegaConf.select(config, "algorithm.rollout_correction") if isinstance(config, DictConfig) else None
-    conflicts = conflicting_settings(rollout_correction) if enabled else {}
-    if conflicts:
-        given = ", ".join(f"algorithm.rollout_correction.{k}={v!r}" for k, v in conflicts.items())
+    conflicts = conflicting_settings(rollout_correction)
+    if not conflicts or value is not True:
+        return value
+    given = ", ".join(f"algorithm.rollout_correction.{k}={v!r}" for k, v in conflicts.items())
+    if select_value(config, "algorithm.decoupled_ppo", None) is not None:
         raise AsyncConfigError(
             "algorithm.decoupled_ppo", True,
-            f"False when {given} is set (decoupled PPO sets algorithm.rollout_correction itself)",
+            f"False or unset when {given} is set (decoupled PPO writes algorithm.rollout_correction itself)",
         )
+    logger.warning("%s set by the command: verl's rollout correction as set, not AReaL's decoupled PPO "
+                   "(+algorithm.decoupled_ppo=False implied)", given)
+    return False
 
 
 def critic_enabled(config) -> bool:
@@ -273,7 +283,7 @@ def read_async_config(config) -> AsyncPipelineConfig:
     """Read and validate the pipeline's keys (`KEYS`) from a verl config; raises AsyncConfigError.
     `replica_max_restarts` stays None when unset: its default is the rollout backend's."""
     raw = {k.field: select_value(config, k.key, k.default) for k in KEYS}
-    _check_decoupled(config, raw["decoupled_ppo"] is True)
+    raw["decoupled_ppo"] = decoupled_ppo_setting(config, raw["decoupled_ppo"])
     user_stages = parse_user_stages(raw["user_stages"])
     dynamic_sampling = dynamic_sampling_enabled(config)
     if dynamic_sampling and any(spec.name == "dynamic_sampling" for spec in user_stages):

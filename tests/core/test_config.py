@@ -223,13 +223,17 @@ def test_bad_proximal_logp_workers_rejected(value):
 
 
 @pytest.mark.parametrize("setting", ["rollout_is: sequence", "rollout_rs: token_k1", "bypass_mode: true"])
-def test_decoupled_ppo_refuses_to_overwrite_the_users_rollout_correction(setting):
+def test_the_users_own_rollout_correction_replaces_decoupled_ppo_and_says_so(setting, caplog):
     key, value = setting.split(": ")
     user = {f"algorithm.rollout_correction.{key}": OmegaConf.create({"v": value}).v}
-    with pytest.raises(AsyncConfigError) as info:
-        read_async_config(cfg(user))
+    with caplog.at_level("WARNING", logger="async_rl.core.config"):
+        assert read_async_config(cfg(user)).decoupled_ppo is False
+    assert f"algorithm.rollout_correction.{key}" in caplog.text and "not AReaL's decoupled PPO" in caplog.text
+    assert read_async_config(cfg({**user, DECOUPLED: False})).decoupled_ppo is False
+    with pytest.raises(AsyncConfigError) as info:  # both asked for: one would overwrite the other
+        read_async_config(cfg({**user, DECOUPLED: True}))
     assert info.value.key == DECOUPLED and f"algorithm.rollout_correction.{key}" in str(info.value)
-    assert read_async_config(cfg({**user, DECOUPLED: False})).decoupled_ppo is False  # the way out
+    assert read_async_config(cfg({})).decoupled_ppo is True  # the default where the command sets none
 
 
 def test_error_message_format():

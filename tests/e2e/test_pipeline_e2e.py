@@ -107,6 +107,35 @@ def test_bad_config_value_fails_before_ray(demo_dir, tmp_path):
     assert "Started a local Ray instance" not in out
 
 
+# verl's examples/rollout_correction/run_with_rollout_corr.sh, in verl 0.9.1's keys and on the demo's model,
+# data and sizes: RLOO, gamma 1, self-normalised sequence-level IS with threshold 2; the script's pure-IS
+# bypass mode (verl's bypass-mode loss) is refused (tests/core/test_verl_keys.py), so it is left out here
+ROLLOUT_CORRECTION_EXAMPLE = {
+    "algorithm.adv_estimator": "rloo", "algorithm.gamma": 1.0,
+    "algorithm.rollout_correction.rollout_is": "sequence", "algorithm.rollout_correction.rollout_is_threshold": 2.0,
+    "algorithm.rollout_correction.rollout_is_batch_normalize": True,
+    "actor_rollout_ref.rollout.calculate_log_probs": True,
+}
+
+
+def test_the_users_own_rollout_correction_trains_as_set(demo_dir, tmp_path, ray_address):
+    extra = {**ROLLOUT_CORRECTION_EXAMPLE, "trainer.total_training_steps": 2, "trainer.test_freq": -1,
+             "trainer.val_before_train": False}
+    code, out, rows = run_verl(demo_dir, extra, tmp_path, timeout_s=400, ray_address=ray_address)
+    assert code == 0, out[-4000:]
+    assert "verl's rollout correction as set, not AReaL's decoupled PPO" in out
+    # verl logs the normalising factor only with rollout_is_batch_normalize=True, which decoupled PPO leaves off
+    for step, metrics in every_step_with(rows, 2, ["rollout_corr/rollout_is_batch_norm_factor"]).items():
+        assert metrics["rollout_corr/rollout_is_batch_norm_factor"] > 0, (step, metrics)
+
+
+def test_an_estimator_the_pipeline_cannot_run_is_refused_before_ray(demo_dir, tmp_path):
+    code, out, _ = run_verl(demo_dir, {"algorithm.adv_estimator": "remax"}, tmp_path, timeout_s=120)
+    assert code != 0
+    assert "algorithm.adv_estimator='remax'" in out and "greedy sample per prompt" in out
+    assert "Started a local Ray instance" not in out
+
+
 def test_more_workers_than_ray_can_place_fails_at_once(demo_dir, tmp_path):
     """Checked before any pool is placed (it used to wait out the 300 s placement timeout)."""
     code, out, _ = run_verl(demo_dir, {"trainer.n_gpus_per_node": 64}, tmp_path, timeout_s=240)

@@ -1,0 +1,84 @@
+"""verl settings the pipeline cannot honour are refused before Ray starts, naming the key
+(async_rl/core/verl_keys.py), and the files a command names are checked then too."""
+
+from __future__ import annotations
+
+import pytest
+from verl.trainer.ppo.core_algos import AdvantageEstimator
+
+from async_rl.core.errors import AsyncConfigError
+from async_rl.core.verl_keys import OPTIMAL_TOKEN_BASELINES, UNSUPPORTED
+from async_rl.demo import demo_overrides
+from async_rl.run_config import read_run_config
+from conftest import compose_ppo
+
+REFUSED = [
+    ({"algorithm.adv_estimator": "remax"}, "algorithm.adv_estimator='remax'", "greedy sample per prompt"),
+    ({"algorithm.adv_estimator": "optimal_token_baseline"}, "algorithm.adv_estimator='optimal_token_baseline'",
+     "sum_pi_squared"),
+    ({"algorithm.adv_estimator": "tir_optimal_token_baseline"}, "tir_optimal_token_baseline", "sum_pi_squared"),
+    ({"reward.reward_model.enable": True}, "reward.reward_model.enable=True", "reward-model servers are not started"),
+    ({"actor_rollout_ref.model.lora_rank": 8}, "actor_rollout_ref.model.lora_rank=8", "LoRA"),
+]
+
+
+@pytest.mark.parametrize("extra,named,why", REFUSED)
+def test_a_setting_the_pipeline_cannot_run_is_refused_before_ray_starts(demo_dir, extra, named, why):
+    with pytest.raises(AsyncConfigError, match="invalid config") as refused:
+        read_run_config(compose_ppo(demo_overrides(demo_dir, extra=extra)))
+    assert named in str(refused.value) and why in str(refused.value)
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus", "gpg", "grpo_passk", "opo"])
+def test_the_estimators_it_runs_are_not_refused(demo_dir, estimator):
+    run = read_run_config(compose_ppo(demo_overrides(demo_dir, extra={"algorithm.adv_estimator": estimator})))
+    assert run.config.algorithm.adv_estimator == estimator
+
+
+def test_the_table_names_real_verl_keys_and_estimators(demo_dir):
+    from omegaconf import OmegaConf
+
+    config = compose_ppo(demo_overrides(demo_dir))
+    for rule in UNSUPPORTED:  # a misspelt key would never refuse anything
+        assert OmegaConf.select(config, rule.key, default="<absent>") != "<absent>", rule.key
+        assert not rule.refuses(OmegaConf.select(config, rule.key)), f"{rule.key}: verl's default is refused"
+    estimators = {e.value for e in AdvantageEstimator}
+    assert "remax" in estimators and set(OPTIMAL_TOKEN_BASELINES) <= estimators
+
+
+@pytest.mark.parametrize("key", ["reward.custom_reward_function.path", "reward.reward_manager.module.path"])
+def test_a_missing_reward_file_fails_before_ray_starts_naming_the_key(demo_dir, tmp_path, key):
+    missing = tmp_path / "no_such_reward.py"
+    with pytest.raises(FileNotFoundError, match=f"{key}='{missing}': no such file"):
+        read_run_config(compose_ppo(demo_overrides(demo_dir, extra={key: str(missing)})))
+    with pytest.raises(FileNotFoundError, match=f"{key}='{missing}'"):
+        read_run_config(compose_ppo(demo_overrides(demo_dir, extra={key: f"file://{missing}"})))
+    if key == "reward.reward_manager.module.path":  # verl's module form: an import, not a file
+        read_run_config(compose_ppo(demo_overrides(demo_dir, extra={key: "pkg://async_rl.demo.reward"})))
+
+
+@pytest.mark.parametrize("extra,named,decoupled", [
+    ({"algorithm.rollout_correction.rollout_is": "sequence"}, "algorithm.rollout_correction.rollout_is='sequence'",
+     False),
+    ({"algorithm.rollout_correction.rollout_rs": "token_k1"}, "algorithm.rollout_correction.rollout_rs='token_k1'",
+     False),
+    # verl reads loss_type in bypass mode only: without it, decoupled PPO stays (and verl ignores it too)
+    ({"algorithm.rollout_correction.loss_type": "reinforce"}, "algorithm.rollout_correction.loss_type='reinforce'",
+     True),
+])
+def test_verls_bypass_mode_with_what_only_its_bypass_loss_applies_is_refused_naming_both(demo_dir, extra, named,
+                                                                                         decoupled):
+    bypass = {"algorithm.rollout_correction.bypass_mode": True}
+    with pytest.raises(AsyncConfigError) as refused:
+        read_run_config(compose_ppo(demo_overrides(demo_dir, extra={**bypass, **extra})))
+    assert named in str(refused.value) and "algorithm.rollout_correction.bypass_mode=True" in str(refused.value)
+    run = read_run_config(compose_ppo(demo_overrides(demo_dir, extra=extra)))  # without bypass mode: as set
+    key = next(iter(extra)).rsplit(".", 1)[1]
+    assert run.async_cfg.decoupled_ppo is decoupled
+    assert run.config.algorithm.rollout_correction[key] == extra[next(iter(extra))]
+
+
+def test_bypass_mode_alone_is_naive_ppo_with_no_recomputed_log_probs(demo_dir):
+    bypass = {"algorithm.rollout_correction.bypass_mode": True}
+    run = read_run_config(compose_ppo(demo_overrides(demo_dir, extra=bypass)))
+    assert run.async_cfg.decoupled_ppo is False and run.proximal_logp_workers is None
