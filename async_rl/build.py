@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import ray
+from omegaconf import open_dict
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from verl.trainer.ppo.utils import need_reference_policy
@@ -21,7 +22,8 @@ from verl.utils import hf_tokenizer
 
 import param_update.transports  # noqa: F401 - registers the built-in transports
 from async_rl.api.weights import transports_by_rank
-from async_rl.checkpoints import CheckpointDir, ResumePoint, RunCheckpointer, find_resume_point
+from async_rl.checkpoints import (CheckpointDir, ResumePoint, RunCheckpointer, dataloader_workers_of,
+                                  find_resume_point)
 from async_rl.core.devices import GroupDevices, reserve_nodes
 from async_rl.core.errors import PipelineError
 from async_rl.core.messages import NewWeights
@@ -134,9 +136,12 @@ def build_stages(built: BuiltPipeline) -> None:
                                              devices["generate"], SETUP_TIMEOUT_S)
     servers = [r.server_handle for r in built.replicas]
     built.validator = Validator(cfg, tokenizer, settings.reward_timeout_s, settings.reward_on_error)
-    built.resume_point = find_resume_point(
-        run.checkpoint, built.world_sizes["train"], int(cfg.data.get("dataloader_num_workers", 0) or 0),
-        settings.dynamic_sampling, built.world_sizes["critic"] if run.critic else None)
+    workers = int(cfg.data.get("dataloader_num_workers", 0) or 0) if run.dataloader_workers_named else None
+    built.resume_point = find_resume_point(run.checkpoint, built.world_sizes["train"], workers,
+                                           settings.dynamic_sampling, built.world_sizes["critic"] if run.critic else None)
+    if workers is None and dataloader_workers_of(built.resume_point) is not None:  # the pipeline sized them:
+        with open_dict(cfg.data):  # the checkpoint's count, which its dataloader state needs
+            cfg.data.dataloader_num_workers = dataloader_workers_of(built.resume_point)
     state = built.resume_point.state if built.resume_point is not None else None
     built.start_step = state.global_step if state is not None else 0
     generated = state.generated_batches if state else 0

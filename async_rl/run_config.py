@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import logging
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -27,7 +28,13 @@ from async_rl.core.verl_keys import refuse_unsupported
 from async_rl.rollout.agent_loops import absolute_agent_files, check_agent_loops
 from state_machines.base import StateMachine
 
+logger = logging.getLogger(__name__)
+
 REPLICA_RESTARTS_KEY = "actor_rollout_ref.rollout.max_restarts"
+DATALOADER_WORKERS_KEY = "data.dataloader_num_workers"
+# the dataloader stage's workers when the command leaves verl's default (8 forked processes): none, the
+# stage reads each batch itself; prompt batches are light beside generating them (docs/operations.md)
+SIZED_DATALOADER_WORKERS = 0
 
 
 @dataclass(frozen=True)
@@ -41,6 +48,8 @@ class RunConfig:
         bypass mode: none do).
     edges: the stage graph, stage name -> its downstreams.
     user_stages: user stage name -> its class.
+    dataloader_workers_named: the command named `data.dataloader_num_workers` (else the pipeline sized it,
+        and a resume takes its checkpoint's count).
     """
 
     config: DictConfig
@@ -53,6 +62,7 @@ class RunConfig:
     edges: dict
     user_stages: dict
     placement: Placement
+    dataloader_workers_named: bool = True
 
     def resumed(self) -> "RunConfig":
         """The same run, resuming from the newest checkpoint it wrote (`trainer.resume_mode=auto`)."""
@@ -84,6 +94,7 @@ def read_run_config(config: DictConfig) -> RunConfig:
 
     config = config.copy()
     strip_async_keys(config)
+    workers_named = size_dataloader_workers(config)
     resolve_output_dirs(config)
     absolute_agent_files(config)
     checkpoint = read_checkpoint_config(config)
@@ -99,7 +110,32 @@ def read_run_config(config: DictConfig) -> RunConfig:
                                async_cfg.ratios_by_role, roles, backend.replica_world_size(config.actor_rollout_ref.rollout))
     edges = build_edges(async_cfg.user_stages, async_cfg.dynamic_sampling, critic)
     return RunConfig(config, async_cfg, backend, checkpoint, total_steps, critic, proximal, edges, user_stages,
-                     placement)
+                     placement, workers_named)
+
+
+def named_on_command_line(key: str) -> Optional[bool]:
+    """Whether the Hydra command that composed the config named `key` (with or without `+`); None when
+    no Hydra command is running (a config composed in code)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    named = {item.lstrip("+~").split("=", 1)[0] for item in HydraConfig.get().overrides.task}
+    return key in named
+
+
+def size_dataloader_workers(config: DictConfig) -> bool:
+    """Use `SIZED_DATALOADER_WORKERS` when the command left `data.dataloader_num_workers` at verl's default
+    (in place, logged); returns whether the user's value stands (named, or a config composed in code)."""
+    if named_on_command_line(DATALOADER_WORKERS_KEY) is not False:
+        return True
+    default = config.data.get("dataloader_num_workers")
+    if default != SIZED_DATALOADER_WORKERS:
+        logger.warning("%s: the dataloader stage reads its batches itself (%d workers, not verl's default %s); "
+                       "name the key to choose", DATALOADER_WORKERS_KEY, SIZED_DATALOADER_WORKERS, default)
+        with open_dict(config.data):
+            config.data.dataloader_num_workers = SIZED_DATALOADER_WORKERS
+    return False
 
 
 def _replica_restarts(async_cfg: AsyncPipelineConfig, backend: RolloutBackend) -> int:

@@ -160,13 +160,15 @@ def val_rows(rows: list[dict]) -> dict[int, dict]:
     return {r["step"]: r["data"] for r in rows if any(k.startswith("val-core/") for k in r["data"])}
 
 
-def start_verl(demo_dir: Path, extra, workdir: Path, metrics_name: str = "metrics.jsonl", env=None) -> subprocess.Popen:
-    """`python -m verl.trainer.main_ppo <demo overrides + extra>` in its own session (so that
-    `kill_session` reaches every process of the run: the driver, Ray's services, every actor)."""
+def start_verl(demo_dir: Path, extra, workdir: Path, metrics_name: str = "metrics.jsonl", env=None,
+               drop: tuple = ()) -> subprocess.Popen:
+    """`python -m verl.trainer.main_ppo <demo overrides + extra, less the keys in drop>` in its own session (so
+    that `kill_session` reaches every process of the run: the driver, Ray's services, every actor)."""
     from async_rl.demo import demo_overrides
 
     env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(workdir / metrics_name), "PYTHONUNBUFFERED": "1", **(env or {})}
-    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *demo_overrides(demo_dir, extra=extra)]
+    overrides = [o for o in demo_overrides(demo_dir, extra=extra) if o.split("=", 1)[0] not in drop]
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides]
     log = open(workdir / f"{metrics_name}.log", "w")
     proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     proc.started_at = time.time()

@@ -82,3 +82,38 @@ def test_bypass_mode_alone_is_naive_ppo_with_no_recomputed_log_probs(demo_dir):
     bypass = {"algorithm.rollout_correction.bypass_mode": True}
     run = read_run_config(compose_ppo(demo_overrides(demo_dir, extra=bypass)))
     assert run.async_cfg.decoupled_ppo is False and run.proximal_logp_workers is None
+
+
+def test_dataloader_workers_left_at_verls_default_are_sized_to_the_work_and_a_named_value_stands(demo_dir,
+                                                                                                 monkeypatch):
+    from async_rl import run_config
+
+    config = compose_ppo([o for o in demo_overrides(demo_dir) if not o.startswith("data.dataloader_num_workers=")])
+    assert config.data.dataloader_num_workers == 8  # verl's default
+    monkeypatch.setattr(run_config, "named_on_command_line", lambda key: False)
+    run = read_run_config(config)
+    assert run.config.data.dataloader_num_workers == run_config.SIZED_DATALOADER_WORKERS == 0
+    assert not run.dataloader_workers_named
+    for named in (True, None):  # named by the command, or a config composed in code: as given
+        monkeypatch.setattr(run_config, "named_on_command_line", lambda key, named=named: named)
+        run = read_run_config(config)
+        assert run.config.data.dataloader_num_workers == 8 and run.dataloader_workers_named
+
+
+def test_named_on_command_line_reads_hydras_overrides(demo_dir):
+    from hydra.conf import HydraConf
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    from async_rl.run_config import named_on_command_line
+
+    assert named_on_command_line("data.dataloader_num_workers") is None  # no Hydra command running
+    hydra = OmegaConf.create({"hydra": OmegaConf.structured(HydraConf)})
+    hydra.hydra.overrides.task = ["data.dataloader_num_workers=2", "+trainer.x=1"]
+    HydraConfig.instance().set_config(hydra)
+    try:
+        assert named_on_command_line("data.dataloader_num_workers") is True
+        assert named_on_command_line("trainer.x") is True
+        assert named_on_command_line("data.train_files") is False
+    finally:
+        HydraConfig.instance().cfg = None

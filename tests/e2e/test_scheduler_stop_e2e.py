@@ -16,6 +16,7 @@ from conftest import assert_nothing_left, read_jsonl, start_verl, step_rows, wai
 
 STOP_DEADLINE_S = 25  # trainer.stop_deadline_s default
 SAVE_FREQ = 2
+WORKERS = "data.dataloader_num_workers"
 
 
 def logged_steps(path) -> list[int]:
@@ -30,8 +31,9 @@ def test_ctrl_c_to_the_group_saves_and_a_second_sigterm_stops_at_once_keeping_th
     extra = {"trainer.save_freq": SAVE_FREQ, "trainer.default_local_dir": str(ckpt), "trainer.resume_mode": "auto",
              "trainer.total_training_steps": 40, "trainer.val_before_train": False, "trainer.test_freq": -1}
 
-    # Ctrl-C in a terminal: SIGINT to the foreground process group, every process of the run
-    proc = start_verl(demo_dir, extra, tmp_path, "ctrl_c.jsonl")
+    # Ctrl-C in a terminal: SIGINT to the foreground process group, every process of the run. The command
+    # leaves data.dataloader_num_workers at verl's default: the pipeline sizes it (no forked workers)
+    proc = start_verl(demo_dir, extra, tmp_path, "ctrl_c.jsonl", drop=(WORKERS,))
     wait_until(lambda: len(logged_steps(tmp_path / "ctrl_c.jsonl")) >= 3, proc, "3 training steps")
     signalled = time.monotonic()
     os.killpg(proc.pid, signal.SIGINT)
@@ -40,6 +42,7 @@ def test_ctrl_c_to_the_group_saves_and_a_second_sigterm_stops_at_once_keeping_th
     saved = directory.tracked_step()
     assert f"stopped by SIGINT: checkpoint of step {saved} saved" in log, log[-3000:]
     assert saved == max(logged_steps(tmp_path / "ctrl_c.jsonl"))
+    assert "data.dataloader_num_workers: the dataloader stage reads its batches itself (0 workers" in log
     assert_nothing_left(proc, f"after SIGINT to the group (driver exited in {time.monotonic() - signalled:.1f} s)")
 
     # resumed, then stopped while its next periodic checkpoint is being written (held there), and
@@ -47,7 +50,7 @@ def test_ctrl_c_to_the_group_saves_and_a_second_sigterm_stops_at_once_keeping_th
     held = saved + SAVE_FREQ - saved % SAVE_FREQ
     holds = tmp_path / "holds"
     holds.mkdir()
-    proc = start_verl(demo_dir, extra, tmp_path, "twice.jsonl",
+    proc = start_verl(demo_dir, extra, tmp_path, "twice.jsonl", drop=(WORKERS,),
                       env={HOLD_AT_ENV: f"checkpoint_write@{held}", HOLD_DIR_ENV: str(holds)})
     wait_for_file(holds / f"checkpoint_write@{held}", proc, timeout_s=400)
     os.killpg(proc.pid, signal.SIGTERM)
