@@ -88,8 +88,10 @@ class TrainingLoop:
             elif time.monotonic() - last_progress > built.run.async_cfg.stall_timeout_s:
                 states = built.wait({n: self.stages[n].stats.remote() for n in self.names}, CALL_TIMEOUT_S,
                                     "read stage stats")
+                trace = built.run.async_cfg.trace_path
+                where = f"; the timeline so far: {trace}/trace.json and report.html" if trace else ""
                 raise PipelineError(f"no training step completed for {built.run.async_cfg.stall_timeout_s:g} s "
-                                    f"(trainer.async_stall_timeout_s); stage states: {states}")
+                                    f"(trainer.async_stall_timeout_s); stage states: {states}{where}")
         progress.close()
         if built.stop.requested:  # every step trained before the stop came round: saved at the end, as verl saves
             return self.history

@@ -27,6 +27,7 @@ from async_rl.build import BuiltPipeline, build_stages, place, resume, shutdown,
 from async_rl.core.errors import PipelineError
 from async_rl.loop import TrainingLoop
 from async_rl.run_config import RunConfig, ray_init_kwargs, read_run_config
+from async_rl.run_trace import start_trace, write_run_report, write_run_trace
 from async_rl.stop_signals import (PipelinePreempted, kill_ray_processes, ray_processes, sigterm_blocked,
                                    stop_signals_caught)
 from verl_patches.cpu_patches import set_engine_device_env, use_cpu_platform
@@ -51,6 +52,7 @@ def run_pipeline(run: RunConfig, tracking=None, restarts: int = 0,
         with stop_signals_caught(run.async_cfg.stop_deadline_s) as built.stop:
             place(built)
             build_stages(built)
+            start_trace(built)
             start_weight_sync(built)
             resume(built)
             history = TrainingLoop(built, tracking, restarts).run()
@@ -65,10 +67,13 @@ def run_pipeline(run: RunConfig, tracking=None, restarts: int = 0,
             raise
         raise PipelinePreempted(built.stop.signum, None, "a second signal stopped it at once") from None
     finally:
+        if built.stages:
+            write_run_trace(built)
         started = ray_processes() if owns_ray else []  # before the actors go: their children are still theirs
         shutdown(built)
         if owns_ray:
             stop_ray(started)
+        write_run_report(built, tracking)  # after the teardown: its time is not the stop deadline's
         if built.stop is not None:
             built.stop.cancel()
         if own_tracking:

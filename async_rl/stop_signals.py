@@ -113,6 +113,19 @@ def ray_processes() -> list:
     return found
 
 
+def session_processes(sid: int) -> list[int]:
+    """The pids of every live process of session `sid` (a run started with start_new_session: all of
+    its processes, Ray's workers included, which sit in process groups of their own)."""
+    import psutil
+
+    found = []
+    for pid in psutil.pids():
+        with contextlib.suppress(OSError):
+            if os.getsid(pid) == sid:
+                found.append(pid)
+    return found
+
+
 def kill_ray_processes(processes: Optional[list] = None) -> None:
     """SIGKILL `processes` (default: `ray_processes()`)."""
     import psutil

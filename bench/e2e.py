@@ -76,6 +76,8 @@ from pathlib import Path
 sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 from bench.command import command_line  # noqa: E402
+from async_rl.core.bottleneck import waiting_cause  # noqa: E402
+from async_rl.stop_signals import session_processes  # noqa: E402
 
 # the validation reward: the pipeline logs it as val-core; verl's trainer logs the same score as val-aux
 # (its val-core entry is `acc`, which verl's reward manager sets to the same float)
@@ -141,26 +143,19 @@ def reached_target(path: Path, target: float) -> bool:
 KILL_WAIT_S = 30.0  # Slurm's default KillWait: SIGTERM to every process of the job, SIGKILL this much later
 
 
-def session_pids(sid: int) -> list[int]:
-    """Every process of session `sid` (a run started with start_new_session: all of its processes,
-    Ray's workers included, which sit in process groups of their own)."""
-    out = subprocess.run(["ps", "-eo", "pid=,sid="], capture_output=True, text=True).stdout.split()
-    return [int(pid) for pid, s in zip(out[::2], out[1::2]) if int(s) == sid]
-
-
 def stop_like_a_scheduler(proc: subprocess.Popen, kill_wait_s: float = KILL_WAIT_S) -> None:
     """Stop a run as Slurm stops a job: SIGTERM to every process of its session, SIGKILL to those left
     ``kill_wait_s`` later; returns once the driver has exited and the session is empty (or 30 s more)."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in session_pids(proc.pid):
+        for pid in session_processes(proc.pid):
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + (kill_wait_s if sig == signal.SIGTERM else 30.0)
-        while (proc.poll() is None or session_pids(proc.pid)) and time.monotonic() < deadline:
+        while (proc.poll() is None or session_processes(proc.pid)) and time.monotonic() < deadline:
             time.sleep(0.2)
-        if proc.poll() is not None and not session_pids(proc.pid):
+        if proc.poll() is not None and not session_processes(proc.pid):
             return
 
 
@@ -288,18 +283,10 @@ def summarize(name: str, k, rows: list[dict], samples_per_step: int, target: flo
 
 def bottleneck(row: dict) -> str | None:
     """Why a pipeline run's bubble ratio is above the goal (1.15), from its busy ratios; None when it is not."""
-    if "not_run" in row or not row.get("generate_ahead_steps") or row["bubble_ratio"] <= 1.15:
+    if "not_run" in row or not row.get("generate_ahead_steps"):
         return None
-    busy = row["busy_ratio"]
-    if busy.get("logp", 0.0) > 0.05 and row["train_chain_busy"] > 0.8:
-        return ("bottleneck: actor_train and logp take turns (busy together "
-                f"{row['train_chain_busy']:.2f}): pi_prox of batch j needs the weights of step j - 1; "
-                "+algorithm.proximal_logp_workers=train computes it on the train ranks instead")
-    if row["generate_ahead_steps"] == 1:
-        return ("bottleneck: generate_ahead_steps=1 is synchronous: generation of batch j + 1 waits for "
-                f"update j, so {row['busiest_stage']} idles while generation runs; k >= 2 overlaps them")
-    return (f"bottleneck: {row['busiest_stage']} (busy {busy[row['busiest_stage']]:.2f}) waits on its "
-            "upstream stages: " + ", ".join(f"{s} {b:.2f}" for s, b in sorted(busy.items(), key=lambda x: -x[1])[1:4]))
+    cause = waiting_cause(row["busy_ratio"], row["generate_ahead_steps"])
+    return None if cause is None else f"bottleneck: {cause}"
 
 
 def plot(curves: dict, path: str, target: float, title: str) -> None:

@@ -43,6 +43,7 @@ from pathlib import Path
 sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 from bench.command import command_line  # noqa: E402
+from async_rl.stop_signals import session_processes  # noqa: E402
 TESTS = Path(__file__).resolve().parents[1] / "tests"  # the test oracle of what each step trains (tests/lineage.py)
 
 FAULTS = ("none", "rollout_server_sigkill", "rollout_server_hang", "train_rank_sigkill", "reward_actor_sigkill",
@@ -125,8 +126,7 @@ class Segment:
 
     def processes(self) -> list[int]:
         """The pids of the run's session still alive (the driver's session: every process of the run)."""
-        out = subprocess.run(["ps", "-eo", "pid=,sid="], capture_output=True, text=True).stdout.split()
-        return [int(pid) for pid, sid in zip(out[::2], out[1::2]) if int(sid) == self.proc.pid]
+        return session_processes(self.proc.pid)
 
     def kill(self) -> None:
         """SIGKILL every process of the session (the driver, Ray, every actor)."""

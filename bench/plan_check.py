@@ -1,4 +1,4 @@
-"""Benchmark: does the planner (async_rl/plan.py) rank `trainer.use_nodes_ratios` as measured runs do?
+"""Benchmark: does the planner (async_rl/plan/) rank `trainer.use_nodes_ratios` as measured runs do?
 
 On a local 3-node Ray cluster (`ray.cluster_utils.Cluster`: a head of 1 CPU for the driver, two job
 nodes of `--node-cpus` logical CPUs, 2 devices each) the demo (GRPO with a KL loss, so the roles are

@@ -1,4 +1,4 @@
-"""Benchmark (a model, no runs): the planner of `trainer.use_nodes_ratios` (async_rl/plan.py) at 8-512 GPUs.
+"""Benchmark (a model, no runs): the planner of `trainer.use_nodes_ratios` (async_rl/plan/) at 8-512 GPUs.
 
 For each cluster size (8 GPUs a node) the planner's best use_nodes_ratios, its predicted async step, verl's
 synchronous step on the same GPUs, the speed-up and the bubble, for one workload of the proposal's and

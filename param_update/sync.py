@@ -25,6 +25,7 @@ from typing import Any, Optional
 from async_rl.api.weights import BucketRef, WeightReceiver, WeightSync, WeightTransport, link_of, transports_by_rank
 from async_rl.core.errors import WeightSyncError, is_lost_server_error
 from async_rl.core.fault_points import hold_at
+from async_rl.core.trace import TraceRecorder
 from param_update.transports.object_store import ObjectStore
 
 
@@ -100,7 +101,7 @@ class OverlappedWeightSync(WeightSync):
 
     def __init__(self, receivers: list[WeightReceiver], generate_stage: Any, stream: BucketStream, timeout_s: float = 300.0,
                  on_lost: Optional[Callable[[Any, str, bool], None]] = None, lost_after_s: Optional[float] = None,
-                 transports: Optional[list[type[WeightTransport]]] = None):
+                 transports: Optional[list[type[WeightTransport]]] = None, trace: Optional[TraceRecorder] = None):
         if not receivers:
             raise ValueError("weight sync needs at least one receiver")
         self.receivers = list(receivers)
@@ -114,6 +115,7 @@ class OverlappedWeightSync(WeightSync):
         self._lost: set[str] = set()
         self.transports = {cls.name: cls() for cls in transports or transports_by_rank()}  # this stage's side of each
         self.sender_node: Optional[str] = None  # Ray node id of the trainer's sending process
+        self.trace = trace or TraceRecorder("weight sync")  # each receiver call as a span on the receiver's track
 
     def _live(self) -> list:
         return [r for r in self.receivers if r.name not in self._lost]
@@ -128,10 +130,16 @@ class OverlappedWeightSync(WeightSync):
         """Await `call(receiver)` on every live receiver; a failure or timeout names the receiver (a lost
         restartable one is reported to `on_lost` and left out instead)."""
         receivers = self._live() if receivers is None else receivers
-        results = await asyncio.gather(
-            *(asyncio.wait_for(call(r), timeout=self.lost_after_s if self._restartable(r) else self.timeout_s)
-              for r in receivers), return_exceptions=True
-        )
+
+        async def timed(receiver):
+            started = time.time()
+            try:
+                return await asyncio.wait_for(call(receiver), timeout=self.lost_after_s if self._restartable(receiver)
+                                              else self.timeout_s)
+            finally:
+                self.trace.add(f"receiver {receiver.name}", what, started, time.time(), version=version)
+
+        results = await asyncio.gather(*(timed(r) for r in receivers), return_exceptions=True)
         out = {}
         for receiver, result in zip(receivers, results):
             name = receiver.name
@@ -249,6 +257,9 @@ class OverlappedWeightSync(WeightSync):
             for transport in self.transports.values():
                 transport.retain(version)
         await self.generate_stage.set_served_version.remote(version)
+        gathered = started_at + item.trainer_timings["gather"]  # the trainer's parts, as it reported them
+        self.trace.add("trainer", "gather", started_at, gathered, version=version)
+        self.trace.add("trainer", "send", gathered, gathered + item.trainer_timings["send"], version=version)
         generation = [r for r in self.receivers if r.serves_generation and r.name in loads]
         blocked = [loads[r.name]["blocked_s"] for r in generation]
         return {

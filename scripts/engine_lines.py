@@ -30,6 +30,8 @@ LAYERS = (
     ("async_rl/training", "async_rl/rollout/cpu"),  # verl's training workers; the CPU rollout engine
     ("async_rl/rollout",),  # rollout backends (the table), replica supervision, requests
     ("state_machines",),  # the stages
+    ("async_rl/plan",),  # the placement planner's model of a step, from a run's metrics
+    ("async_rl/report",),  # a run's report page, from its timeline and metrics
     ("async_rl", "async_rl/demo"),  # the driver and the plugin; the demo task
 )
 # Imports of the project's own modules inside functions, each for a reason the top of the module cannot

@@ -331,7 +331,7 @@ class ActorTrainStage(StateMachine):
                 )
             )
         t1 = time.perf_counter()
-        hold_at("train_step", self.version + 1)
+        await asyncio.to_thread(hold_at, "train_step", self.version + 1)  # held as a hung worker call holds
         # announce the version first: param_update stages its buckets while the gather still runs
         await self.send_downstream(NewWeights(version=self.version + 1, started_at=time.time()))
         await asyncio.to_thread(

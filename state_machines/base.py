@@ -11,6 +11,8 @@ The base class owns everything else:
 - end of stream: a stage ends once every upstream has sent `END_OF_STREAM`, after
   draining what it holds, and then sends `END_OF_STREAM` downstream;
 - busy/idle timing (seconds with at least one item in `process_data`);
+- a timeline when asked (`enable_trace`, `pop_trace`): each item's work, each wait for input and
+  each wait on a full downstream inbox, as spans (async_rl/core/trace.py);
 - `stop()` (cancel now) and `drain()` (take no new input, finish what is held);
 - errors: an exception in any method ends `run()` with `StageError` naming the stage
   and the original exception; the pipeline driver stops the whole run on it.
@@ -27,6 +29,8 @@ import time
 import traceback
 from abc import ABC, abstractmethod
 from typing import Any, Optional
+
+from async_rl.core.trace import TraceRecorder
 
 
 class _EndOfStream:
@@ -145,6 +149,7 @@ class StateMachine(ABC):
         self._where = "on_start"
         self.items_processed = 0
         self.timer = BusyTimer()
+        self.trace = TraceRecorder(f"stage {name}")
 
     # ---- wiring -------------------------------------------------------------------
     def connect(self, downstream: list[Any], num_upstreams: int) -> None:
@@ -168,7 +173,12 @@ class StateMachine(ABC):
         while True:
             if self._ends_seen >= self.num_upstreams:
                 return END_OF_STREAM
-            item = await self.inbox.get()
+            if self.trace.enabled and self.inbox.empty():
+                started = time.time()
+                item = await self.inbox.get()
+                self.trace.add("wait", "wait input", started, time.time())
+            else:
+                item = await self.inbox.get()
             if item is END_OF_STREAM:
                 self._ends_seen += 1
                 continue
@@ -176,7 +186,8 @@ class StateMachine(ABC):
 
     async def send_downstream(self, item: Any) -> bool:
         """Put `item` into every downstream inbox (waits on full inboxes)."""
-        await asyncio.gather(*(call_put(d, item) for d in self.downstream))
+        with self.trace.span("wait", "wait downstream", **self.trace_args(item) if self.trace.enabled else {}):
+            await asyncio.gather(*(call_put(d, item) for d in self.downstream))
         return True
 
     # ---- the three methods a stage implements ----------------------------------------
@@ -206,10 +217,19 @@ class StateMachine(ABC):
         work of this one) out of the busy time; the item stays in flight, so drain still finishes it."""
         return self.timer.paused()
 
+    def trace_args(self, data: Any) -> dict:
+        """What the timeline shows with an item's work span (default: its batch `index`, if any; of a
+        dict of messages, the first's)."""
+        if isinstance(data, dict) and data:
+            data = next(iter(data.values()))
+        index = getattr(data, "index", data if isinstance(data, int) else None)
+        return {} if index is None else {"index": index}
+
     async def _process_timed(self, data: Any) -> Any:
         self.timer.enter()
         try:
-            return await self.process_data(data)
+            with self.trace.span("work", "process", **(self.trace_args(data) if self.trace.enabled else {})):
+                return await self.process_data(data)
         finally:
             self.timer.leave()
 
@@ -290,6 +310,18 @@ class StateMachine(ABC):
         self._stopped = True
         if self._run_task is not None and not self._run_task.done():
             self._run_task.cancel()
+
+    def enable_trace(self, on: bool = True) -> None:
+        """Record this stage's timeline from now on (`+trainer.async_trace_path`)."""
+        self.trace.enable(on)
+
+    def pop_trace(self) -> dict:
+        """The timeline recorded since the last call (`TraceRecorder.pop`)."""
+        return self.trace.pop()
+
+    def clock(self) -> float:
+        """This process's time.time() (the driver aligns the timelines with it: `clock_offset`)."""
+        return time.time()
 
     def stats(self) -> dict:
         """Cumulative timing: busy seconds, wall seconds, items processed."""

@@ -52,7 +52,7 @@ class GenerateStage(StateMachine):
         self.servers = ReplicaSupervisor(
             list(servers), max_restarts if restartable else 0,
             relaunch=self._relaunch if restartable else None,
-            feed_weights=self._feed_weights if restartable else None,
+            feed_weights=self._feed_weights if restartable else None, trace=self.trace,
         )
         self.config = config
         self.n = int(config.actor_rollout_ref.rollout.n)
@@ -130,10 +130,12 @@ class GenerateStage(StateMachine):
         item = await self.next_from_inbox()
         if isinstance(item, PromptBatch):
             # Admission happens here, in input order, so batch j never overtakes j-1.
-            if self.dynamic_sampling:
-                await self.staleness.wait_until(lambda: self.staleness.may_start(self.steps_formed))
-            else:
-                await self.staleness.wait_until_admitted(item.index)
+            with self.trace.span("wait", "admission (staleness bound)", index=item.index,
+                                 served_version=self.staleness.served_version):
+                if self.dynamic_sampling:
+                    await self.staleness.wait_until(lambda: self.staleness.may_start(self.steps_formed))
+                else:
+                    await self.staleness.wait_until_admitted(item.index)
         return item
 
     async def process_data(self, batch: PromptBatch) -> GeneratedBatch:

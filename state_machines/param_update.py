@@ -39,7 +39,7 @@ class ParamUpdateStage(StateMachine):
         self.generate_stage = generate_stage
         self.weight_sync = OverlappedWeightSync(receivers, generate_stage, self.stream, timeout_s,
                                                 on_lost=self._server_lost if restartable_servers else None,
-                                                lost_after_s=server_timeout_s, transports=transports)
+                                                lost_after_s=server_timeout_s, transports=transports, trace=self.trace)
         self.synced_version = 0
         self.timings: dict[int, dict[str, float]] = {}
         self._server_setup: tuple = ()

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import ray
 
+from async_rl.stop_signals import session_processes
 from lineage import compose_ppo, dumped_step_inputs, expected_step_inputs, read_jsonl  # noqa: F401 - tests import them from here
 
 
@@ -187,11 +188,6 @@ def wait_until(predicate, proc, what: str, timeout_s: float = 400):
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not within {timeout_s:g} s")
         time.sleep(0.2)
-
-
-def session_processes(sid: int) -> list[int]:
-    out = subprocess.run(["ps", "-eo", "pid=,sid="], capture_output=True, text=True).stdout.split()
-    return [int(p) for p, s in zip(out[::2], out[1::2]) if int(s) == sid]
 
 
 def assert_nothing_left(proc: subprocess.Popen, when: str, within_s: float = 15.0) -> None:

@@ -101,6 +101,14 @@ def _as_optional_count(key: str, value) -> Optional[int]:
     return None if value is None else _as_count(key, value)
 
 
+def _as_optional_path(key: str, value) -> Optional[str]:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise AsyncConfigError(key, value, "a directory path, or null for none")
+    return value
+
+
 def _as_optional_pool_size(key: str, value) -> Optional[int]:
     if value is None:
         return None
@@ -148,16 +156,18 @@ KEYS = (
         "k: staleness bound eta = k - 1 (1 = synchronous on-policy, 2 = one-step-off)"),
     Key("trainer.async_stall_timeout_s", "stall_timeout_s", 600.0, _as_positive_number, "> 0",
         "no training step for this long stops the run with every stage's state", "`600`"),
+    Key("trainer.async_trace_path", "trace_path", None, _as_optional_path, "a directory",
+        "the run's timeline `trace.json` (Perfetto) and `report.html` ([docs](docs/metrics.md#timeline))", "none"),
     Key("trainer.stop_deadline_s", "stop_deadline_s", 25.0, _as_positive_number, "> 0",
         "SIGTERM/SIGINT to the job: last step saved, every process gone within this "
         "([docs](docs/operations.md))", "`25`"),
     Key("reward.async_timeout_s", "reward_timeout_s", 60.0, _as_positive_number, "> 0",
-        "one batch's reward scoring may take this long; a hanging reward function fails the run naming it", "`60`"),
+        "one batch's reward scoring may take this long; a hanging reward function fails the run, named", "`60`"),
     Key("trainer.max_restarts", "max_restarts", 0, _as_count, "int >= 0",
-        "a stage failing mid-run restarts the whole pipeline from the newest checkpoint, up to N times, each "
-        "logged with its cause (`async/faults/pipeline_restarts`)"),
+        "a stage failing mid-run restarts the pipeline from the newest checkpoint, up to N times "
+        "(`async/faults/pipeline_restarts`)"),
     Key("reward.on_error", "reward_on_error", "stop", _as_reward_on_error, "`stop` or `zero`",
-        "a reward function that raises or hangs: stop the run naming it, or score that sample 0 and count it "
+        "a reward function that raises or hangs: stop the run naming it, or score it 0, counted "
         "(`async/faults/reward_errors`)"),
     Key(STAGES_KEY, "user_stages", None, None, "name -> `{cls, after, kwargs}`",
         "your own stages, each inserted after an existing one (see \"Writing a stage\")", "`{}`"),
@@ -166,12 +176,12 @@ KEYS = (
     Key("algorithm.behav_imp_weight_cap", "behav_imp_weight_cap", 5.0, _as_cap, "> 1",
         "tokens whose pi_prox / pi_behav exceeds it get weight 0 (AReaL's cap)"),
     Key("actor_rollout_ref.rollout.partial_rollout", "partial_rollout", True, _as_bool, "bool",
-        "a weight load interrupts running requests, which go on under the new weights; `False`: the load waits "
-        "for them (cpu and vllm backends)"),
+        "a weight load interrupts running requests, which go on under the new weights; `False`: it waits for "
+        "them (cpu, vllm)"),
     Key("algorithm.proximal_logp_workers", "proximal_logp_workers", "train", _as_proximal_workers,
         "`train` or `logp`",
-        "which workers recompute pi_prox (verl's `old_log_probs`): the train ranks before their update, or the "
-        "logp stage's own workers, which then receive every version (see \"Algorithms\")"),
+        "where pi_prox (verl's `old_log_probs`) is recomputed: the train ranks before their update, or the "
+        "logp stage's workers (see \"Algorithms\")"),
     Key("actor_rollout_ref.rollout.max_restarts", "replica_max_restarts", None, _as_optional_count, "int >= 0",
         "restarts of each lost rollout replica over the run (see \"Faults\"); `0` stops the run naming it; "
         "above 0 with `cpu` or `vllm`", "`3` with `rollout.name=cpu`, else `0`"),
@@ -181,8 +191,8 @@ KEYS = (
         "an agent loop's tool call unanswered this long ends in an error the model reads, naming this key",
         "`120`"),
     Key("actor_rollout_ref.rollout.multi_turn.tool_pool_size", "tool_pool_size", None, _as_optional_pool_size,
-        "int >= 1", "each tool's environments in use at once, shared by all trajectories; a wait past "
-        "`tool_timeout_s` is the call's error ([docs](docs/agent_loops.md#environment-pool))", "none"),
+        "int >= 1", "each tool's environments in use at once, across trajectories; a wait past "
+        "`tool_timeout_s` fails the call ([docs](docs/agent_loops.md#environment-pool))", "none"),
 )
 CONFIG_KEYS = tuple(k.key for k in KEYS)
 _DEFAULTS = {k.field: k.default for k in KEYS}
@@ -200,6 +210,7 @@ class AsyncPipelineConfig:
     generate_ahead_steps: int = _DEFAULTS["generate_ahead_steps"]
     stall_timeout_s: float = _DEFAULTS["stall_timeout_s"]
     stop_deadline_s: float = _DEFAULTS["stop_deadline_s"]  # first stop signal -> process exit
+    trace_path: Optional[str] = _DEFAULTS["trace_path"]  # the timeline's folder (None: no timeline)
     reward_timeout_s: float = _DEFAULTS["reward_timeout_s"]
     reward_on_error: str = _DEFAULTS["reward_on_error"]
     max_restarts: int = _DEFAULTS["max_restarts"]  # whole-pipeline restarts after a stage fails mid-run

@@ -49,7 +49,10 @@ async def generate_resumable(
         index, server = await servers.acquire(preferred)
         params = {**sampling_params, "max_tokens": budget - len(tokens)}
         try:
-            out = await generate_one(server, list(prompt_ids) + tokens, params, timeout_s)
+            with servers.serving(index) as periods:
+                out = await generate_one(server, list(prompt_ids) + tokens, params, timeout_s)
+                if out.stop_reason == "aborted":
+                    periods.note("interrupted")  # by a weight load
         except Exception as exc:  # noqa: BLE001 - only a lost server is survived
             hung = isinstance(exc, asyncio.TimeoutError)
             if not hung and not is_lost_server_error(exc):

@@ -13,9 +13,13 @@ servers. A replica lost more than N times, a restart that fails, or N = 0 stops 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, Optional
+
+from async_rl.core.trace import BusyPeriods, TraceRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +41,8 @@ class ReplicaSupervisor:
         feed_weights: `async feed_weights(index, handle) -> version` (the newest weights, loaded).
         kill: `kill(handle)`, used on a server that stopped answering (default: `ray.kill`).
         restart_timeout_s: a restart (start + weights) may take this long (s).
+        trace: the timeline's recorder (the generate stage's): per replica, its serving periods (track
+            `replica <i>`), losses and restarts.
     """
 
     def __init__(
@@ -47,6 +53,7 @@ class ReplicaSupervisor:
         feed_weights: Optional[Callable[[int, Any], Awaitable[int]]] = None,
         kill: Optional[Callable[[Any], None]] = None,
         restart_timeout_s: float = 300.0,
+        trace: Optional[TraceRecorder] = None,
     ):
         if not handles:
             raise ValueError("at least one rollout server is needed")
@@ -66,6 +73,8 @@ class ReplicaSupervisor:
         self._any_ready.set()
         self._tasks: set[asyncio.Task] = set()
         self.failure: Optional[ReplicaLostError] = None
+        self.trace = trace or TraceRecorder("replicas")
+        self._serving = [BusyPeriods(self.trace, f"replica {i}", "serving") for i in range(len(self.handles))]
 
     # ------------------------------------------------------------------ requests
 
@@ -107,6 +116,12 @@ class ReplicaSupervisor:
             raise self.failure
         return list(self.handles)
 
+    @contextlib.contextmanager
+    def serving(self, index: int) -> Iterator[BusyPeriods]:
+        """A request on replica `index` for as long as the block runs (its timeline track)."""
+        with self._serving[index].item():
+            yield self._serving[index]
+
     def counts(self) -> dict[str, float]:
         """Faults so far, under the pipeline's metric names (cumulative over the run)."""
         return {
@@ -135,11 +150,14 @@ class ReplicaSupervisor:
                        f"{MAX_RESTARTS_KEY}={self.max_restarts} restarts allowed")
         self.restarts[index] += 1
         logger.warning("%s lost (%s): restart %d of %d", name, cause, self.restarts[index], self.max_restarts)
+        now = time.time()
+        self.trace.add(f"replica {index}", "lost", now, now, cause=cause)
         task = asyncio.ensure_future(self._restart(index, self.restarts[index], cause))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     async def _restart(self, index: int, attempt: int, cause: str) -> None:
+        started = time.time()
         try:
             handle = await asyncio.wait_for(self._relaunch(index, attempt), timeout=self.restart_timeout_s)
             version = await asyncio.wait_for(self._feed_weights(index, handle), timeout=self.restart_timeout_s)
@@ -148,6 +166,7 @@ class ReplicaSupervisor:
                        f"{type(exc).__name__}: {exc}", raise_it=False)
             return
         self.handles[index] = handle
+        self.trace.add(f"replica {index}", "restart", started, time.time(), attempt=attempt, version=version)
         self._ready[index].set()
         self._any_ready.set()
         logger.warning("rollout replica %d back (restart %d), serving weight version %s", index, attempt, version)

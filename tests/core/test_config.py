@@ -30,6 +30,7 @@ PROXIMAL = "algorithm.proximal_logp_workers"
 REQUEST_TIMEOUT = "actor_rollout_ref.rollout.request_timeout_s"
 TOOL_TIMEOUT = "actor_rollout_ref.rollout.multi_turn.tool_timeout_s"
 STOP_DEADLINE = "trainer.stop_deadline_s"
+TRACE_PATH = "trainer.async_trace_path"
 TOOL_POOL_SIZE = "actor_rollout_ref.rollout.multi_turn.tool_pool_size"
 REPLICA_RESTARTS = "actor_rollout_ref.rollout.max_restarts"
 
@@ -98,8 +99,8 @@ def test_the_key_table_is_the_one_source_of_defaults_and_of_the_readme():
 def test_config_keys_listed():
     assert set(CONFIG_KEYS) == set(BOOL_KEYS + POSITIVE_KEYS + (RATIOS, AHEAD, CAP, PROXIMAL, "reward.on_error",
                                                                 "trainer.max_restarts", "trainer.async_stages",
-                                                                REPLICA_RESTARTS, TOOL_POOL_SIZE))
-    assert len(CONFIG_KEYS) == 20
+                                                                REPLICA_RESTARTS, TOOL_POOL_SIZE, TRACE_PATH))
+    assert len(CONFIG_KEYS) == 21
 
 
 def test_every_key_is_read():
@@ -234,6 +235,13 @@ def test_the_users_own_rollout_correction_replaces_decoupled_ppo_and_says_so(set
         read_async_config(cfg({**user, DECOUPLED: True}))
     assert info.value.key == DECOUPLED and f"algorithm.rollout_correction.{key}" in str(info.value)
     assert read_async_config(cfg({})).decoupled_ppo is True  # the default where the command sets none
+
+
+@pytest.mark.parametrize("value", ["", "  ", 3, True, ["a"]])
+def test_a_trace_path_must_be_a_directory_path(value):
+    assert "a directory path" in str(rejected(TRACE_PATH, value))
+    assert read_async_config(cfg({TRACE_PATH: "/tmp/trace"})).trace_path == "/tmp/trace"
+    assert read_async_config(cfg({})).trace_path is None
 
 
 def test_error_message_format():

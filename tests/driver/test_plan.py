@@ -1,4 +1,4 @@
-"""async_rl/plan.py: reading a run's metrics, the step model, the ranking, the CLI, and the simulation's claim."""
+"""async_rl/plan/: reading a run's metrics, the step model, the ranking, the CLI, and the simulation's claim."""
 
 from __future__ import annotations
 

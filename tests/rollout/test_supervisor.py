@@ -281,3 +281,28 @@ def test_a_report_carrying_an_equal_handle_from_another_process_counts():
 
     pool = run(main())
     assert restarts.events[0] == ("kill", "b") and pool.restarts == [0, 1] and pool.handles[1] is restarts.started[0]
+
+
+def test_the_timeline_shows_each_replicas_serving_periods_its_loss_and_its_restart():
+    from async_rl.core.trace import TraceRecorder
+
+    servers = [FakeServer("a", version=7), FakeServer("b", version=7)]
+    servers[0].dead = True
+    restarts = Restarts(version=7)
+    recorder = TraceRecorder("stage generate", enabled=True)
+
+    async def main():
+        pool = ReplicaSupervisor(servers, 2, restarts.relaunch, restarts.feed_weights, restarts.kill,
+                                 restart_timeout_s=10, trace=recorder)
+        await asyncio.gather(*(generate_resumable(pool, 1, [i], PARAMS, 5.0, served_version=7) for i in range(3)))
+        await generate_resumable(pool, 0, [9], PARAMS, 5.0, served_version=7)  # a dies: lost, goes to b
+        await asyncio.sleep(0.3)  # the restart finishes
+        await generate_resumable(pool, 0, [9], PARAMS, 5.0, served_version=7)  # the restarted a serves
+
+    run(main())
+    events = [(e[0], e[1], e[4]) for e in recorder.pop()["events"]]
+    on_b = [args for track, name, args in events if track == "replica 1" and name == "serving"]
+    assert on_b[0] == {"items": 3}  # three overlapping requests: one period
+    replica_a = [(name, args.get("items", args.get("attempt"))) for track, name, args in events if track == "replica 0"]
+    assert [name for name, _ in replica_a] == ["serving", "lost", "restart", "serving"], replica_a
+    assert replica_a[2] == ("restart", 1)

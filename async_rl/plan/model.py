@@ -1,35 +1,16 @@
-"""Pick `trainer.use_nodes_ratios` for a cluster from a short run's metrics: `python -m async_rl.plan`.
-
-    python -m async_rl.plan --metrics RUN.jsonl --nodes N --gpus-per-node G [--replica-devices 1] [--top 5]
-
-The model, in seconds (s) and device-seconds per training step (one `timing_s/step`):
-- a stage on devices does W = busy_ratio x step s x its devices (`async/<stage>/busy_ratio`, `async/devices/*`),
-  W / n s on n devices (training roles x `efficiency` per doubling above `ref_devices`; measured: linear);
-  the train ranks add the weight gather (`timing_s/gather_weights`, s whatever the devices). Stages on no
-  devices (dataloader, rollout, reward, param_update, user stages) take their busy s.
-- async step: the larger of a throughput bound (the busiest device, where sharing roles' times add, or fixed
-  stage) and a latency bound: batch j starts generating once batch j - k has trained (k = generate_ahead_steps),
-  so k steps cover a batch's way: generation (at least `tail_s`, the longest response's decode) + rollout +
-  the slowest of logp/ref_logp/reward + the update and gather + param_update.
-- sync step (verl's schedule): generation max(W / T, tail_s), each training role on all T devices, the gather
-  and the fixed stages but rollout and param_update (the pipeline's own), one after another.
-- bubble: 1 - busy device-s / (devices x step s). Roles sharing devices in the run contended: W includes it.
-"""
+"""The planner's model of a step (the rules: async_rl/plan/__init__.py) and the ranking of layouts."""
 
 from __future__ import annotations
 
-import argparse
 import heapq
 import json
 import math
-import sys
 from bisect import bisect_left
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
+from async_rl.core.bottleneck import STAGE_ROLE
 from async_rl.core.placement import TRAINING_ROLES, DeviceRange, Placement, PlacementError, plan_placement
 
-STAGE_ROLE = {"actor_train": "train", "logp": "logp", "ref_logp": "ref_logp", "critic_train": "critic",
-              "values": "critic", "generate": "generate"}
 RATIO_ROLES = ("train", "logp", "ref_logp", "generate")  # the order of use_nodes_ratios; the critic 5th
 SERIAL = ("rollout", "param_update")  # fixed stages in series on a batch's way; verl's sync step has neither
 
@@ -134,7 +115,7 @@ def sync_step(wl: Workload, total: int) -> float:
             + sum(s for stage, s in wl.fixed.items() if stage not in SERIAL))
 
 
-def _ratio(size: int, total: int) -> float:
+def ratio_of(size: int, total: int) -> float:
     """A short ratio r in (0, 1] with floor(r x total) == size."""
     return next((r for d in range(2, 8) if 0 < (r := round(size / total, d)) <= 1 and math.floor(r * total) == size),
                 (size + 0.5) / total)
@@ -169,8 +150,8 @@ def candidates(nodes: int, per_node: int, wl: Workload, replica_devices: int = 1
                 break
             splits.append(split)
         for split in splits:
-            ratios = [_ratio(split.get(r, split[roles[0]]), total) for r in RATIO_ROLES[:3]] + [_ratio(gen, total)]
-            ratios += [_ratio(split["critic"], total)] if "critic" in roles else []
+            ratios = [ratio_of(split.get(r, split[roles[0]]), total) for r in RATIO_ROLES[:3]] + [ratio_of(gen, total)]
+            ratios += [ratio_of(split["critic"], total)] if "critic" in roles else []
             try:
                 placement = plan_placement(nodes, per_node, {**dict(zip(RATIO_ROLES, ratios)), "critic": ratios[-1]},
                                            roles, replica_devices)
@@ -194,49 +175,12 @@ def candidates(nodes: int, per_node: int, wl: Workload, replica_devices: int = 1
     return sorted(out, key=lambda c: (round(c["step_s"], 9), c["bubble"]))
 
 
+def devices_used(run: dict, roles) -> int:
+    """The devices a measured run (`read_run`'s second value) used: generate's plus its training roles'
+    (the largest of them where they shared devices)."""
+    devices = run["devices"]
+    return devices["generate"] + (max if run["shared"] else sum)(devices[r] for r in roles)
+
+
 def devices_text(row: dict) -> str:
     return " ".join(f"{r}={n}" for r, n in row["devices"].items()) + (" shared" if row["shared"] else "")
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--metrics", required=True, help="a short run's metrics JSONL (VERL_FILE_LOGGER_PATH)")
-    parser.add_argument("--nodes", type=int, required=True, help="trainer.nnodes of the cluster to plan for")
-    parser.add_argument("--gpus-per-node", type=int, required=True, help="trainer.n_gpus_per_node")
-    parser.add_argument("--replica-devices", type=int, default=1, help="devices one rollout replica spans (tp)")
-    parser.add_argument("--ahead", type=int, default=2, help="trainer.generate_ahead_steps of the planned run")
-    parser.add_argument("--warmup", type=int, default=2, help="first steps to skip")
-    parser.add_argument("--cooldown", type=int, default=1, help="last steps to skip (generate_ahead_steps - 1)")
-    parser.add_argument("--top", type=int, default=5)
-    parser.add_argument("--json", help="write the plan here")
-    args = parser.parse_args(argv)
-    try:
-        wl, run = read_run(args.metrics, args.warmup, args.cooldown)
-        wl.ahead = args.ahead
-        ranked = candidates(args.nodes, args.gpus_per_node, wl, args.replica_devices, keep=args.top)[:args.top]
-    except PlanError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    devices, roles = run["devices"], wl.roles  # the run's own layout, as one node (the model ignores nodes)
-    own_total = devices["generate"] + (max if run["shared"] else sum)(devices[r] for r in roles)
-    own = plan_placement(1, own_total, {r: _ratio(n, own_total) for r, n in devices.items()}, roles, 1)
-    own_s, sync_s = predict(own, wl)[0], sync_step(wl, args.nodes * args.gpus_per_node)
-    rows = [{**c, "sync_step_s": sync_s, "speedup": sync_s / c["step_s"]} for c in ranked]
-    print(f"run: {run['steps']} steps measured on {devices_text(run)}: {run['step_s']:.3f} s/step measured, "
-          f"{own_s:.3f} predicted; work (device-s/step) " + ", ".join(f"{r}={w:.3f}" for r, w in wl.work.items())
-          + f"; gather {wl.gather_s:.3f} s; fixed (s) " + ", ".join(f"{s}={t:.3f}" for s, t in wl.fixed.items()))
-    print(f"cluster: {args.nodes} node(s) x {args.gpus_per_node} devices; synchronous schedule {sync_s:.3f} s/step; "
-          f"best first:\n{'#':>2} {'step_s':>8} {'bubble':>6} {'sync_s':>8} {'speedup':>7}  devices  override")
-    for i, r in enumerate(rows, 1):
-        print(f"{i:>2} {r['step_s']:8.3f} {r['bubble']:6.2f} {sync_s:8.3f} {r['speedup']:6.2f}x  {devices_text(r)}  "
-              f"{r['override']}")
-    print(f"best: {rows[0]['override']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"run": run, "predicted_run_step_s": own_s, "workload": asdict(wl), "candidates": rows}, f,
-                      indent=1)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,89 @@
+"""The run's timeline and report end to end: verl's command with the flag and `+trainer.async_trace_path`
+writes one Chrome-trace file in which every trained batch passes every stage on its path, in order, and
+every version's receiver calls appear for every receiver; the report beside it names the bottleneck
+(training with the demo's defaults, generation with one sequence decoded at a time); a stalled run's
+error comes with both."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from conftest import assert_nothing_left, run_verl, start_verl, step_rows
+
+from async_rl.core.fault_points import HOLD_AT_ENV, HOLD_DIR_ENV
+
+STEPS = 4
+PATH = ("dataloader", "generate", "rollout", "reward", "logp", "actor_train")
+
+
+def test_a_short_runs_timeline(demo_dir, tmp_path, ray_address):
+    trace_dir = tmp_path / "trace"
+    extra = {"trainer.total_training_steps": STEPS, "trainer.test_freq": -1, "trainer.val_before_train": False,
+             "+trainer.async_trace_path": str(trace_dir)}
+    code, out, rows = run_verl(demo_dir, extra, tmp_path, timeout_s=400, ray_address=ray_address)
+    assert code == 0, out[-4000:]
+    assert sorted(step_rows(rows)) == list(range(1, STEPS + 1))
+    document = json.loads((trace_dir / "trace.json").read_text())
+    events = document["traceEvents"]
+    owners = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    tracks = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    spans = sorted((e for e in events if e["ph"] == "X"), key=lambda e: e["ts"])
+    work = {}
+    for span in spans:
+        if tracks[(span["pid"], span["tid"])] == "work" and "index" in span["args"]:
+            work.setdefault(owners[span["pid"]], []).append(span["args"]["index"])
+    for stage in PATH:  # every trained batch (index 0 is step 1's), in order; none twice
+        assert work[f"stage {stage}"][:STEPS] == list(range(STEPS)), (stage, work.get(f"stage {stage}"))
+    # each batch leaves a stage before the next stage on its path finishes it
+    ends = {(owners[s["pid"]], s["args"]["index"]): s["ts"] + s["dur"] for s in spans
+            if tracks[(s["pid"], s["tid"])] == "work" and "index" in s["args"]}
+    for earlier, later in zip(PATH, PATH[1:]):
+        for index in range(STEPS):  # the clocks are aligned within 50 ms
+            assert ends[(f"stage {earlier}", index)] <= ends[(f"stage {later}", index)] + 5e4, (earlier, later, index)
+    # every version's load on every receiver (the demo: one rollout server), and the trainer's parts
+    sync = [s for s in spans if owners[s["pid"]] == "stage param_update"]
+    receivers = {tracks[(s["pid"], s["tid"])] for s in sync if tracks[(s["pid"], s["tid"])].startswith("receiver ")}
+    assert receivers
+    for receiver in receivers:
+        loaded = sorted(s["args"]["version"] for s in sync
+                        if tracks[(s["pid"], s["tid"])] == receiver and s["name"] == "load")
+        assert loaded == list(range(1, STEPS + 1)), (receiver, loaded)
+    assert sorted(s["args"]["version"] for s in sync if s["name"] == "gather") == list(range(1, STEPS + 1))
+    assert "timeline written to" in out
+    assert verdict(trace_dir).startswith("training is the slowest stage: actor_train"), verdict(trace_dir)
+
+
+def verdict(trace_dir) -> str:
+    page = (trace_dir / "report.html").read_text()
+    return re.search(r'class="verdict">(.*?)</p>', page).group(1)
+
+
+def test_a_generation_bound_runs_report_names_generation(demo_dir, tmp_path, ray_address):
+    trace_dir = tmp_path / "trace"
+    extra = {"trainer.total_training_steps": STEPS, "trainer.test_freq": -1, "trainer.val_before_train": False,
+             "+trainer.async_trace_path": str(trace_dir), "actor_rollout_ref.rollout.max_num_seqs": 1}
+    code, out, _ = run_verl(demo_dir, extra, tmp_path, timeout_s=400, ray_address=ray_address)
+    assert code == 0, out[-4000:]
+    assert verdict(trace_dir).startswith("generation is the slowest stage: generate"), verdict(trace_dir)
+
+
+def test_a_stalled_runs_error_comes_with_its_timeline_and_report(demo_dir, tmp_path):
+    trace_dir, holds = tmp_path / "trace", tmp_path / "holds"
+    holds.mkdir()
+    extra = {"trainer.total_training_steps": STEPS, "trainer.test_freq": -1, "trainer.val_before_train": False,
+             "+trainer.async_trace_path": str(trace_dir), "+trainer.async_stall_timeout_s": 15}
+    proc = start_verl(demo_dir, extra, tmp_path, env={HOLD_AT_ENV: "train_step@3", HOLD_DIR_ENV: str(holds)})
+    assert proc.wait(timeout=400) != 0
+    log = (tmp_path / "metrics.jsonl.log").read_text()
+    assert "no training step completed for 15 s" in log and f"the timeline so far: {trace_dir}/trace.json" in log, \
+        log[-3000:]
+    document = json.loads((trace_dir / "trace.json").read_text())
+    owners = {e["pid"]: e["args"]["name"] for e in document["traceEvents"] if e["name"] == "process_name"}
+    tracks = {(e["pid"], e["tid"]): e["args"]["name"] for e in document["traceEvents"] if e["name"] == "thread_name"}
+    trained = sorted((e["args"]["index"], e["args"].get("open", False)) for e in document["traceEvents"]
+                     if e["ph"] == "X" and owners[e["pid"]] == "stage actor_train"
+                     and tracks[(e["pid"], e["tid"])] == "work")
+    assert trained == [(0, False), (1, False), (2, True)], trained  # step 3's span still running: the hang
+    assert (trace_dir / "report.html").exists()
+    assert_nothing_left(proc, "after the stall")
