@@ -16,6 +16,7 @@ import json
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -44,7 +45,27 @@ def summarize(runs: list[dict]) -> dict:
     return {"off_s_per_step": mean[False], "on_s_per_step": mean[True], "cost": mean[True] / mean[False] - 1}
 
 
-def draw(trace_dir: Path, png: str, seconds: float = 20.0) -> None:
+def span_cost_s(n: int = 200_000) -> float:
+    """Seconds one recorded span adds over an unrecorded one (TraceRecorder.span, on against off)."""
+    from async_rl.core.trace import TraceRecorder
+
+    def loop(recorder) -> float:
+        start = time.perf_counter()
+        for i in range(n):
+            with recorder.span("work", "process", index=i):
+                pass
+        return time.perf_counter() - start
+
+    return max(0.0, (loop(TraceRecorder("x", enabled=True)) - loop(TraceRecorder("x"))) / n)
+
+
+def spans_per_step(trace_dir: Path, steps: int) -> float:
+    """Spans a training step records, from a traced run's trace.json."""
+    document = json.loads((trace_dir / "trace.json").read_text())
+    return sum(1 for e in document["traceEvents"] if e["ph"] == "X") / steps
+
+
+def draw(trace_dir: Path, png: str, seconds: float = 10.0) -> None:
     """The timeline's first `seconds` after the first trained step, one lane per stage."""
     import matplotlib
 
@@ -56,15 +77,17 @@ def draw(trace_dir: Path, png: str, seconds: float = 20.0) -> None:
 
     timeline = read_timeline(str(trace_dir / "trace.json"))
     lanes = {s: timeline.work_spans.get(s, []) for s in ordered(timeline.stages)}
+    lanes.update({track: [(a, b, t) for a, b, t in spans if b > a] for track, spans in timeline.replica_spans.items()})
     start = min((end for _, end, _ in lanes.get("actor_train", [])), default=0.0)
     fig, ax = plt.subplots(figsize=(10, 0.35 * len(lanes) + 1.2))
     for row, (stage, spans) in enumerate(reversed(list(lanes.items()))):
-        shown = [(a - start, b - a) for a, b, _ in spans if b > start and a < start + seconds]
+        # short spans widened to stay visible, long ones narrowed a little to show where one ends
+        shown = [(a - start, max(b - a - 0.01, 0.02)) for a, b, _ in spans if b > start and a < start + seconds]
         ax.broken_barh(shown, (row - 0.4, 0.8), color=f"C{row % 10}")
     ax.set_yticks(range(len(lanes)), list(reversed(list(lanes))))
     ax.set_xlim(0, seconds)
     ax.set_xlabel("seconds after the first trained step")
-    ax.set_title("the demo's timeline: each stage's work on each batch (trace.json, +trainer.async_trace_path)")
+    ax.set_title("the demo's timeline: each stage's work on each batch, the replica's requests in flight")
     fig.tight_layout()
     fig.savefig(png, dpi=110)
 
@@ -99,12 +122,23 @@ def main(argv=None) -> dict:
             print(f"{name}: {statistics.mean(runs[-1]['step_s']):.3f} s/step over {len(runs[-1]['step_s'])} steps",
                   flush=True)
     summary = summarize(runs)
+    traced = Path(next(r["dir"] for r in reversed(runs) if r["trace"])) / "trace"
+    summary["spans_per_step"] = spans_per_step(traced, args.steps)
+    summary["span_cost_s"] = span_cost_s()
+    summary["estimate"] = summary["spans_per_step"] * summary["span_cost_s"] / summary["off_s_per_step"]
+    pairs = [statistics.mean(runs[i + (1 if runs[i]["trace"] else 0)]["step_s"]) for i in range(0, len(runs), 2)]
+    ons = [statistics.mean(runs[i + (0 if runs[i]["trace"] else 1)]["step_s"]) for i in range(0, len(runs), 2)]
+    summary["pair_costs"] = [on / off - 1 for on, off in zip(ons, pairs)]
     print(f"command: {command_line()}")
     print(f"the demo, {args.steps} steps a run, steps after {args.warmup}; {args.pairs} pairs interleaved")
     print(f"timeline off {summary['off_s_per_step']:.3f} s/step, on {summary['on_s_per_step']:.3f} s/step: "
-          f"cost {summary['cost']:+.1%} (goal under {GOAL:.0%}: {'met' if summary['cost'] < GOAL else 'not met'})")
+          f"cost {summary['cost']:+.1%} (goal under {GOAL:.0%}: {'met' if summary['cost'] < GOAL else 'not met'}); "
+          "per pair " + ", ".join(f"{c:+.1%}" for c in summary["pair_costs"]) + " (the machine's run-to-run noise)")
+    print(f"from its parts: {summary['spans_per_step']:.0f} spans a step x {summary['span_cost_s'] * 1e6:.2f} us a span "
+          f"= {summary['spans_per_step'] * summary['span_cost_s'] * 1e3:.2f} ms, {summary['estimate']:.2%} of a step "
+          "(an upper bound: the stages record in their own processes, beside each other)")
     if args.png:
-        draw(Path(next(r["dir"] for r in reversed(runs) if r["trace"])) / "trace", args.png)
+        draw(traced, args.png)
         print(f"plot: {args.png}")
     if args.json:
         with open(args.json, "w") as f:

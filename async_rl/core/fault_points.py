@@ -11,6 +11,10 @@ Unset (always, outside tests and `bench/`), `hold_at` returns at once. The point
 - `generate_ahead@N`: generate, the batch of step N generated ahead of the trainer, not yet passed on;
 - `checkpoint_copy@N`: a train rank's writer thread, checkpoint N captured, its tensors not yet copied;
 - `checkpoint_write@N`: a train rank's writer thread, checkpoint N copied, none of its big files written.
+
+With `ASYNC_RL_DELAY="<point>@<index>=<seconds>"` (several: comma-separated), `delay_for(point,
+index)` gives that delay (else 0), to make one part slow: `rollout_replica@I`, every request
+on rollout replica I (the CPU backend) waits that long before it decodes.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import time
 
 HOLD_AT_ENV = "ASYNC_RL_HOLD_AT"
 HOLD_DIR_ENV = "ASYNC_RL_HOLD_DIR"
+DELAY_ENV = "ASYNC_RL_DELAY"
 
 
 def hold_at(point: str, step: int) -> None:
@@ -32,3 +37,12 @@ def hold_at(point: str, step: int) -> None:
         f.write(str(os.getpid()))
     while not os.path.exists(marker + ".release"):
         time.sleep(0.05)
+
+
+def delay_for(point: str, index: int) -> float:
+    """Seconds `point` of `index` is to wait, as `ASYNC_RL_DELAY` asks (0.0 when it does not)."""
+    for entry in (os.environ.get(DELAY_ENV) or "").split(","):
+        where, _, seconds = entry.partition("=")
+        if where.strip() == f"{point}@{index}":
+            return float(seconds)
+    return 0.0

@@ -1,8 +1,8 @@
 """The run's timeline and report end to end: verl's command with the flag and `+trainer.async_trace_path`
 writes one Chrome-trace file in which every trained batch passes every stage on its path, in order, and
 every version's receiver calls appear for every receiver; the report beside it names the bottleneck
-(training with the demo's defaults, generation with one sequence decoded at a time); a stalled run's
-error comes with both."""
+(training with the demo's defaults, generation with one sequence decoded at a time); a slow rollout
+replica shows on its own track; a stalled run's error comes with both."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import re
 
 from conftest import assert_nothing_left, run_verl, start_verl, step_rows
 
-from async_rl.core.fault_points import HOLD_AT_ENV, HOLD_DIR_ENV
+from async_rl.core.fault_points import DELAY_ENV, HOLD_AT_ENV, HOLD_DIR_ENV
 
 STEPS = 4
 PATH = ("dataloader", "generate", "rollout", "reward", "logp", "actor_train")
@@ -87,3 +87,21 @@ def test_a_stalled_runs_error_comes_with_its_timeline_and_report(demo_dir, tmp_p
     assert trained == [(0, False), (1, False), (2, True)], trained  # step 3's span still running: the hang
     assert (trace_dir / "report.html").exists()
     assert_nothing_left(proc, "after the stall")
+
+
+def test_a_slow_replica_has_the_longest_serving_spans_on_its_own_track(demo_dir, tmp_path):
+    trace_dir = tmp_path / "trace"
+    extra = {"trainer.total_training_steps": 3, "trainer.test_freq": -1, "trainer.val_before_train": False,
+             "+trainer.async_trace_path": str(trace_dir), "trainer.n_gpus_per_node": 4,
+             "+trainer.use_nodes_ratios": [0.25, 0.25, 0.25, 0.5]}  # 2 rollout replicas
+    proc = start_verl(demo_dir, extra, tmp_path, env={DELAY_ENV: "rollout_replica@1=0.5"})
+    assert proc.wait(timeout=400) == 0, (tmp_path / "metrics.jsonl.log").read_text()[-3000:]
+    document = json.loads((trace_dir / "trace.json").read_text())
+    tracks = {(e["pid"], e["tid"]): e["args"]["name"] for e in document["traceEvents"] if e["name"] == "thread_name"}
+    serving = {}
+    for e in document["traceEvents"]:
+        if e["ph"] == "X" and e["name"] == "serving":
+            serving.setdefault(tracks[(e["pid"], e["tid"])], []).append(e["dur"] / 1e6)
+    assert set(serving) == {"replica 0", "replica 1"}, serving.keys()
+    assert max(serving["replica 1"]) > max(serving["replica 0"]) + 0.3, serving  # every request 0.5 s later
+    assert_nothing_left(proc, "after the slow-replica run")

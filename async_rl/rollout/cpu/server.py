@@ -21,6 +21,7 @@ from verl.utils.tokenizer.tokenizer import normalize_token_ids
 from verl.workers.config import HFModelConfig, RolloutConfig
 from verl.workers.rollout.replica import RolloutMode, TokenOutput
 
+from async_rl.core.fault_points import delay_for
 from async_rl.rollout.cpu.engine import ContinuousBatchingEngine
 from async_rl.rollout.cpu.requests import STOP_ABORTED
 from param_update.buckets import tensor_digest
@@ -124,6 +125,9 @@ class CPURolloutServer:
             raise NotImplementedError("CPU rollout server is text-only (got image_data/video_data)")
         if self.engine is None:
             raise RuntimeError("launch_server() has not been called")
+        delay = delay_for("rollout_replica", self.replica_rank)
+        if delay:
+            await asyncio.sleep(delay)  # a slow replica, as a test asks (async_rl/core/fault_points.py)
         prompt_ids = normalize_token_ids(prompt_ids)
         params = dict(sampling_params or {})
         max_possible = self.max_model_len - len(prompt_ids)
