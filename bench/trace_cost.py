@@ -142,7 +142,8 @@ def main(argv=None) -> dict:
         print(f"plot: {args.png}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"command": command_line(), "runs": runs, **summary}, f, indent=1)
+            json.dump({"command": command_line(), "runs": [{k: v for k, v in r.items() if k != "dir"} for r in runs],
+                       **summary}, f, indent=1)
     return summary
 
 

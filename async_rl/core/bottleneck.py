@@ -14,6 +14,7 @@ from async_rl.core.placement import RATIOS_KEY
 
 BUBBLE_GOAL = 1.15
 CHAIN_BUSY = 0.8  # actor_train + logp busy together at least this: they take turns
+IDLE_FLOOR = 0.01  # a stage less busy than this has no work (e.g. logp with pi_prox on the train ranks)
 STAGE_ROLE = {"actor_train": "train", "logp": "logp", "ref_logp": "ref_logp", "critic_train": "critic",
               "values": "critic", "generate": "generate"}  # stage -> the devices it runs on (use_nodes_ratios)
 WHAT_IT_DOES = {"generate": "generation", "actor_train": "training", "logp": "the pi_prox pass",
@@ -69,8 +70,8 @@ def bottleneck_sentence(busy: Mapping[str, float], ahead: int) -> str:
     what, role = WHAT_IT_DOES.get(busiest, busiest), STAGE_ROLE.get(busiest)
     head = f"{what} is the slowest stage: {busiest} {busy[busiest]:.0%} busy at k={ahead}"
     if role is not None:
-        idle = sorted(((STAGE_ROLE[s], b) for s, b in busy.items() if STAGE_ROLE.get(s) not in (None, role)),
-                      key=lambda x: x[1])
+        idle = sorted(((STAGE_ROLE[s], b) for s, b in busy.items()  # under 1%: a stage without work or devices
+                       if STAGE_ROLE.get(s) not in (None, role) and b >= IDLE_FLOOR), key=lambda x: x[1])
         spare = f" (the {idle[0][0]} devices are {idle[0][1]:.0%} busy)" if idle else ""
         advice = f"more {role} devices{spare} would shorten the step: +{RATIOS_KEY}"
     else:

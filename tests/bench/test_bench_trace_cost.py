@@ -26,3 +26,10 @@ def test_the_picture_draws_each_stage_after_the_first_trained_step(tmp_path):
     write_trace(str(tmp_path / "trace.json"), [{"owner": o, "events": e, "dropped": 0} for o, e in events.items()])
     trace_cost.draw(tmp_path, str(tmp_path / "timeline.png"), seconds=2.0)
     assert (tmp_path / "timeline.png").stat().st_size > 1000
+
+
+def test_the_estimate_from_parts_counts_a_runs_spans_and_times_one(tmp_path):
+    events = [("work", "process", float(i), i + 0.5, {"index": i}) for i in range(6)]
+    write_trace(str(tmp_path / "trace.json"), [{"owner": "stage a", "events": events, "dropped": 0}])
+    assert trace_cost.spans_per_step(tmp_path, steps=3) == 2.0
+    assert 0.0 < trace_cost.span_cost_s(n=20_000) < 1e-3  # microseconds, not milliseconds

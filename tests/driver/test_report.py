@@ -26,7 +26,8 @@ def test_the_sentence_names_the_slowest_stage_and_the_devices_that_would_help():
     gen_bound = bottleneck_sentence({"generate": 0.96, "actor_train": 0.3, "reward": 0.01}, ahead=2)
     assert gen_bound.startswith("generation is the slowest stage: generate 96% busy at k=2")
     assert "more generate devices (the train devices are 30% busy)" in gen_bound and "use_nodes_ratios" in gen_bound
-    train_bound = bottleneck_sentence({"generate": 0.15, "actor_train": 0.99, "param_update": 0.01}, ahead=3)
+    train_bound = bottleneck_sentence({"generate": 0.15, "actor_train": 0.99, "param_update": 0.01, "logp": 0.0},
+                                      ahead=3)  # logp without work (pi_prox on the train ranks): not a spare device
     assert train_bound.startswith("training is the slowest stage: actor_train 99% busy at k=3")
     assert "more train devices (the generate devices are 15% busy)" in train_bound
     assert "no devices of its own" in bottleneck_sentence({"reward": 0.95, "generate": 0.2}, ahead=2)
