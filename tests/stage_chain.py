@@ -47,3 +47,18 @@ class SlowMapper(StateMachine):
     async def process_data(self, data):
         await asyncio.sleep(self.delay)
         return data
+
+
+def traced_run(n: int, delay: float) -> list[dict]:
+    """Run Source(n) -> SlowMapper(delay) -> Sink with their timelines on (30 s at most); their popped traces."""
+    stages = (Source(n), SlowMapper(delay=delay), Sink())
+    chain(*stages)
+    for stage in stages:
+        stage.enable_trace()
+
+    async def main():
+        await asyncio.gather(*(stage.run() for stage in stages))
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+    return [stage.pop_trace() for stage in stages]
+

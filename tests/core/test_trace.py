@@ -3,11 +3,10 @@ stage records, the clock alignment, and the Chrome-trace file the driver writes.
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 from async_rl.core.trace import TraceRecorder, chrome_events, clock_offset, write_trace
-from stage_chain import SlowMapper, Sink, Source, chain
+from stage_chain import traced_run
 
 
 def test_a_disabled_recorder_records_nothing_and_an_enabled_one_pops_each_span_once():
@@ -44,16 +43,7 @@ def test_clock_offset_recovers_a_remote_clocks_shift():
 
 def test_stages_record_every_item_in_order_and_the_waits_on_a_slow_neighbour(tmp_path):
     n = 6
-    src, mapper, sink = Source(n), SlowMapper(delay=0.02), Sink()
-    chain(src, mapper, sink)
-    for stage in (src, mapper, sink):
-        stage.enable_trace()
-
-    async def main():
-        await asyncio.gather(src.run(), mapper.run(), sink.run())
-
-    asyncio.run(asyncio.wait_for(main(), 30))
-    batches = [stage.pop_trace() for stage in (src, mapper, sink)]
+    batches = traced_run(n, delay=0.02)
     by_owner = {b["owner"]: b["events"] for b in batches}
     for owner in ("stage source", "stage mapper", "stage sink"):
         work = [e for e in by_owner[owner] if e[0] == "work"]

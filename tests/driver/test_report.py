@@ -3,7 +3,6 @@ it takes from a timeline and a metrics file, the stage it names, and the page an
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
@@ -13,7 +12,7 @@ from async_rl.core.trace import write_trace
 from async_rl.report import ReportError, write_report
 from async_rl.report.__main__ import main as report_main
 from async_rl.report.summary import covered_s, read_metrics, read_timeline
-from stage_chain import SlowMapper, Sink, Source, chain
+from stage_chain import traced_run
 
 
 def test_covered_seconds_count_overlaps_once():
@@ -117,16 +116,7 @@ def test_the_page_names_the_bottleneck_and_holds_every_section(tmp_path):
 
 
 def test_a_slow_middle_stage_is_named_from_a_real_stage_chains_timeline(tmp_path):
-    src, mapper, sink = Source(8), SlowMapper(delay=0.05), Sink()
-    chain(src, mapper, sink)
-    for stage in (src, mapper, sink):
-        stage.enable_trace()
-
-    async def run():
-        await asyncio.gather(src.run(), mapper.run(), sink.run())
-
-    asyncio.run(asyncio.wait_for(run(), 30))
-    write_trace(str(tmp_path / "trace.json"), [s.pop_trace() for s in (src, mapper, sink)])
+    write_trace(str(tmp_path / "trace.json"), traced_run(8, delay=0.05))
     busy = read_timeline(str(tmp_path / "trace.json")).busy_ratios()
     assert max(busy, key=busy.get) == "mapper" and busy["mapper"] > 0.8 > busy["sink"]
     assert "mapper is the slowest stage" in open(write_report(str(tmp_path))).read()
