@@ -68,7 +68,7 @@ def run_pipeline(run: RunConfig, tracking=None, restarts: int = 0,
         raise PipelinePreempted(built.stop.signum, None, "a second signal stopped it at once") from None
     finally:
         if built.stages:
-            write_run_trace(built)
+            write_run_trace(built, attempt=restarts)
         started = ray_processes() if owns_ray else []  # before the actors go: their children are still theirs
         shutdown(built)
         if owns_ray:

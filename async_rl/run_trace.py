@@ -14,7 +14,7 @@ import ray
 
 from async_rl.build import CALL_TIMEOUT_S, BuiltPipeline
 from async_rl.core.trace import TRACE_FILE, clock_offset, write_trace
-from async_rl.report import ReportError, write_report
+from async_rl.report import REPORT_FILE, ReportError, write_report
 
 logger = logging.getLogger(__name__)
 
@@ -28,12 +28,26 @@ def start_trace(built: BuiltPipeline) -> None:
                    "start the timeline")
 
 
-def write_run_trace(built: BuiltPipeline) -> Optional[str]:
+def keep_earlier_attempt(folder: str, attempt: int) -> None:
+    """Before restart `attempt` (1, 2, ...: `trainer.max_restarts`) writes its timeline, the one of the
+    attempt that failed becomes `trace_attempt<attempt - 1>.json` (its report `report_attempt<..>.html`)."""
+    if attempt < 1:
+        return
+    for name in (TRACE_FILE, REPORT_FILE):
+        path = os.path.join(folder, name)
+        if os.path.exists(path):
+            stem, ext = os.path.splitext(name)
+            os.replace(path, os.path.join(folder, f"{stem}_attempt{attempt - 1}{ext}"))
+
+
+def write_run_trace(built: BuiltPipeline, attempt: int = 0) -> Optional[str]:
     """Gather every stage's timeline and write `trace.json` in `trainer.async_trace_path`; returns its path
-    (None: no timeline asked). Best effort: a stage that cannot answer is left out, with a warning."""
+    (None: no timeline asked). Best effort: a stage that cannot answer is left out, with a warning.
+    `attempt`: the pipeline's restart number (0: the first run; `keep_earlier_attempt`)."""
     folder = built.run.async_cfg.trace_path
     if not folder:
         return None
+    keep_earlier_attempt(folder, attempt)
     pops = {name: stage.pop_trace.remote() for name, stage in built.stages.items()}
     deadline = time.monotonic() + READ_TIMEOUT_S
     batches, offsets = [], {}

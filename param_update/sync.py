@@ -132,12 +132,15 @@ class OverlappedWeightSync(WeightSync):
         receivers = self._live() if receivers is None else receivers
 
         async def timed(receiver):
-            started = time.time()
+            started, shown = time.time(), {}
             try:
-                return await asyncio.wait_for(call(receiver), timeout=self.lost_after_s if self._restartable(receiver)
-                                              else self.timeout_s)
+                result = await asyncio.wait_for(call(receiver), timeout=self.lost_after_s if self._restartable(receiver)
+                                                else self.timeout_s)
+                if isinstance(result, dict) and "interrupted" in result:  # a load's requests in flight
+                    shown["interrupted"] = result["interrupted"]
+                return result
             finally:
-                self.trace.add(f"receiver {receiver.name}", what, started, time.time(), version=version)
+                self.trace.add(f"receiver {receiver.name}", what, started, time.time(), version=version, **shown)
 
         results = await asyncio.gather(*(timed(r) for r in receivers), return_exceptions=True)
         out = {}

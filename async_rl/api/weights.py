@@ -177,7 +177,8 @@ class WeightReceiver(Protocol):
     `link` (a transport name) is set by the sync. `replica_index`: set on a rollout replica that
     may be restarted when lost. Timings are seconds: `stage` and `stage_version` return
     `{recv_s, register_s}`, `commit` `{load_s, blocked_s, keeps_buffer}` (`keeps_buffer`: it serves
-    the staged buffer itself, zero copy).
+    the staged buffer itself, zero copy), and `interrupted` where the receiver knows it (the requests
+    decoding when the load swapped the weights under them; the timeline shows it on the load).
     """
 
     name: str

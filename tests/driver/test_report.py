@@ -131,3 +131,16 @@ def test_the_cli_writes_the_page_and_names_a_missing_timeline(tmp_path, capsys):
     (tmp_path / "bad.jsonl").write_text("not json\n")
     with pytest.raises(ReportError, match="bad.jsonl line 1"):
         write_report(str(tmp_path), str(tmp_path / "bad.jsonl"))
+
+
+def test_a_restart_keeps_the_failed_attempts_timeline_and_report(tmp_path):
+    from async_rl.run_trace import keep_earlier_attempt
+
+    generation_bound_trace(tmp_path / "trace.json")
+    write_report(str(tmp_path))
+    keep_earlier_attempt(str(tmp_path), attempt=0)  # the first run: nothing earlier to keep
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.html", "trace.json"]
+    keep_earlier_attempt(str(tmp_path), attempt=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report_attempt0.html", "trace_attempt0.json"]
+    keep_earlier_attempt(str(tmp_path), attempt=2)  # attempt 1 wrote nothing: attempt 0's files stay
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report_attempt0.html", "trace_attempt0.json"]

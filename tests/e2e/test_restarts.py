@@ -30,7 +30,7 @@ def test_a_stage_failure_mid_run_costs_one_checkpoint(demo_dir, tmp_path, ray_ad
     )
     extra = {"trainer.total_training_steps": 6, "trainer.save_freq": 2, "trainer.default_local_dir": str(ckpt),
              "trainer.test_freq": -1, "trainer.val_before_train": False, "+trainer.max_restarts": 1,
-             "reward.custom_reward_function.path": str(reward)}
+             "reward.custom_reward_function.path": str(reward), "+trainer.async_trace_path": str(tmp_path / "trace")}
     code, out, rows = run_verl(demo_dir, extra, tmp_path, timeout_s=900, ray_address=ray_address)
     assert code == 0, out[-4000:]
     assert raised.exists()
@@ -42,6 +42,9 @@ def test_a_stage_failure_mid_run_costs_one_checkpoint(demo_dir, tmp_path, ray_ad
     assert steps[-1] == 6 and sorted(set(steps)) == list(range(1, 7))
     assert step_rows(rows)[6]["async/faults/pipeline_restarts"] == 1.0  # logged by the restarted run
     assert Path(ckpt / "global_step_6").is_dir()
+    # each attempt's timeline and report: the failed one's kept beside the restarted run's
+    assert sorted(p.name for p in (tmp_path / "trace").iterdir()) == [
+        "report.html", "report_attempt0.html", "trace.json", "trace_attempt0.json"]
 
 
 @pytest.mark.slow

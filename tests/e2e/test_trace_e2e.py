@@ -49,6 +49,7 @@ def test_a_short_runs_timeline(demo_dir, tmp_path, ray_address):
         loaded = sorted(s["args"]["version"] for s in sync
                         if tracks[(s["pid"], s["tid"])] == receiver and s["name"] == "load")
         assert loaded == list(range(1, STEPS + 1)), (receiver, loaded)
+    assert all(s["args"]["interrupted"] >= 0 for s in sync if s["name"] == "load")  # the CPU server counts them
     assert sorted(s["args"]["version"] for s in sync if s["name"] == "gather") == list(range(1, STEPS + 1))
     assert "timeline written to" in out
     assert verdict(trace_dir).startswith("training is the slowest stage: actor_train"), verdict(trace_dir)

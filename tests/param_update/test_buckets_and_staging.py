@@ -269,6 +269,7 @@ def test_engine_loads_between_steps_and_no_token_sees_two_versions(dual):
     assert blocked >= 0 and engine.param_version == 1
     versions = [v for r in results for v in r.token_versions]
     assert 0 in versions and 1 in versions
+    assert engine.last_load_interrupted == sum({0, 1} <= set(r.token_versions) for r in results) > 0
     for prompt, result in zip(prompts, results):
         assert result.token_versions == sorted(result.token_versions)  # versions never go back
         for i, version in enumerate(result.token_versions):
@@ -302,4 +303,4 @@ def test_load_without_partial_rollout_waits_for_running_requests():
     for result in running:
         assert len(result.token_ids) == 30 and set(result.token_versions) == {0}
     assert set(queued.token_versions) == {1}  # admitted only after the load
-    assert blocked > 0
+    assert blocked > 0 and engine.last_load_interrupted == 0

@@ -89,6 +89,7 @@ class ContinuousBatchingEngine(WeightSwap):
         self._waiting: collections.deque[SequenceState] = collections.deque()
         self._batch = KVBatch.empty()
         self._cache_stale = False  # re-prefill every live row at the next step
+        self.last_load_interrupted = 0  # requests decoding when the last load swapped the weights under them
         self._paused = False
         self._admitting = True  # False while a load waits for the running requests (partial_rollout=False)
         self._drained: Optional[asyncio.Event] = None  # set when no admitted request is left

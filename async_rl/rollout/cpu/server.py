@@ -247,7 +247,8 @@ class CPURolloutServer:
         blocked_s = await self.engine.load_staged(
             self._staging.stager, version, self._consume_bytes, swap=self._dual_buffer, interrupt=self._interrupt
         )
-        return {"load_s": time.perf_counter() - start, "blocked_s": blocked_s, "keeps_buffer": self._dual_buffer}
+        return {"load_s": time.perf_counter() - start, "blocked_s": blocked_s, "keeps_buffer": self._dual_buffer,
+                "interrupted": self.engine.last_load_interrupted}
 
     def discard_weights(self, version: int) -> None:
         self._staging.discard(version)

@@ -84,6 +84,7 @@ class WeightSwap:
                 await self._wait_for_running()
             async with self._step_lock:
                 locked = time.perf_counter()
+                self.last_load_interrupted = self._live_rows()  # they go on under the new weights
                 if swap:
                     stager.swap_into(tensors)
                 else:
