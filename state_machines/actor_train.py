@@ -60,6 +60,9 @@ def step_part(item) -> tuple[str, Any]:
     return _PARTS[type(item)], item
 
 
+RANKS_TRACK = "train ranks"  # the timeline track of what the stage has its train ranks do
+
+
 class StalenessViolation(RuntimeError):
     """A sample older than the bound reached training (a scheduling bug, never expected)."""
 
@@ -285,7 +288,9 @@ class ActorTrainStage(StateMachine):
     async def _proximal_log_probs(self, logp: LogpResult, batch) -> tuple[LogpResult, float]:
         """pi_prox of `batch` on the train ranks, with the pre-update weights (version `self.version`); seconds."""
         start = time.perf_counter()
-        log_probs = await asyncio.to_thread(engine_calls.compute_log_prob, self.worker_group, batch, self.temperature)
+        with self.trace.span(RANKS_TRACK, "pi_prox", step=self.version + 1):
+            log_probs = await asyncio.to_thread(engine_calls.compute_log_prob, self.worker_group, batch,
+                                                self.temperature)
         result = LogpResult(index=logp.index, batch_ref=logp.batch_ref, old_log_probs=log_probs,
                             logp_version=self.version)
         return result, time.perf_counter() - start
@@ -325,25 +330,28 @@ class ActorTrainStage(StateMachine):
         # a step whose rows were all filtered out makes no update, nor does one in verl's critic warmup
         # (global step version + 1 < trainer.critic_warmup); its version carries the same weights
         if len(rows) and self.version + 1 >= self.critic_warmup:
-            metrics.update(
-                await asyncio.to_thread(
-                    engine_calls.update_actor, self.worker_group, train_batch, self.config.actor_rollout_ref
+            with self.trace.span(RANKS_TRACK, "update", step=self.version + 1):
+                metrics.update(
+                    await asyncio.to_thread(
+                        engine_calls.update_actor, self.worker_group, train_batch, self.config.actor_rollout_ref
+                    )
                 )
-            )
         t1 = time.perf_counter()
         await asyncio.to_thread(hold_at, "train_step", self.version + 1)  # held as a hung worker call holds
         # announce the version first: param_update stages its buckets while the gather still runs
         await self.send_downstream(NewWeights(version=self.version + 1, started_at=time.time()))
-        await asyncio.to_thread(
-            self.worker_group.send_weight_buckets, self.version + 1, self.bucket_bytes, self.weight_sink
-        )
+        with self.trace.span(RANKS_TRACK, "gather and send", version=self.version + 1):
+            await asyncio.to_thread(
+                self.worker_group.send_weight_buckets, self.version + 1, self.bucket_bytes, self.weight_sink
+            )
         t2 = time.perf_counter()
         self.version += 1
         self._dump_rollouts(self.version, train_batch)
         if self.checkpointer is not None:
             if self.checkpointer.due(self.version):
                 self.dumps.flush()  # every dump of a saved step is on disk with it
-                metrics.update(await self.checkpointer.save(self.version, self.worker_group, self._kl_coef()))
+                with self.trace.span(RANKS_TRACK, "checkpoint snapshot", step=self.version):
+                    metrics.update(await self.checkpointer.save(self.version, self.worker_group, self._kl_coef()))
             metrics.update(self.checkpointer.pop_written())  # the newest write committed beside training
         data_metrics = compute_data_metrics(batch, use_critic=self.critic_sink is not None)
         metrics.update({k: float(v) for k, v in data_metrics.items()})  # `num_turns/*` are numpy ints; JSON wants floats

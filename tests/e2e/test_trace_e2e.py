@@ -51,6 +51,9 @@ def test_a_short_runs_timeline(demo_dir, tmp_path, ray_address):
         assert loaded == list(range(1, STEPS + 1)), (receiver, loaded)
     assert all(s["args"]["interrupted"] >= 0 for s in sync if s["name"] == "load")  # the CPU server counts them
     assert sorted(s["args"]["version"] for s in sync if s["name"] == "gather") == list(range(1, STEPS + 1))
+    ranks = [s for s in spans if tracks[(s["pid"], s["tid"])] == "train ranks"]  # the actor_train stage's calls
+    for name, key in (("pi_prox", "step"), ("update", "step"), ("gather and send", "version")):
+        assert sorted(s["args"][key] for s in ranks if s["name"] == name) == list(range(1, STEPS + 1)), name
     assert "timeline written to" in out
     assert verdict(trace_dir).startswith("training is the slowest stage: actor_train"), verdict(trace_dir)
 
