@@ -14,6 +14,8 @@ REPLICA_PREFIX = "replica "  # the generate stage's tracks of each rollout repli
 WAITS = {"wait input": "waiting for input", "wait downstream": "waiting on a full downstream inbox",
          "admission (staleness bound)": "held by the staleness bound"}
 SYNC_PARTS = ("gather", "send", "register-buffer", "load")  # what the timeline shows of the five parts per version
+SYNC_PART_OF = {"gather": "gather", "send": "send", "register-buffer": "register-buffer", "load": "load",
+                "register-buffer and check": "register-buffer"}  # span name -> part (recv is in register-buffer)
 
 
 class ReportError(ValueError):
@@ -74,6 +76,7 @@ def read_timeline(path: str) -> Timeline:
     start = min(e["ts"] for e in spans)
     window_s = (max(e["ts"] + e["dur"] for e in spans) - start) / 1e6
     work: dict[str, list] = {}
+    calls: dict[tuple[int, str, str], list] = {}  # (version, sync part, track) -> its spans
     serving: dict[str, list] = {}  # replica track -> its serving periods, losses and restarts
     stages: dict[str, StageTime] = {}
     sync: dict[int, dict[str, float]] = {}
@@ -90,9 +93,12 @@ def read_timeline(path: str) -> Timeline:
             serving.setdefault(track, []).append((begin, begin + seconds, f"{track}: {e['name']} {e.get('args', {})}"))
         elif e["name"] in WAITS:
             stage.waits_s[e["name"]] = stage.waits_s.get(e["name"], 0.0) + seconds
-        if e["name"] in SYNC_PARTS and "version" in e.get("args", {}):
-            parts = sync.setdefault(int(e["args"]["version"]), {})
-            parts[e["name"]] = max(parts.get(e["name"], 0.0), seconds)
+        part = SYNC_PART_OF.get(e["name"])
+        if part is not None and "version" in e.get("args", {}):
+            calls.setdefault((int(e["args"]["version"]), part, track), []).append((begin, begin + seconds))
+    for (version, part, _), spans_of in calls.items():  # a receiver's part: its calls' union; the slowest receiver's
+        parts = sync.setdefault(version, {})
+        parts[part] = max(parts.get(part, 0.0), covered_s(spans_of))
     origin = start / 1e6
     lanes = {}
     for owner, spans_of in work.items():

@@ -49,6 +49,9 @@ def test_a_short_runs_timeline(demo_dir, tmp_path, ray_address):
         loaded = sorted(s["args"]["version"] for s in sync
                         if tracks[(s["pid"], s["tid"])] == receiver and s["name"] == "load")
         assert loaded == list(range(1, STEPS + 1)), (receiver, loaded)
+        staged = {s["args"]["version"] for s in sync  # recv + register-buffer, per bucket or per version
+                  if tracks[(s["pid"], s["tid"])] == receiver and s["name"].startswith("register-buffer")}
+        assert staged == set(range(1, STEPS + 1)), (receiver, staged)
     assert all(s["args"]["interrupted"] >= 0 for s in sync if s["name"] == "load")  # the CPU server counts them
     assert sorted(s["args"]["version"] for s in sync if s["name"] == "gather") == list(range(1, STEPS + 1))
     ranks = [s for s in spans if tracks[(s["pid"], s["tid"])] == "train ranks"]  # the actor_train stage's calls
