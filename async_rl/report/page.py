@@ -25,8 +25,9 @@ def ordered(stages) -> list[str]:
 def busy_ratios(timeline: Timeline, metrics: Optional[Metrics]) -> tuple[dict[str, float], str]:
     """The stages' busy ratios and where they come from: the metrics (what the run logged, warm-up
     step left out) where they hold them, else the timeline's work spans over its window."""
-    if metrics is not None and metrics.busy_ratios():
-        return metrics.busy_ratios(), "async/<stage>/busy_ratio in the metrics, step 1 left out"
+    logged = metrics.busy_ratios() if metrics is not None else {}
+    if logged:
+        return logged, "async/<stage>/busy_ratio in the metrics, step 1 left out"
     return timeline.busy_ratios(), "the timeline's work spans over its window"
 
 
