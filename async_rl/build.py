@@ -22,7 +22,7 @@ from verl.utils import hf_tokenizer
 
 import param_update.transports  # noqa: F401 - registers the built-in transports
 from async_rl.api.weights import transports_by_rank
-from async_rl.checkpoints import (CheckpointDir, ResumePoint, RunCheckpointer, dataloader_workers_of,
+from async_rl.checkpoints import (CheckpointDir, ResumePoint, RunCheckpointer, dataloader_workers_in_state,
                                   find_resume_point)
 from async_rl.core.devices import GroupDevices, reserve_nodes
 from async_rl.core.errors import PipelineError
@@ -139,10 +139,11 @@ def build_stages(built: BuiltPipeline) -> None:
     workers = int(cfg.data.get("dataloader_num_workers", 0) or 0) if run.dataloader_workers_named else None
     built.resume_point = find_resume_point(run.checkpoint, built.world_sizes["train"], workers,
                                            settings.dynamic_sampling, built.world_sizes["critic"] if run.critic else None)
-    if workers is None and dataloader_workers_of(built.resume_point) is not None:  # the pipeline sized them:
-        with open_dict(cfg.data):  # the checkpoint's count, which its dataloader state needs
-            cfg.data.dataloader_num_workers = dataloader_workers_of(built.resume_point)
     state = built.resume_point.state if built.resume_point is not None else None
+    saved_workers = dataloader_workers_in_state(state.dataloader_state) if state is not None else None
+    if workers is None and saved_workers is not None:  # the pipeline sized them: the checkpoint's count,
+        with open_dict(cfg.data):  # which its dataloader state needs
+            cfg.data.dataloader_num_workers = saved_workers
     built.start_step = state.global_step if state is not None else 0
     generated = state.generated_batches if state else 0
     eta, steps, restarts = settings.max_staleness, run.total_steps, settings.replica_max_restarts

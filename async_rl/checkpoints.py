@@ -151,24 +151,20 @@ def checkpoint_world_size(path: str, role: str = "actor") -> Optional[int]:
         return int(json.load(f)["world_size"])
 
 
-def dataloader_workers_in_state(state: dict) -> int:
-    """`num_workers` of the StatefulDataLoader that produced `state`."""
+def dataloader_workers_in_state(state: Optional[dict]) -> Optional[int]:
+    """`num_workers` of the StatefulDataLoader that produced `state` (None: no state saved)."""
+    if state is None:
+        return None
     snapshot = state.get("_snapshot")
     return len(snapshot["_worker_snapshots"]) if isinstance(snapshot, dict) else 0
-
-
-def dataloader_workers_of(point: Optional[ResumePoint]) -> Optional[int]:
-    """The DataLoader worker count a resume point's saved dataloader state needs (None: no state saved)."""
-    state = point.state.dataloader_state if point is not None else None
-    return None if state is None else dataloader_workers_in_state(state)
 
 
 def find_resume_point(cfg: CheckpointConfig, train_world_size: int, dataloader_workers: Optional[int],
                       dynamic_sampling: bool, critic_world_size: Optional[int] = None) -> Optional[ResumePoint]:
     """The checkpoint verl's rules pick (`auto`: the tracker's, `resume_path`: the one named),
     checked against this run (`critic_world_size`: the run has a critic on that many ranks, so the
-    checkpoint must hold one; `dataloader_workers`: the run's count, None: the checkpoint's is taken,
-    `dataloader_workers_of`); None to train from scratch. AsyncConfigError names what does not fit."""
+    checkpoint must hold one; `dataloader_workers`: the run's count, None: the checkpoint's is taken);
+    None to train from scratch. AsyncConfigError names what does not fit."""
     from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 
     if cfg.resume_mode == "disable":
@@ -190,13 +186,10 @@ def find_resume_point(cfg: CheckpointConfig, train_world_size: int, dataloader_w
     step = _step_of(path)
     data_path, state_path = os.path.join(path, DATA_FILE), os.path.join(path, STATE_FILE)
     dataloader_state = torch.load(data_path, weights_only=False) if os.path.exists(data_path) else None
-    if (dataloader_state is not None and dataloader_workers is not None
-            and dataloader_workers_in_state(dataloader_state) != dataloader_workers):
-        raise AsyncConfigError(
-            "data.dataloader_num_workers", dataloader_workers,
-            f"{dataloader_workers_in_state(dataloader_state)}, as when {path} was saved (the dataloader's state "
-            "depends on its worker count)",
-        )
+    saved_workers = dataloader_workers_in_state(dataloader_state)
+    if None not in (saved_workers, dataloader_workers) and saved_workers != dataloader_workers:
+        raise AsyncConfigError("data.dataloader_num_workers", dataloader_workers, f"{saved_workers}, as when {path} "
+                               "was saved (the dataloader's state depends on its worker count)")
     if os.path.exists(state_path):
         state = RunState(**torch.load(state_path, weights_only=False))
         return ResumePoint(path, state, "async_rl")

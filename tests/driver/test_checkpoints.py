@@ -17,7 +17,7 @@ from async_rl.checkpoints import (
     TRACKER_FILE,
     CheckpointDir,
     RunState,
-    dataloader_workers_of,
+    dataloader_workers_in_state,
     find_resume_point,
     read_checkpoint_config,
 )
@@ -147,7 +147,7 @@ def test_a_checkpoint_that_does_not_fit_this_run_is_refused_at_start(tmp_path):
         find_resume_point(cfg, train_world_size=2, dataloader_workers=8, dynamic_sampling=False)
     # a run whose worker count the pipeline sized (the command did not name it) takes the checkpoint's
     point = find_resume_point(cfg, train_world_size=2, dataloader_workers=None, dynamic_sampling=False)
-    assert dataloader_workers_of(point) == 0 and dataloader_workers_of(None) is None
+    assert dataloader_workers_in_state(point.state.dataloader_state) == 0 and dataloader_workers_in_state(None) is None
 
 
 def test_a_ppo_run_needs_the_critic_part_of_its_checkpoint(tmp_path):
