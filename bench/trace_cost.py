@@ -40,9 +40,15 @@ def step_seconds(rows: list[dict], warmup: int) -> list[float]:
 
 
 def summarize(runs: list[dict]) -> dict:
-    """Mean s/step per mode and the timeline's cost (on / off - 1)."""
+    """Mean s/step per mode and the timeline's cost (on / off - 1), overall and per interleaved pair
+    (`runs` in pairs: one off and one on each, either order)."""
     mean = {mode: statistics.mean(s for r in runs if r["trace"] == mode for s in r["step_s"]) for mode in (False, True)}
-    return {"off_s_per_step": mean[False], "on_s_per_step": mean[True], "cost": mean[True] / mean[False] - 1}
+    pair_costs = []
+    for first, second in zip(runs[::2], runs[1::2]):
+        on, off = (first, second) if first["trace"] else (second, first)
+        pair_costs.append(statistics.mean(on["step_s"]) / statistics.mean(off["step_s"]) - 1)
+    return {"off_s_per_step": mean[False], "on_s_per_step": mean[True], "cost": mean[True] / mean[False] - 1,
+            "pair_costs": pair_costs}
 
 
 def span_cost_s(n: int = 200_000) -> float:
@@ -126,9 +132,6 @@ def main(argv=None) -> dict:
     summary["spans_per_step"] = spans_per_step(traced, args.steps)
     summary["span_cost_s"] = span_cost_s()
     summary["estimate"] = summary["spans_per_step"] * summary["span_cost_s"] / summary["off_s_per_step"]
-    pairs = [statistics.mean(runs[i + (1 if runs[i]["trace"] else 0)]["step_s"]) for i in range(0, len(runs), 2)]
-    ons = [statistics.mean(runs[i + (0 if runs[i]["trace"] else 1)]["step_s"]) for i in range(0, len(runs), 2)]
-    summary["pair_costs"] = [on / off - 1 for on, off in zip(ons, pairs)]
     print(f"command: {command_line()}")
     print(f"the demo, {args.steps} steps a run, steps after {args.warmup}; {args.pairs} pairs interleaved")
     print(f"timeline off {summary['off_s_per_step']:.3f} s/step, on {summary['on_s_per_step']:.3f} s/step: "

@@ -18,6 +18,7 @@ def test_the_cost_compares_steps_after_warm_up_across_interleaved_runs():
     summary = trace_cost.summarize(runs)
     assert summary["off_s_per_step"] == pytest.approx(1.0) and summary["on_s_per_step"] == pytest.approx(3.1 / 3)
     assert summary["cost"] == pytest.approx(3.1 / 3 - 1)
+    assert summary["pair_costs"] == [pytest.approx(0.05), pytest.approx(0.0)]  # (off, on), then (on, off)
 
 
 def test_the_picture_draws_each_stage_after_the_first_trained_step(tmp_path):
