@@ -29,6 +29,10 @@ from async_rl.core.trace import TraceRecorder
 from param_update.transports.object_store import ObjectStore
 
 
+STAGE_BUCKET = "recv + register-buffer"  # a receiver call (its name in errors and in the timeline)
+STAGE_VERSION = "recv + register-buffer + check"
+
+
 @dataclass
 class VersionEnd:
     version: int
@@ -132,7 +136,7 @@ class OverlappedWeightSync(WeightSync):
         receivers = self._live() if receivers is None else receivers
 
         async def timed(receiver):
-            started, shown = time.time(), {}
+            started, shown, result = time.time(), {}, None
             try:
                 result = await asyncio.wait_for(call(receiver), timeout=self.lost_after_s if self._restartable(receiver)
                                                 else self.timeout_s)
@@ -140,7 +144,7 @@ class OverlappedWeightSync(WeightSync):
                     shown["interrupted"] = result["interrupted"]
                 return result
             finally:
-                self.trace.add(f"receiver {receiver.name}", what, started, time.time(), version=version, **shown)
+                self._trace_call(f"receiver {receiver.name}", what, version, started, time.time(), result, shown)
 
         results = await asyncio.gather(*(timed(r) for r in receivers), return_exceptions=True)
         out = {}
@@ -164,6 +168,15 @@ class OverlappedWeightSync(WeightSync):
                 ) from result
             out[name] = result
         return out
+
+    def _trace_call(self, track: str, what: str, version: int, started: float, ended: float, result, shown: dict):
+        """The receiver call as a span; a staging call's recv and register-buffer (the seconds the receiver
+        measured, `{recv_s, register_s}`) as its last two parts, inside it."""
+        self.trace.add(track, what, started, ended, version=version, **shown)
+        if isinstance(result, dict) and "recv_s" in result and "register_s" in result:
+            registered = max(started, ended - result["register_s"])
+            self.trace.add(track, "recv", max(started, registered - result["recv_s"]), registered, version=version)
+            self.trace.add(track, "register-buffer", registered, ended, version=version)
 
     async def open_version(self, version: int, sender_node: str) -> dict[str, tuple]:
         """The sender's first question about `version`: its route, transport name -> (transport class,
@@ -200,7 +213,7 @@ class OverlappedWeightSync(WeightSync):
         try:
             receivers = [r for r in self._live() if not self._at_end(r, bucket)]
             self._readable(bucket, receivers)
-            results = await self._on_all("register-buffer", bucket.version, lambda r: r.stage(bucket), receivers)
+            results = await self._on_all(STAGE_BUCKET, bucket.version, lambda r: r.stage(bucket), receivers)
         finally:
             if bucket.counted:
                 self.stream.release()
@@ -237,7 +250,7 @@ class OverlappedWeightSync(WeightSync):
                     task.result()
             await asyncio.gather(*staging)
             at_end = [r for r in self._live() if buckets and self._at_end(r, buckets[0])]
-            staged = await self._on_all("register-buffer and check", version,
+            staged = await self._on_all(STAGE_VERSION, version,
                                         lambda r: r.stage_version(version, buckets, item.num_buckets), at_end)
             _add_times(totals, staged)
             await self._on_all("check", version, lambda r: r.check(version, item.num_buckets),
@@ -291,7 +304,7 @@ class OverlappedWeightSync(WeightSync):
             if version is not None:  # its buckets: in the retained region, or kept in the object store
                 for bucket in buckets:
                     self._readable(bucket, [receiver])
-                    await self._on_all("register-buffer", version, lambda r, b=bucket: r.stage(b), [receiver])
+                    await self._on_all(STAGE_BUCKET, version, lambda r, b=bucket: r.stage(b), [receiver])
                 await self._on_all("check", version, lambda r: r.check(version, num_buckets), [receiver])
                 loads = await self._on_all("load", version, lambda r: r.commit(version, num_buckets), [receiver])
                 self._note_loaded(version, loads, [receiver], buckets)

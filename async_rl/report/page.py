@@ -90,7 +90,7 @@ def render(timeline: Timeline, metrics: Optional[Metrics], source: str, metrics_
     if timeline.sync:
         rows = [(f"version {v}", p) for v, p in timeline.sync.items()]
         parts.append(section("Weight sync per version", charts.stacked_bars(rows, SYNC_PARTS, "s"),
-                             "The train rank's gather and send; register-buffer and load: the slowest receiver."))
+                             "The train rank's gather and send; recv, register-buffer and load: the slowest receiver's."))
     if metrics_path is not None:
         parts.append(section("Planner", planner_advice(metrics_path, ahead)))
     if timeline.dropped:

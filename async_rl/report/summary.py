@@ -13,9 +13,7 @@ STAGE_PREFIX = "stage "
 REPLICA_PREFIX = "replica "  # the generate stage's tracks of each rollout replica
 WAITS = {"wait input": "waiting for input", "wait downstream": "waiting on a full downstream inbox",
          "admission (staleness bound)": "held by the staleness bound"}
-SYNC_PARTS = ("gather", "send", "register-buffer", "load")  # what the timeline shows of the five parts per version
-SYNC_PART_OF = {"gather": "gather", "send": "send", "register-buffer": "register-buffer", "load": "load",
-                "register-buffer and check": "register-buffer"}  # span name -> part (recv is in register-buffer)
+SYNC_PARTS = ("gather", "send", "recv", "register-buffer", "load")  # the five parts: their spans' names per version
 
 
 class ReportError(ValueError):
@@ -93,8 +91,8 @@ def read_timeline(path: str) -> Timeline:
             serving.setdefault(track, []).append((begin, begin + seconds, f"{track}: {e['name']} {e.get('args', {})}"))
         elif e["name"] in WAITS:
             stage.waits_s[e["name"]] = stage.waits_s.get(e["name"], 0.0) + seconds
-        part = SYNC_PART_OF.get(e["name"])
-        if part is not None and "version" in e.get("args", {}):
+        part = e["name"]
+        if part in SYNC_PARTS and "version" in e.get("args", {}):
             calls.setdefault((int(e["args"]["version"]), part, track), []).append((begin, begin + seconds))
     for (version, part, _), spans_of in calls.items():  # a receiver's part: its calls' union; the slowest receiver's
         parts = sync.setdefault(version, {})

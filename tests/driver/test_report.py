@@ -64,9 +64,17 @@ def generation_bound_trace(path):
     gen.batch["events"] += [("replica 0", "serving", 100.5, 104.0, {"items": 8}),
                             ("replica 0", "lost", 104.0, 104.0, {"cause": "ActorDiedError"})]
     sync.batch["events"] += [("trainer", "gather", 106.0, 106.2, {"version": 1}),
-                             ("receiver server 0", "register-buffer", 106.1, 106.2, {"version": 1}),  # 2 buckets
-                             ("receiver server 0", "register-buffer", 106.15, 106.25, {"version": 1}),
-                             ("receiver server 1", "register-buffer and check", 106.2, 106.25, {"version": 1}),
+                             # two bucket calls on server 0, one whole-version call on server 1, each with
+                             # its recv and register-buffer at its end (the call's own span is not a part)
+                             ("receiver server 0", "recv + register-buffer", 106.1, 106.2, {"version": 1}),
+                             ("receiver server 0", "recv", 106.12, 106.15, {"version": 1}),
+                             ("receiver server 0", "register-buffer", 106.15, 106.2, {"version": 1}),
+                             ("receiver server 0", "recv + register-buffer", 106.15, 106.25, {"version": 1}),
+                             ("receiver server 0", "recv", 106.18, 106.2, {"version": 1}),
+                             ("receiver server 0", "register-buffer", 106.2, 106.25, {"version": 1}),
+                             ("receiver server 1", "recv + register-buffer + check", 106.2, 106.3, {"version": 1}),
+                             ("receiver server 1", "recv", 106.2, 106.28, {"version": 1}),
+                             ("receiver server 1", "register-buffer", 106.28, 106.29, {"version": 1}),
                              ("receiver server 0", "load", 106.3, 106.4, {"version": 1}),
                              ("receiver server 1", "load", 106.3, 106.6, {"version": 1})]
     return write_trace(str(path), [gen.batch, train.batch, sync.batch], run={"generate_ahead_steps": 2})
@@ -89,8 +97,8 @@ def test_the_timeline_gives_each_stages_busy_and_waiting_seconds_and_each_versio
     assert timeline.stages["actor_train"].busy_s == pytest.approx(2.0)
     assert timeline.stages["actor_train"].waits_s == {"wait input": pytest.approx(3.0)}
     # per receiver the union of its calls, then the slowest receiver
-    assert timeline.sync == {1: {"gather": pytest.approx(0.2), "register-buffer": pytest.approx(0.15),
-                                 "load": pytest.approx(0.3)}}
+    assert timeline.sync == {1: {"gather": pytest.approx(0.2), "recv": pytest.approx(0.08),
+                                 "register-buffer": pytest.approx(0.1), "load": pytest.approx(0.3)}}
     assert timeline.run == {"generate_ahead_steps": 2}
     assert [title for *_, title in timeline.work_spans["generate"]] == ["generate: batch 0", "generate: batch 1"]
     assert [(a, b) for a, b, _ in timeline.replica_spans["replica 0"]] == [(0.5, 4.0), (4.0, 4.0)]

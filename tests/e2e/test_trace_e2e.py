@@ -41,7 +41,8 @@ def test_a_short_runs_timeline(demo_dir, tmp_path, ray_address):
     for earlier, later in zip(PATH, PATH[1:]):
         for index in range(STEPS):  # the clocks are aligned within 50 ms
             assert ends[(f"stage {earlier}", index)] <= ends[(f"stage {later}", index)] + 5e4, (earlier, later, index)
-    # every version's load on every receiver (the demo: one rollout server), and the trainer's parts
+    # every version's recv, register-buffer and load on every receiver (the demo: one rollout server), and the
+    # trainer's gather and send: the five parts
     sync = [s for s in spans if owners[s["pid"]] == "stage param_update"]
     receivers = {tracks[(s["pid"], s["tid"])] for s in sync if tracks[(s["pid"], s["tid"])].startswith("receiver ")}
     assert receivers
@@ -49,11 +50,12 @@ def test_a_short_runs_timeline(demo_dir, tmp_path, ray_address):
         loaded = sorted(s["args"]["version"] for s in sync
                         if tracks[(s["pid"], s["tid"])] == receiver and s["name"] == "load")
         assert loaded == list(range(1, STEPS + 1)), (receiver, loaded)
-        staged = {s["args"]["version"] for s in sync  # recv + register-buffer, per bucket or per version
-                  if tracks[(s["pid"], s["tid"])] == receiver and s["name"].startswith("register-buffer")}
-        assert staged == set(range(1, STEPS + 1)), (receiver, staged)
+        for part in ("recv", "register-buffer"):  # per bucket or per version, inside its receiver call
+            staged = {s["args"]["version"] for s in sync if tracks[(s["pid"], s["tid"])] == receiver and s["name"] == part}
+            assert staged == set(range(1, STEPS + 1)), (receiver, part, staged)
     assert all(s["args"]["interrupted"] >= 0 for s in sync if s["name"] == "load")  # the CPU server counts them
-    assert sorted(s["args"]["version"] for s in sync if s["name"] == "gather") == list(range(1, STEPS + 1))
+    for part in ("gather", "send"):
+        assert sorted(s["args"]["version"] for s in sync if s["name"] == part) == list(range(1, STEPS + 1)), part
     ranks = [s for s in spans if tracks[(s["pid"], s["tid"])] == "train ranks"]  # the actor_train stage's calls
     for name, key in (("pi_prox", "step"), ("update", "step"), ("gather and send", "version")):
         assert sorted(s["args"][key] for s in ranks if s["name"] == name) == list(range(1, STEPS + 1)), name

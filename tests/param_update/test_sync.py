@@ -20,6 +20,7 @@ import transformers
 from async_rl.api.weights import BucketRef
 from async_rl.core.errors import WeightSyncError
 from async_rl.core.messages import NewWeights
+from async_rl.core.trace import TraceRecorder
 from async_rl.rollout.cpu.server import CPURolloutServer
 from param_update.buckets import pack_buckets, tensor_digest
 from param_update.receivers import ActorReceiver, VerlReplicaReceiver
@@ -156,7 +157,7 @@ def test_lost_bucket_keeps_the_previous_version(small_objects_ray, model_dir):
         stream.end_version(VersionEnd(1, len(buckets), {"gather": 0.0, "send": 0.0}))
 
     message = failing_sync(servers, log, lose_one)
-    assert "register-buffer of version 1 failed on receiver 'server_" in message
+    assert "recv + register-buffer of version 1 failed on receiver 'server_" in message
     assert "ObjectLostError" in message
     assert_still_serving_version_0(servers, model_dir)
     assert ray.get(log.get.remote(), timeout=TIMEOUT_S) == []
@@ -520,3 +521,35 @@ def test_the_async_rl_backend_fails_the_receivers_when_the_send_fails_or_never_c
     connect([trainer], [receiver])
     with pytest.raises(ray.exceptions.RayTaskError, match="no weight bucket 0 from the trainer within 2 s"):
         ray.get(receiver.receive.remote(), timeout=TIMEOUT_S)  # no send at all
+
+
+def test_a_staging_call_shows_its_recv_and_register_buffer_inside_it_and_a_load_its_interrupted():
+    """The timeline's receiver track: the call's span, and its receiver-measured recv and register-buffer
+    as the call's last seconds (so the five parts each have spans)."""
+
+    class Receiver:
+        name, replica_index = "server_0", None
+
+        async def stage(self, bucket):
+            await asyncio.sleep(0.05)
+            return {"recv_s": 0.02, "register_s": 0.01}
+
+        async def commit(self, version, num_buckets):
+            return {"load_s": 0.0, "interrupted": 3}
+
+    sync = OverlappedWeightSync([Receiver()], generate_stage=None, stream=BucketStream(),
+                                trace=TraceRecorder("weight sync", enabled=True))
+
+    async def calls():
+        await sync._on_all("recv + register-buffer", 1, lambda r: r.stage(None))
+        await sync._on_all("load", 1, lambda r: r.commit(1, 1))
+
+    asyncio.run(calls())
+    spans = {name: (start, end, args) for _, name, start, end, args in sync.trace.pop()["events"]}
+    call_start, call_end, _ = spans["recv + register-buffer"]
+    recv_start, recv_end, _ = spans["recv"]
+    register_start, register_end, _ = spans["register-buffer"]
+    assert call_start <= recv_start and register_end == call_end  # inside the call, at its end
+    assert recv_end == register_start
+    assert recv_end - recv_start == pytest.approx(0.02) and register_end - register_start == pytest.approx(0.01)
+    assert spans["load"][2] == {"version": 1, "interrupted": 3}

@@ -311,7 +311,7 @@ def test_buckets_only_in_shared_memory_come_with_the_version_end_and_a_missing_o
 
     (shm,), log, count, error = sync_by_link(tmp_path / "one_lost", end_with(lambda i: i != 1), [SHM])
     assert isinstance(error, WeightSyncError)
-    assert "register-buffer and check of version 1 failed on receiver 'shm'" in str(error) and "[1]" in str(error)
+    assert "recv + register-buffer + check of version 1 failed on receiver 'shm'" in str(error) and "[1]" in str(error)
     assert shm.calls[-1] == ("discard",) and ("commit",) not in shm.calls and log.versions == []
 
 
