@@ -18,7 +18,6 @@ from omegaconf import open_dict
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from verl.trainer.ppo.utils import need_reference_policy
-from verl.utils import hf_tokenizer
 
 import param_update.transports  # noqa: F401 - registers the built-in transports
 from async_rl.api.weights import transports_by_rank
@@ -27,6 +26,7 @@ from async_rl.checkpoints import (CheckpointDir, ResumePoint, RunCheckpointer, d
 from async_rl.core.devices import GroupDevices, reserve_nodes
 from async_rl.core.errors import PipelineError
 from async_rl.core.messages import NewWeights
+from async_rl.core.prompts import model_tokenizer
 from async_rl.core.stage_graph import upstream_counts
 from async_rl.rollout.supervisor import kill_actor
 from async_rl.rollout.verl_replicas import launch_rollout_replicas, make_rollout_replicas
@@ -131,7 +131,7 @@ def build_stages(built: BuiltPipeline) -> None:
     """Start the rollout replicas and every stage with its worker group, and wire the stage graph."""
     run, cfg, settings = built.run, built.run.config, built.run.async_cfg
     devices = built.devices
-    tokenizer = hf_tokenizer(cfg.actor_rollout_ref.model.path, trust_remote_code=False)
+    tokenizer = model_tokenizer(cfg)
     built.replicas = launch_rollout_replicas(make_rollout_replicas(cfg, len(devices["generate"])), run.backend,
                                              devices["generate"], SETUP_TIMEOUT_S)
     servers = [r.server_handle for r in built.replicas]

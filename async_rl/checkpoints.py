@@ -76,9 +76,6 @@ def read_checkpoint_config(config) -> CheckpointConfig:
     save_freq = select_value(config, "trainer.save_freq", -1)
     if isinstance(save_freq, bool) or not isinstance(save_freq, int):
         raise AsyncConfigError("trainer.save_freq", save_freq, "an integer (<= 0: no checkpoints)")
-    if select_value(config, "trainer.default_hdfs_dir", None) is not None:
-        raise AsyncConfigError("trainer.default_hdfs_dir", select_value(config, "trainer.default_hdfs_dir", None),
-                               "null: the async pipeline saves to trainer.default_local_dir only")
     root = select_value(config, "trainer.default_local_dir", None)
     if not root or not isinstance(root, str):
         raise AsyncConfigError("trainer.default_local_dir", root, "a directory path")
@@ -98,6 +95,11 @@ def read_checkpoint_config(config) -> CheckpointConfig:
         keep = 1  # verl's deprecated spelling of max_actor_ckpt_to_keep=1
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise AsyncConfigError("trainer.max_actor_ckpt_to_keep", keep, "null (keep all) or an integer >= 1")
+    critic_keep = select_value(config, "trainer.max_critic_ckpt_to_keep", None)
+    if critic_keep is not None and critic_keep != keep:  # a step's directory holds both: they rotate together
+        raise AsyncConfigError("trainer.max_critic_ckpt_to_keep", critic_keep,
+                               f"null or trainer.max_actor_ckpt_to_keep ({keep!r}): the async pipeline keeps or "
+                               "removes a step's actor and critic files together")
     for key in ("actor_rollout_ref.actor.checkpoint.save_contents", "actor_rollout_ref.actor.checkpoint.load_contents"):
         _contents(config, key)
     return CheckpointConfig(

@@ -24,7 +24,7 @@ from async_rl.core.errors import AsyncConfigError
 from async_rl.core.placement import Placement, plan_placement
 from async_rl.core.scoring import overlong_shaping
 from async_rl.core.stage_graph import STAGES_KEY, UserStageSpec, build_edges
-from async_rl.core.verl_keys import refuse_unsupported
+from async_rl.core.verl_keys import refuse_unsupported, replaced_settings
 from async_rl.rollout.agent_loops import absolute_agent_files, check_agent_loops
 from state_machines.base import StateMachine
 
@@ -77,6 +77,8 @@ def read_run_config(config: DictConfig) -> RunConfig:
     or FileNotFoundError naming the key."""
     async_cfg = read_async_config(config)
     refuse_unsupported(config)
+    for line in replaced_settings(config):
+        logger.warning(line)
     critic = critic_enabled(config)
     read_checkpoint_config(config)
     user_stages = {spec.name: load_stage_class(spec) for spec in async_cfg.user_stages}
@@ -169,7 +171,7 @@ def load_stage_class(spec: UserStageSpec) -> type:
 # files a command names, checked before Ray starts (the reward's are optional; verl also loads them from
 # "pkg://module", not a file, and "file://path", a file)
 FILE_KEYS = ("data.train_files", "actor_rollout_ref.model.path")
-OPTIONAL_FILE_KEYS = ("reward.custom_reward_function.path", "reward.reward_manager.module.path")
+OPTIONAL_FILE_KEYS = ("reward.custom_reward_function.path",)
 
 
 def check_files(config: DictConfig) -> None:
@@ -227,10 +229,14 @@ def count_rows(files) -> int:
 
 
 def total_training_steps(config: DictConfig, train_rows: int) -> int:
+    """trainer.total_training_steps, else epochs x full batches of the rows verl's dataset keeps
+    (data.train_max_samples > 0 caps them, as in RLHFDataset)."""
     steps = config.trainer.get("total_training_steps")
     if steps:
         return int(steps)
-    return int(config.trainer.total_epochs) * (train_rows // int(config.data.train_batch_size))
+    cap = int(config.data.get("train_max_samples", -1) or -1)
+    rows = min(train_rows, cap) if cap > 0 else train_rows
+    return int(config.trainer.total_epochs) * (rows // int(config.data.train_batch_size))
 
 
 OUTPUT_DIR_KEYS = ("trainer.default_local_dir", "trainer.rollout_data_dir", "trainer.validation_data_dir")

@@ -45,6 +45,7 @@ from async_rl.core.messages import (
     resolve,
     response_lengths,
 )
+from async_rl.core.prompts import model_tokenizer
 from async_rl.core.staleness import version_metrics
 from async_rl.training import engine_calls
 from async_rl.training.worker_groups import make_worker_group
@@ -206,9 +207,7 @@ class ActorTrainStage(StateMachine):
         if self.dumps.directory is None:
             return
         if self._tokenizer is None:
-            from verl.utils import hf_tokenizer
-
-            self._tokenizer = hf_tokenizer(self.config.actor_rollout_ref.model.path)
+            self._tokenizer = model_tokenizer(self.config)
         self.dumps.write_batch(step, batch, self._tokenizer, batch.batch["token_level_scores"].sum(-1).tolist())
 
     def weight_layout(self) -> dict:

@@ -15,6 +15,15 @@ import torch
 from async_rl.core.data_checks import prompt_too_long_error
 
 
+def model_tokenizer(config):
+    """The tokenizer verl's trainer uses: its HFModelConfig's (actor_rollout_ref.model: tokenizer_path,
+    trust_remote_code, custom_chat_template)."""
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config import HFModelConfig
+
+    return omega_conf_to_dataclass(config.actor_rollout_ref.model, dataclass_type=HFModelConfig).tokenizer
+
+
 def load_prompt_dataset(data_files, data_config, tokenizer, is_train: bool):
     """verl's RL dataset for `data_files` (parquet paths), capped at verl's `{train,val}_max_samples`."""
     from verl.trainer.ppo.utils import create_rl_dataset

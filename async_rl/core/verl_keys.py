@@ -1,17 +1,29 @@
-"""verl 0.9.1 settings the pipeline cannot honour yet: each is refused before Ray starts, naming its
-key and why, never ignored (`refuse_unsupported`). A row leaves this table when the pipeline learns
-to run it (issue 40: LoRA, reward models, ReMax's greedy baseline)."""
+"""verl 0.9.1 settings the pipeline cannot honour: each is refused before Ray starts, naming its key and
+why, never ignored (`refuse_unsupported`). Two kinds: a key the table (`verl_key_table.VERL_KEYS`) marks
+REFUSED, set to anything but verl's default; and a value of a key otherwise honoured (`UNSUPPORTED`: an
+estimator, a strategy). A row leaves when the pipeline learns to run it (issue 40: LoRA, reward models,
+ReMax's greedy baseline)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import copy
+import functools
+import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import yaml
+from omegaconf import OmegaConf
+
 from async_rl.core.config import select_value
 from async_rl.core.errors import AsyncConfigError
+from async_rl.core.verl_key_table import VERL_KEYS, Handling, row_for
 
 OPTIMAL_TOKEN_BASELINES = ("optimal_token_baseline", "tir_optimal_token_baseline")
+FSDP_STRATEGIES = ("fsdp", "fsdp2")
+STRATEGY_KEYS = ("actor_rollout_ref.actor.strategy", "actor_rollout_ref.ref.strategy", "critic.strategy")
+REWARD_MANAGERS = ("naive", "dapo")
 
 
 @dataclass(frozen=True)
@@ -34,14 +46,10 @@ UNSUPPORTED = (
                 f"any estimator but {' / '.join(OPTIMAL_TOKEN_BASELINES)}",
                 "the optimal token baseline needs `sum_pi_squared` from the actor's log-prob pass, which the "
                 "pipeline's pass does not return"),
-    Unsupported("reward.reward_model.enable", bool, "False",
-                "the reward stage scores with the rule reward (reward.custom_reward_function, "
-                "reward.reward_manager) only; verl's reward-model servers are not started"),
-    Unsupported("actor_rollout_ref.model.lora_rank", lambda v: isinstance(v, int) and v > 0, "0",
-                "the weight sync sends full weights, which the rollout servers cannot take under PEFT's names: "
-                "LoRA does not run under the flag yet"),
-    Unsupported("actor_rollout_ref.model.lora_adapter_path", lambda v: bool(v), "null",
-                "LoRA does not run under the flag yet (see actor_rollout_ref.model.lora_rank)"),
+    *(Unsupported(key, lambda v: v not in FSDP_STRATEGIES, " or ".join(FSDP_STRATEGIES),
+                  "the weight sync gathers the trainer's FSDP shards") for key in STRATEGY_KEYS),
+    Unsupported("reward.reward_manager.name", lambda v: v not in REWARD_MANAGERS, " or ".join(REWARD_MANAGERS),
+                "the reward stage applies verl's naive manager, or dapo's overlong shaping"),
 )
 
 
@@ -52,9 +60,63 @@ BYPASS_LOSS_KEYS = {"algorithm.rollout_correction.rollout_is": None, "algorithm.
                     "algorithm.rollout_correction.loss_type": "ppo_clip"}
 
 
+@functools.cache
+def verl_defaults() -> dict:
+    """verl 0.9.1's full PPO config as it ships (`_generated_ppo_trainer.yaml`), interpolations unresolved."""
+    import verl.trainer.config as configs
+
+    with open(os.path.join(os.path.dirname(configs.__file__), "_generated_ppo_trainer.yaml")) as f:
+        return yaml.safe_load(f)
+
+
+def leaf_keys(node, prefix: str = "") -> Iterator[str]:
+    """The dotted keys of the leaves of `node` (nested dicts; an empty one is a leaf), under `prefix`."""
+    if isinstance(node, dict) and node:
+        for name, child in node.items():
+            yield from leaf_keys(child, f"{prefix}.{name}" if prefix else str(name))
+    else:
+        yield prefix
+
+
+def raw_default(key: str):
+    """verl's default of `key` as written (an interpolation stays a string)."""
+    node = verl_defaults()
+    for part in key.split("."):
+        node = node[part]
+    return node
+
+
+def default_in(config, key: str):
+    """verl's default of `key` as `config` would resolve it (an interpolation such as
+    `${oc.select:trainer.n_gpus_per_node,8}` against the command's other keys)."""
+    raw = raw_default(key)
+    if not (isinstance(raw, str) and "${" in raw):
+        return raw
+    probe = copy.deepcopy(config)
+    OmegaConf.update(probe, key, raw, merge=False, force_add=True)
+    return select_value(probe, key, None)
+
+
+def set_away_from_default(config, handling: Handling) -> Iterator[tuple[str, Any, Any]]:
+    """(key, value, verl's default) of each key of `config` whose row is `handling` and whose value is not
+    verl's default."""
+    for row in VERL_KEYS:
+        if row.handling is not handling:
+            continue
+        for key in leaf_keys(raw_default(row.prefix), row.prefix):
+            if row_for(key) is not row:  # a longer row decides it
+                continue
+            value, default = select_value(config, key, None), default_in(config, key)
+            if value != default:
+                yield key, value, default
+
+
 def refuse_unsupported(config) -> None:
-    """Raise AsyncConfigError for the first setting of `config` in UNSUPPORTED, or for verl's bypass mode
-    with a setting only its bypass-mode loss applies (naming both keys)."""
+    """Raise AsyncConfigError for the first key of `config` the table refuses that is set away from verl's
+    default, the first setting in UNSUPPORTED, or verl's bypass mode with a setting only its bypass-mode
+    loss applies (naming both keys)."""
+    for key, value, default in set_away_from_default(config, Handling.REFUSED):
+        raise AsyncConfigError(key, value, f"verl's default {default!r} (the async pipeline: {row_for(key).where})")
     for rule in UNSUPPORTED:
         value = select_value(config, rule.key, None)
         if value is not None and rule.refuses(value):
@@ -66,3 +128,9 @@ def refuse_unsupported(config) -> None:
                 raise AsyncConfigError(key, value, f"{neutral!r} with {BYPASS}=True (verl applies it in its "
                                                    "bypass-mode loss, which the async pipeline does not run; without "
                                                    "bypass mode it is honoured)")
+
+
+def replaced_settings(config) -> list[str]:
+    """One line per key the command set that the pipeline does its own way (the table's REPLACED rows)."""
+    return [f"{key}={value!r} is not used: {row_for(key).where}"
+            for key, value, _ in set_away_from_default(config, Handling.REPLACED)]

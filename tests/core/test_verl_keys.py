@@ -19,6 +19,8 @@ REFUSED = [
     ({"algorithm.adv_estimator": "tir_optimal_token_baseline"}, "tir_optimal_token_baseline", "sum_pi_squared"),
     ({"reward.reward_model.enable": True}, "reward.reward_model.enable=True", "reward-model servers are not started"),
     ({"actor_rollout_ref.model.lora_rank": 8}, "actor_rollout_ref.model.lora_rank=8", "LoRA"),
+    ({"reward.reward_manager.source": "importlib", "reward.reward_manager.module.path": "pkg://async_rl.demo.reward"},
+     "reward.reward_manager.source='importlib'", "naive or dapo manager"),
 ]
 
 
@@ -46,15 +48,12 @@ def test_the_table_names_real_verl_keys_and_estimators(demo_dir):
     assert "remax" in estimators and set(OPTIMAL_TOKEN_BASELINES) <= estimators
 
 
-@pytest.mark.parametrize("key", ["reward.custom_reward_function.path", "reward.reward_manager.module.path"])
-def test_a_missing_reward_file_fails_before_ray_starts_naming_the_key(demo_dir, tmp_path, key):
-    missing = tmp_path / "no_such_reward.py"
+def test_a_missing_reward_file_fails_before_ray_starts_naming_the_key(demo_dir, tmp_path):
+    key, missing = "reward.custom_reward_function.path", tmp_path / "no_such_reward.py"
     with pytest.raises(FileNotFoundError, match=f"{key}='{missing}': no such file"):
         read_run_config(compose_ppo(demo_overrides(demo_dir, extra={key: str(missing)})))
     with pytest.raises(FileNotFoundError, match=f"{key}='{missing}'"):
         read_run_config(compose_ppo(demo_overrides(demo_dir, extra={key: f"file://{missing}"})))
-    if key == "reward.reward_manager.module.path":  # verl's module form: an import, not a file
-        read_run_config(compose_ppo(demo_overrides(demo_dir, extra={key: "pkg://async_rl.demo.reward"})))
 
 
 @pytest.mark.parametrize("extra,named,decoupled", [

@@ -46,7 +46,7 @@ def fake_checkpoint(root, step, world_size=1, state=True, dataloader_state=None,
 
 @pytest.mark.parametrize("key,value,named", [
     ("save_freq", "often", "trainer.save_freq"),
-    ("default_hdfs_dir", "hdfs://x/y", "trainer.default_hdfs_dir"),
+    ("max_critic_ckpt_to_keep", 2, "trainer.max_critic_ckpt_to_keep"),  # actor's: null (keep all)
     ("resume_mode", "latest", "trainer.resume_mode"),
     ("max_actor_ckpt_to_keep", 0, "trainer.max_actor_ckpt_to_keep"),
     ("default_local_dir", None, "trainer.default_local_dir"),

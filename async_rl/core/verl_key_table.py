@@ -1,0 +1,175 @@
+"""Every key of verl 0.9.1's PPO config and what the pipeline does with it, as a table: one row per
+subtree, the longest matching prefix wins (`row_for`). `tests/core/test_verl_key_table.py` fails when a key
+of verl's config (`verl/trainer/config/_generated_ppo_trainer.yaml`) has no row, so a new verl key is
+decided, not ignored. The refusals themselves are `async_rl/core/verl_keys.py` UNSUPPORTED.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Handling(enum.Enum):
+    VERL = "applied by verl's own classes, built from the command's section unchanged"  # workers, servers, loops, dataset
+    PIPELINE = "read and applied by the pipeline, as verl's trainer does"
+    REPLACED = "done the pipeline's own way; the log says so when the command sets it"  # never changes what is trained
+    NO_EFFECT = "changes nothing that is trained, with the flag or without"  # names, tags, keys only a refused key enables
+    REFUSED = "not honoured: a value other than verl's default is refused before Ray starts (verl_keys.UNSUPPORTED)"
+
+
+@dataclass(frozen=True)
+class KeyRow:
+    prefix: str  # a key or a subtree of verl's config
+    handling: Handling
+    where: str  # who applies it, or why it is refused / replaced
+
+
+V, P, R, N, X = Handling.VERL, Handling.PIPELINE, Handling.REPLACED, Handling.NO_EFFECT, Handling.REFUSED
+ARR = "actor_rollout_ref"
+
+VERL_KEYS = (
+    # the actor, ref and critic workers: verl's engine workers built from their sections
+    KeyRow(f"{ARR}.actor", V, "verl's actor worker and its losses (async_rl/training/worker_groups.py)"),
+    KeyRow(f"{ARR}.actor.ppo_mini_batch_size", P, "async_rl/training/engine_calls.py"),
+    KeyRow(f"{ARR}.actor.ppo_epochs", P, "async_rl/training/engine_calls.py"),
+    KeyRow(f"{ARR}.actor.shuffle", P, "async_rl/training/engine_calls.py"),
+    KeyRow(f"{ARR}.actor.data_loader_seed", P, "async_rl/training/engine_calls.py"),
+    KeyRow(f"{ARR}.actor.calculate_entropy", P, "async_rl/training/engine_calls.py"),
+    KeyRow(f"{ARR}.actor.optim.total_training_steps", P, "set to the run's steps, as verl does (run_config.py)"),
+    KeyRow(f"{ARR}.actor.calculate_sum_pi_squared", X, "only the optimal token baselines read it, and they are refused"),
+    KeyRow(f"{ARR}.actor.use_prefix_grouper", X, "verl's legacy trainer's group balancing; the pipeline balances "
+           "with trainer.balance_batch"),
+    KeyRow(f"{ARR}.actor.profiler", N, "acts only with profiler.enable"),
+    KeyRow(f"{ARR}.actor.profiler.enable", X, "the pipeline never starts verl's profiler; +trainer.async_trace_path "
+           "writes the pipeline's timeline"),
+    KeyRow(f"{ARR}.ref", V, "verl's ref worker (state_machines/ref_logp.py)"),
+    KeyRow(f"{ARR}.ref.profiler", N, "acts only with profiler.enable"),
+    KeyRow(f"{ARR}.ref.profiler.enable", X, "the pipeline never starts verl's profiler"),
+    KeyRow("critic", V, "verl's critic worker and value loss (async_rl/training/worker_groups.py)"),
+    KeyRow("critic.enable", P, "async_rl/core/config.py critic_enabled"),
+    KeyRow("critic.ppo_mini_batch_size", P, "async_rl/training/engine_calls.py"),
+    KeyRow("critic.ppo_epochs", P, "async_rl/training/engine_calls.py"),
+    KeyRow("critic.shuffle", P, "async_rl/training/engine_calls.py"),
+    KeyRow("critic.data_loader_seed", P, "async_rl/training/engine_calls.py"),
+    KeyRow("critic.ppo_max_token_len_per_gpu", P, "the critic engine's token budget (worker_groups.py)"),
+    KeyRow("critic.optim.total_training_steps", P, "set to the run's steps, as verl does (run_config.py)"),
+    KeyRow("critic.profiler", N, "acts only with profiler.enable"),
+    KeyRow("critic.profiler.enable", X, "the pipeline never starts verl's profiler"),
+    KeyRow("critic.model.lora", N, "Megatron's LoRA; the FSDP critic reads critic.model.lora_rank"),
+    KeyRow("critic.model.lora_rank", X, "a LoRA critic is untested under the flag"),
+    KeyRow("critic.model.lora_adapter_path", X, "a LoRA critic is untested under the flag"),
+    KeyRow(f"{ARR}.hybrid_engine", N, "verl's colocated trainer; the pipeline places its stages apart"),
+    KeyRow(f"{ARR}.nccl_timeout", N, "nothing in verl 0.9.1 reads it"),
+    # the model: verl's HFModelConfig in every worker, server and agent loop; the pipeline's tokenizer too
+    KeyRow(f"{ARR}.model", V, "verl's HFModelConfig (also the pipeline's tokenizer: async_rl/core/prompts.py)"),
+    KeyRow(f"{ARR}.model.lora_rank", X, "the weight sync sends full weights, which the rollout servers cannot take "
+           "under PEFT's names: LoRA does not run under the flag yet"),
+    KeyRow(f"{ARR}.model.lora_adapter_path", X, "LoRA does not run under the flag yet"),
+    KeyRow(f"{ARR}.model.lora", N, "Megatron's LoRA; FSDP reads actor_rollout_ref.model.lora_rank"),
+    KeyRow(f"{ARR}.model.lora.rank", X, "LoRA does not run under the flag yet"),
+    KeyRow(f"{ARR}.model.lora.adapter_path", X, "LoRA does not run under the flag yet"),
+    # the rollout: verl's servers (vllm, sglang) and agent loops read it; the CPU backend reads its sampling
+    KeyRow(f"{ARR}.rollout", V, "verl's rollout servers and agent loops (async_rl/rollout); the CPU backend: "
+           "sampling, lengths, seed, multi_turn and agent keys"),
+    KeyRow(f"{ARR}.rollout.name", P, "the rollout backend (async_rl/api/rollout.py)"),
+    KeyRow(f"{ARR}.rollout.n", P, "responses per prompt (state_machines/generate.py)"),
+    KeyRow(f"{ARR}.rollout.val_kwargs.n", P, "async_rl/validation.py"),
+    KeyRow(f"{ARR}.rollout.calculate_log_probs", P, "always on: decoupled PPO trains on the behaviour log-probs"),
+    KeyRow(f"{ARR}.rollout.checkpoint_engine", R, "the pipeline's five-part weight sync moves the weights"),
+    KeyRow(f"{ARR}.rollout.agent.num_workers", R, "the generate stage runs the agent loops itself"),
+    KeyRow(f"{ARR}.rollout.nnodes", X, "standalone rollout nodes: the pipeline places replicas by "
+           "+trainer.use_nodes_ratios"),
+    KeyRow(f"{ARR}.rollout.n_gpus_per_node", N, "read by verl only with rollout.nnodes > 0, which is refused"),
+    KeyRow(f"{ARR}.rollout.full_determinism", X, "the pipeline does not set verl's determinism environment"),
+    KeyRow(f"{ARR}.rollout.router_config_path", X, "the generate stage balances requests across replicas itself"),
+    KeyRow(f"{ARR}.rollout.enable_rollout_routing_replay", X, "routed experts are not carried to the trainer"),
+    KeyRow(f"{ARR}.rollout.moe_load_balance_metrics_interval", X, "the pipeline does not log verl's MoE metrics"),
+    KeyRow(f"{ARR}.rollout.quantization", X, "a quantized rollout's weight load is untested under the flag"),
+    KeyRow(f"{ARR}.rollout.quantization_config_file", X, "a quantized rollout is untested under the flag"),
+    KeyRow(f"{ARR}.rollout.disaggregation", N, "acts only with disaggregation.enabled"),
+    KeyRow(f"{ARR}.rollout.disaggregation.enabled", X, "the pipeline starts plain replicas, not prefill/decode pairs"),
+    KeyRow(f"{ARR}.rollout.profiler", N, "acts only with profiler.enable"),
+    KeyRow(f"{ARR}.rollout.profiler.enable", X, "the pipeline never starts verl's profiler"),
+    KeyRow(f"{ARR}.rollout.prometheus", N, "acts only with prometheus.enable"),
+    KeyRow(f"{ARR}.rollout.prometheus.enable", X, "verl's trainer starts the Prometheus scrape; the pipeline does not"),
+    KeyRow(f"{ARR}.rollout.trace", N, "acts only with trace.backend"),
+    KeyRow(f"{ARR}.rollout.trace.backend", X, "the pipeline's server client records no per-request rollout trace"),
+    KeyRow(f"{ARR}.rollout.multi_turn.enable", N, "nothing on main_ppo's path reads it in verl 0.9.1"),
+    # data: verl's RLHFDataset and sampler (async_rl/core/prompts.py)
+    KeyRow("data", V, "verl's RLHFDataset and sampler (async_rl/core/prompts.py)"),
+    KeyRow("data.train_files", P, "state_machines/dataloader.py (checked before Ray)"),
+    KeyRow("data.val_files", P, "async_rl/validation.py (checked before Ray)"),
+    KeyRow("data.train_batch_size", P, "prompts per step (state_machines/dataloader.py)"),
+    KeyRow("data.train_max_samples", P, "the dataset's cap and the run's step count (run_config.py)"),
+    KeyRow("data.dataloader_num_workers", P, "run_config.py: 0 unless the command names it"),
+    KeyRow("data.gen_batch_size", R, "the pipeline draws data.train_batch_size prompts per generation batch; "
+           "dynamic sampling draws more batches until a step's batch is full"),
+    KeyRow("data.val_batch_size", R, "validation sends the whole set to the replicas at once"),
+    KeyRow("data.validation_shuffle", N, "the order validation runs in; its scores' means do not depend on it"),
+    KeyRow("data.tokenizer", N, "nothing in verl 0.9.1 reads it"),
+    KeyRow("data.return_raw_input_ids", N, "nothing in verl 0.9.1 reads it"),
+    KeyRow("data.trust_remote_code", N, "nothing in verl 0.9.1 reads it (actor_rollout_ref.model.trust_remote_code)"),
+    # reward
+    KeyRow("reward", N, "dataclass tags"),
+    KeyRow("reward.custom_reward_function", P, "async_rl/core/scoring.py (verl's get_custom_reward_fn)"),
+    KeyRow("reward.reward_manager", P, "async_rl/core/scoring.py: naive and dapo"),
+    KeyRow("reward.reward_manager.source", X, "the reward stage scores with verl's registered naive or dapo manager"),
+    KeyRow("reward.reward_manager.module", N, "acts only with reward_manager.source=importlib"),
+    KeyRow("reward.reward_manager.module.path", X, "a reward manager class from a file is not loaded under the flag"),
+    KeyRow("reward.num_workers", R, "the reward stage scores, off the critical path"),
+    KeyRow("reward.reward_model", N, "acts only with reward.reward_model.enable"),
+    KeyRow("reward.reward_model.enable", X, "the reward stage scores with the rule reward (reward.custom_reward_function, "
+           "reward.reward_manager) only; verl's reward-model servers are not started"),
+    KeyRow("reward.sandbox_fusion", N, "acts only with reward.sandbox_fusion.url"),
+    KeyRow("reward.sandbox_fusion.url", X, "the reward stage does not pass a sandbox to verl's default_compute_score"),
+    KeyRow("custom_reward_function", N, "verl 0.9.1's main_ppo does not read the legacy key either"),
+    KeyRow("custom_reward_function.path", X, "the legacy key: set reward.custom_reward_function.path"),
+    KeyRow("reward_model", N, "verl 0.9.1's main_ppo does not read the legacy keys either"),
+    KeyRow("reward_model.enable", X, "the legacy key: reward models are reward.reward_model.* (refused too)"),
+    KeyRow("sandbox_fusion", N, "verl 0.9.1's main_ppo does not read the legacy keys either"),
+    KeyRow("sandbox_fusion.url", X, "the legacy key: reward.sandbox_fusion.url (refused too)"),
+    # algorithm: state_machines/actor_train.py (verl's compute_advantage, apply_kl_penalty), decoupled PPO
+    KeyRow("algorithm", P, "state_machines/actor_train.py: verl's compute_advantage and apply_kl_penalty"),
+    KeyRow("algorithm.rollout_correction", P, "async_rl/core/decoupled_ppo.py: the user's own, else AReaL's"),
+    KeyRow("algorithm.filter_groups", P, "the dynamic_sampling stage"),
+    KeyRow("algorithm.filter_groups.max_inflight_gen_batches", R, "+trainer.generate_ahead_steps bounds the "
+           "batches in flight"),
+    KeyRow("distillation", N, "acts only with distillation.enabled"),
+    KeyRow("distillation.enabled", X, "no teacher servers are started under the flag"),
+    # trainer
+    KeyRow("trainer", P, "the pipeline's loop (async_rl/loop.py), checkpoints (async_rl/checkpoints.py), placement"),
+    KeyRow("trainer.project_name", N, "Tracking's names"),
+    KeyRow("trainer.experiment_name", N, "Tracking's names"),
+    KeyRow("trainer.logger", N, "Tracking's backends"),
+    KeyRow("trainer.use_v1", N, "chooses verl's trainer; the flag runs the pipeline instead of either"),
+    KeyRow("trainer.v1", R, "verl's v1 trainer modes: the pipeline is the async trainer"),
+    KeyRow("trainer.v1.sampler", X, "off-policy sampling: the pipeline bounds staleness by "
+           "+trainer.generate_ahead_steps"),
+    KeyRow("trainer.ray_wait_register_center_timeout", N, "a wait of verl's legacy trainer"),
+    KeyRow("trainer.log_val_generations", X, "the pipeline writes validation generations to "
+           "trainer.validation_data_dir, not to the logger"),
+    KeyRow("trainer.esi_redundant_time", X, "the pipeline saves by trainer.save_freq only"),
+    KeyRow("trainer.checkpoint_callback_class", X, "the pipeline's checkpoints call no user hook"),
+    KeyRow("trainer.max_critic_ckpt_to_keep", P, "async_rl/checkpoints.py: equal to max_actor_ckpt_to_keep (a step's "
+           "actor and critic files rotate together)"),
+    KeyRow("trainer.default_hdfs_dir", X, "checkpoints are saved to trainer.default_local_dir only"),
+    KeyRow("global_profiler", N, "acts only with global_profiler.steps"),
+    KeyRow("global_profiler.steps", X, "the pipeline never starts verl's profiler; +trainer.async_trace_path "
+           "writes the pipeline's timeline"),
+    KeyRow("skip", N, "acts only with skip.*.enable"),
+    KeyRow("skip.rollout.enable", X, "rollouts are not dumped or replayed under the flag"),
+    KeyRow("skip.rollout_tq.enable", X, "rollouts are not dumped or replayed under the flag"),
+    KeyRow("transfer_queue", R, "stage data moves through Ray's object store"),
+    KeyRow("ray_kwargs", P, "ray.init's arguments (run_config.py)"),
+    KeyRow("ray_kwargs.timeline_json_file", X, "+trainer.async_trace_path writes the pipeline's timeline"),
+)
+
+
+def row_for(key: str) -> KeyRow | None:
+    """The row of `key` (dotted): the longest prefix of it in VERL_KEYS, or None."""
+    best = None
+    for row in VERL_KEYS:
+        if (key == row.prefix or key.startswith(row.prefix + ".")) and (best is None or len(row.prefix) > len(best.prefix)):
+            best = row
+    return best
