@@ -187,8 +187,9 @@ def check_files(config: DictConfig) -> None:
             if not path or (not path.startswith(("hdfs://", "s3://")) and not os.path.exists(path)):
                 raise FileNotFoundError(f"{key}={path!r}: no such file or directory")
     prompt_key = str(config.data.get("prompt_key", "prompt"))
+    media = tuple(str(config.data.get(k)) for k in ("image_key", "video_key", "audio_key") if config.data.get(k))
     for key in ("data.train_files", "data.val_files"):
-        check_rl_files(OmegaConf.select(config, key), prompt_key, key)
+        check_rl_files(OmegaConf.select(config, key), prompt_key, key, media)
     if int(config.trainer.get("total_training_steps") or 0) <= 0 and int(config.trainer.total_epochs) <= 0:
         raise ValueError("set trainer.total_training_steps or trainer.total_epochs to a positive number")
 

@@ -50,10 +50,11 @@ def _empty_prompt_rows(column):
     return (per_row == 0) | np.asarray(column.is_null())
 
 
-def check_rl_files(files, prompt_key: str = "prompt", label: str = "data.train_files") -> None:
-    """Raise BadDataError naming the file and row of the first unusable row; remote paths are skipped.
-
-    Vectorised over each file's two columns (about 0.1 s per 100k rows).
+def check_rl_files(files, prompt_key: str = "prompt", label: str = "data.train_files",
+                   media_keys: tuple = ()) -> None:
+    """Raise BadDataError naming the file and row of the first unusable row, or a file with a column of
+    `media_keys` (verl's data.image_key / video_key / audio_key: multimodal rows, which the pipeline does not
+    run); remote paths are skipped. Vectorised over each file's two columns (about 0.1 s per 100k rows).
     """
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
@@ -65,6 +66,10 @@ def check_rl_files(files, prompt_key: str = "prompt", label: str = "data.train_f
         for column in (prompt_key, "reward_model"):
             if column not in names:
                 raise BadDataError(f"{label}: {path} has no {column!r} column (columns: {names})")
+        media = [c for c in media_keys if c in names]
+        if media:
+            raise BadDataError(f"{label}: {path} has multimodal columns {media}: the async pipeline runs text "
+                               "prompts only (its dataset and server client take no images, videos or audio)")
         table = pq.read_table(path, columns=[prompt_key, "reward_model"])
         row = _first(_empty_prompt_rows(table.column(prompt_key)))
         if row is not None:

@@ -107,6 +107,8 @@ VERL_KEYS = (
            "dynamic sampling draws more batches until a step's batch is full"),
     KeyRow("data.val_batch_size", R, "validation sends the whole set to the replicas at once"),
     KeyRow("data.validation_shuffle", N, "the order validation runs in; its scores' means do not depend on it"),
+    *(KeyRow(f"data.{k}", P, "a data file with this column is refused at start: text prompts only "
+             "(async_rl/core/data_checks.py)") for k in ("image_key", "video_key", "audio_key")),
     KeyRow("data.tokenizer", N, "nothing in verl 0.9.1 reads it"),
     KeyRow("data.return_raw_input_ids", N, "nothing in verl 0.9.1 reads it"),
     KeyRow("data.trust_remote_code", N, "nothing in verl 0.9.1 reads it (actor_rollout_ref.model.trust_remote_code)"),

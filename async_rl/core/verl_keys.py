@@ -24,6 +24,7 @@ OPTIMAL_TOKEN_BASELINES = ("optimal_token_baseline", "tir_optimal_token_baseline
 FSDP_STRATEGIES = ("fsdp", "fsdp2")
 STRATEGY_KEYS = ("actor_rollout_ref.actor.strategy", "actor_rollout_ref.ref.strategy", "critic.strategy")
 REWARD_MANAGERS = ("naive", "dapo")
+ABSENT = object()
 
 
 @dataclass(frozen=True)
@@ -106,8 +107,9 @@ def set_away_from_default(config, handling: Handling) -> Iterator[tuple[str, Any
         for key in leaf_keys(raw_default(row.prefix), row.prefix):
             if row_for(key) is not row:  # a longer row decides it
                 continue
-            value, default = select_value(config, key, None), default_in(config, key)
-            if value != default:
+            value = select_value(config, key, ABSENT)  # absent: a config composed from another file
+            default = default_in(config, key) if value is not ABSENT else ABSENT
+            if value is not ABSENT and value != default:
                 yield key, value, default
 
 

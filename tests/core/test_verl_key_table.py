@@ -113,3 +113,7 @@ def test_the_pipelines_tokenizer_is_verls_model_config_one(demo_config, tmp_path
     OmegaConf.update(config, "actor_rollout_ref.model.tokenizer_path", str(tmp_path / "none"), merge=False)
     with pytest.raises(Exception, match="none"):  # the tokenizer comes from tokenizer_path, not model.path
         model_tokenizer(config)
+
+
+def test_a_key_absent_from_the_config_is_not_taken_for_one_set():
+    refuse_unsupported(OmegaConf.create({"trainer": {"save_freq": 2}, "algorithm": {"adv_estimator": "grpo"}}))

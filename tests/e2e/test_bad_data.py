@@ -53,6 +53,15 @@ def test_an_empty_prompt_is_named(demo_dir, tmp_path):
         check_rl_files(write(rows, tmp_path / "no_messages.parquet"))
 
 
+def test_multimodal_rows_are_refused_at_start_naming_the_column(demo_dir, tmp_path):
+    rows = demo_rows(demo_dir, 8)
+    rows["images"] = [[b"png"]] * len(rows)
+    path = write(rows, tmp_path / "with_images.parquet")
+    check_rl_files(path)  # without the media keys: text rows pass
+    with pytest.raises(BadDataError, match=rf"{path} has multimodal columns \['images'\]"):
+        check_rl_files(path, media_keys=("images", "videos", "audios"))
+
+
 def test_a_long_prompt_is_located_by_file_and_row(demo_dir, tmp_path):
     rows = demo_rows(demo_dir, 16)
     first = write(rows.head(4), tmp_path / "a.parquet")
