@@ -53,6 +53,16 @@ UNSUPPORTED = (
                 "the reward stage applies verl's naive manager, or dapo's overlong shaping"),
 )
 
+SEQUENCE_PARALLEL_KEYS = tuple(f"{role}.ulysses_sequence_parallel_size" for role in (
+    "actor_rollout_ref.actor", "actor_rollout_ref.actor.fsdp_config", "actor_rollout_ref.ref",
+    "actor_rollout_ref.ref.fsdp_config", "critic", "critic.fsdp"))
+# refused where trainer.device=cpu only: verl runs them on GPUs (not tested here: no GPU runs this pipeline)
+CPU_UNSUPPORTED = tuple(
+    Unsupported(key, lambda v: isinstance(v, int) and v > 1, "1 with trainer.device=cpu",
+                "verl's Ulysses sequence parallelism patches flash-attention's forward and needs "
+                "use_remove_padding's varlen attention, neither of which runs on a CPU")
+    for key in SEQUENCE_PARALLEL_KEYS)
+
 
 BYPASS = "algorithm.rollout_correction.bypass_mode"
 # applied by verl inside its bypass-mode loss (`compute_policy_loss_bypass_mode`), which the pipeline does
@@ -119,7 +129,8 @@ def refuse_unsupported(config) -> None:
     loss applies (naming both keys)."""
     for key, value, default in set_away_from_default(config, Handling.REFUSED):
         raise AsyncConfigError(key, value, f"verl's default {default!r} (the async pipeline: {row_for(key).where})")
-    for rule in UNSUPPORTED:
+    on_cpu = select_value(config, "trainer.device", None) == "cpu"
+    for rule in UNSUPPORTED + (CPU_UNSUPPORTED if on_cpu else ()):
         value = select_value(config, rule.key, None)
         if value is not None and rule.refuses(value):
             raise AsyncConfigError(rule.key, value, f"{rule.allowed} (the async pipeline: {rule.why})")

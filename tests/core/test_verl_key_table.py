@@ -117,3 +117,15 @@ def test_the_pipelines_tokenizer_is_verls_model_config_one(demo_config, tmp_path
 
 def test_a_key_absent_from_the_config_is_not_taken_for_one_set():
     refuse_unsupported(OmegaConf.create({"trainer": {"save_freq": 2}, "algorithm": {"adv_estimator": "grpo"}}))
+
+
+@pytest.mark.parametrize("key", ["actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+                                 "critic.fsdp.ulysses_sequence_parallel_size"])
+def test_sequence_parallelism_is_refused_on_cpu_only(demo_config, key):
+    config = demo_config.copy()
+    OmegaConf.update(config, key, 2, merge=False)
+    assert config.trainer.device == "cpu"
+    with pytest.raises(AsyncConfigError, match=f"{key}=2.*flash-attention"):
+        refuse_unsupported(config)
+    OmegaConf.update(config, "trainer.device", "cuda", merge=False)
+    refuse_unsupported(config)  # verl's workers run it on GPUs
