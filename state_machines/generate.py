@@ -141,6 +141,6 @@ class GenerateStage(StateMachine):
     async def process_data(self, batch: PromptBatch) -> GeneratedBatch:
         start_version = self.staleness.served_version
         samples = await self.run_agent_loops(batch.non_tensor, self.n, start_version)
-        if batch.index > self.staleness.served_version:  # generated ahead of the trainer
+        if batch.index > start_version:  # started ahead of the trainer (whatever it reached since)
             hold_at("generate_ahead", batch.index + 1)
         return GeneratedBatch(index=batch.index, samples=samples, start_version=start_version)

@@ -8,7 +8,8 @@ Unset (always, outside tests and `bench/`), `hold_at` returns at once. The point
 
 - `train_step@N`: actor_train, training step N updated the weights, nothing of it sent or saved;
 - `weight_sync@N`: param_update, version N staged on every receiver, not yet loaded;
-- `generate_ahead@N`: generate, the batch of step N generated ahead of the trainer, not yet passed on;
+- `generate_ahead@N`: generate, the batch of step N generated (started ahead of the trainer: under a version
+  below N - 1), not yet passed on;
 - `checkpoint_copy@N`: a train rank's writer thread, checkpoint N captured, its tensors not yet copied;
 - `checkpoint_write@N`: a train rank's writer thread, checkpoint N copied, none of its big files written.
 
