@@ -109,6 +109,7 @@ VERL_KEYS = (
     KeyRow("data.validation_shuffle", N, "the order validation runs in; its scores' means do not depend on it"),
     *(KeyRow(f"data.{k}", P, "a data file with this column is refused at start: text prompts only "
              "(async_rl/core/data_checks.py)") for k in ("image_key", "video_key", "audio_key")),
+    KeyRow("data.reward_fn_key", N, "verl 0.9.1's reward managers read data_source, as the reward stage does"),
     KeyRow("data.tokenizer", N, "nothing in verl 0.9.1 reads it"),
     KeyRow("data.return_raw_input_ids", N, "nothing in verl 0.9.1 reads it"),
     KeyRow("data.trust_remote_code", N, "nothing in verl 0.9.1 reads it (actor_rollout_ref.model.trust_remote_code)"),
