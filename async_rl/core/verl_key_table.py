@@ -27,6 +27,13 @@ class KeyRow:
 
 V, P, R, N, X = Handling.VERL, Handling.PIPELINE, Handling.REPLACED, Handling.NO_EFFECT, Handling.REFUSED
 ARR = "actor_rollout_ref"
+NO_PROFILER = "the pipeline never starts verl's profiler; +trainer.async_trace_path writes the pipeline's timeline"
+
+
+def switched(prefix: str, switch: str, why: str) -> tuple[KeyRow, KeyRow]:
+    """A subtree that acts only when its `switch` key is set: the switch refused (`why`), the rest no effect."""
+    return KeyRow(prefix, N, f"acts only with {prefix}.{switch}"), KeyRow(f"{prefix}.{switch}", X, why)
+
 
 VERL_KEYS = (
     # the actor, ref and critic workers: verl's engine workers built from their sections
@@ -40,12 +47,9 @@ VERL_KEYS = (
     KeyRow(f"{ARR}.actor.calculate_sum_pi_squared", X, "only the optimal token baselines read it, and they are refused"),
     KeyRow(f"{ARR}.actor.use_prefix_grouper", X, "verl's legacy trainer's group balancing; the pipeline balances "
            "with trainer.balance_batch"),
-    KeyRow(f"{ARR}.actor.profiler", N, "acts only with profiler.enable"),
-    KeyRow(f"{ARR}.actor.profiler.enable", X, "the pipeline never starts verl's profiler; +trainer.async_trace_path "
-           "writes the pipeline's timeline"),
+    *switched(f"{ARR}.actor.profiler", "enable", NO_PROFILER),
     KeyRow(f"{ARR}.ref", V, "verl's ref worker (state_machines/ref_logp.py)"),
-    KeyRow(f"{ARR}.ref.profiler", N, "acts only with profiler.enable"),
-    KeyRow(f"{ARR}.ref.profiler.enable", X, "the pipeline never starts verl's profiler"),
+    *switched(f"{ARR}.ref.profiler", "enable", NO_PROFILER),
     KeyRow("critic", V, "verl's critic worker and value loss (async_rl/training/worker_groups.py)"),
     KeyRow("critic.enable", P, "async_rl/core/config.py critic_enabled"),
     KeyRow("critic.ppo_mini_batch_size", P, "async_rl/training/engine_calls.py"),
@@ -54,8 +58,7 @@ VERL_KEYS = (
     KeyRow("critic.data_loader_seed", P, "async_rl/training/engine_calls.py"),
     KeyRow("critic.ppo_max_token_len_per_gpu", P, "the critic engine's token budget (worker_groups.py)"),
     KeyRow("critic.optim.total_training_steps", P, "set to the run's steps, as verl does (run_config.py)"),
-    KeyRow("critic.profiler", N, "acts only with profiler.enable"),
-    KeyRow("critic.profiler.enable", X, "the pipeline never starts verl's profiler"),
+    *switched("critic.profiler", "enable", NO_PROFILER),
     KeyRow("critic.model.lora", N, "Megatron's LoRA; the FSDP critic reads critic.model.lora_rank"),
     KeyRow("critic.model.lora_rank", X, "a LoRA critic is untested under the flag"),
     KeyRow("critic.model.lora_adapter_path", X, "a LoRA critic is untested under the flag"),
@@ -87,14 +90,11 @@ VERL_KEYS = (
     KeyRow(f"{ARR}.rollout.moe_load_balance_metrics_interval", X, "the pipeline does not log verl's MoE metrics"),
     KeyRow(f"{ARR}.rollout.quantization", X, "a quantized rollout's weight load is untested under the flag"),
     KeyRow(f"{ARR}.rollout.quantization_config_file", X, "a quantized rollout is untested under the flag"),
-    KeyRow(f"{ARR}.rollout.disaggregation", N, "acts only with disaggregation.enabled"),
-    KeyRow(f"{ARR}.rollout.disaggregation.enabled", X, "the pipeline starts plain replicas, not prefill/decode pairs"),
-    KeyRow(f"{ARR}.rollout.profiler", N, "acts only with profiler.enable"),
-    KeyRow(f"{ARR}.rollout.profiler.enable", X, "the pipeline never starts verl's profiler"),
-    KeyRow(f"{ARR}.rollout.prometheus", N, "acts only with prometheus.enable"),
-    KeyRow(f"{ARR}.rollout.prometheus.enable", X, "verl's trainer starts the Prometheus scrape; the pipeline does not"),
-    KeyRow(f"{ARR}.rollout.trace", N, "acts only with trace.backend"),
-    KeyRow(f"{ARR}.rollout.trace.backend", X, "the pipeline's server client records no per-request rollout trace"),
+    *switched(f"{ARR}.rollout.disaggregation", "enabled", "the pipeline starts plain replicas, not prefill/decode "
+              "pairs"),
+    *switched(f"{ARR}.rollout.profiler", "enable", NO_PROFILER),
+    *switched(f"{ARR}.rollout.prometheus", "enable", "verl's trainer starts the Prometheus scrape; the pipeline does not"),
+    *switched(f"{ARR}.rollout.trace", "backend", "the pipeline's server client records no per-request rollout trace"),
     KeyRow(f"{ARR}.rollout.multi_turn.enable", N, "nothing on main_ppo's path reads it in verl 0.9.1"),
     # data: verl's RLHFDataset and sampler (async_rl/core/prompts.py)
     KeyRow("data", V, "verl's RLHFDataset and sampler (async_rl/core/prompts.py)"),
@@ -118,28 +118,22 @@ VERL_KEYS = (
     KeyRow("reward.custom_reward_function", P, "async_rl/core/scoring.py (verl's get_custom_reward_fn)"),
     KeyRow("reward.reward_manager", P, "async_rl/core/scoring.py: naive and dapo"),
     KeyRow("reward.reward_manager.source", X, "the reward stage scores with verl's registered naive or dapo manager"),
-    KeyRow("reward.reward_manager.module", N, "acts only with reward_manager.source=importlib"),
-    KeyRow("reward.reward_manager.module.path", X, "a reward manager class from a file is not loaded under the flag"),
+    *switched("reward.reward_manager.module", "path", "a reward manager class from a file is not loaded under the flag"),
     KeyRow("reward.num_workers", R, "the reward stage scores, off the critical path"),
-    KeyRow("reward.reward_model", N, "acts only with reward.reward_model.enable"),
-    KeyRow("reward.reward_model.enable", X, "the reward stage scores with the rule reward (reward.custom_reward_function, "
-           "reward.reward_manager) only; verl's reward-model servers are not started"),
-    KeyRow("reward.sandbox_fusion", N, "acts only with reward.sandbox_fusion.url"),
-    KeyRow("reward.sandbox_fusion.url", X, "the reward stage does not pass a sandbox to verl's default_compute_score"),
-    KeyRow("custom_reward_function", N, "verl 0.9.1's main_ppo does not read the legacy key either"),
-    KeyRow("custom_reward_function.path", X, "the legacy key: set reward.custom_reward_function.path"),
-    KeyRow("reward_model", N, "verl 0.9.1's main_ppo does not read the legacy keys either"),
-    KeyRow("reward_model.enable", X, "the legacy key: reward models are reward.reward_model.* (refused too)"),
-    KeyRow("sandbox_fusion", N, "verl 0.9.1's main_ppo does not read the legacy keys either"),
-    KeyRow("sandbox_fusion.url", X, "the legacy key: reward.sandbox_fusion.url (refused too)"),
+    *switched("reward.reward_model", "enable", "the reward stage scores with the rule reward "
+              "(reward.custom_reward_function, reward.reward_manager) only; verl's reward-model servers are not started"),
+    *switched("reward.sandbox_fusion", "url", "the reward stage does not pass a sandbox to verl's default_compute_score"),
+    # the legacy top-level keys: verl 0.9.1's main_ppo does not read them either
+    *switched("custom_reward_function", "path", "the legacy key: set reward.custom_reward_function.path"),
+    *switched("reward_model", "enable", "the legacy key: reward models are reward.reward_model.* (refused too)"),
+    *switched("sandbox_fusion", "url", "the legacy key: reward.sandbox_fusion.url (refused too)"),
     # algorithm: state_machines/actor_train.py (verl's compute_advantage, apply_kl_penalty), decoupled PPO
     KeyRow("algorithm", P, "state_machines/actor_train.py: verl's compute_advantage and apply_kl_penalty"),
     KeyRow("algorithm.rollout_correction", P, "async_rl/core/decoupled_ppo.py: the user's own, else AReaL's"),
     KeyRow("algorithm.filter_groups", P, "the dynamic_sampling stage"),
     KeyRow("algorithm.filter_groups.max_inflight_gen_batches", R, "+trainer.generate_ahead_steps bounds the "
            "batches in flight"),
-    KeyRow("distillation", N, "acts only with distillation.enabled"),
-    KeyRow("distillation.enabled", X, "no teacher servers are started under the flag"),
+    *switched("distillation", "enabled", "no teacher servers are started under the flag"),
     # trainer
     KeyRow("trainer", P, "the pipeline's loop (async_rl/loop.py), checkpoints (async_rl/checkpoints.py), placement"),
     KeyRow("trainer.project_name", N, "Tracking's names"),
@@ -157,9 +151,7 @@ VERL_KEYS = (
     KeyRow("trainer.max_critic_ckpt_to_keep", P, "async_rl/checkpoints.py: equal to max_actor_ckpt_to_keep (a step's "
            "actor and critic files rotate together)"),
     KeyRow("trainer.default_hdfs_dir", X, "checkpoints are saved to trainer.default_local_dir only"),
-    KeyRow("global_profiler", N, "acts only with global_profiler.steps"),
-    KeyRow("global_profiler.steps", X, "the pipeline never starts verl's profiler; +trainer.async_trace_path "
-           "writes the pipeline's timeline"),
+    *switched("global_profiler", "steps", NO_PROFILER),
     KeyRow("skip", N, "acts only with skip.*.enable"),
     KeyRow("skip.rollout.enable", X, "rollouts are not dumped or replayed under the flag"),
     KeyRow("skip.rollout_tq.enable", X, "rollouts are not dumped or replayed under the flag"),

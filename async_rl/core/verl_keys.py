@@ -128,7 +128,9 @@ def refuse_unsupported(config) -> None:
     """Raise AsyncConfigError for the first key of `config` the table refuses that is set away from verl's
     default, the first setting in UNSUPPORTED, or verl's bypass mode with a setting only its bypass-mode
     loss applies (naming both keys)."""
-    for key, value, default in set_away_from_default(config, Handling.REFUSED):
+    refused = next(set_away_from_default(config, Handling.REFUSED), None)
+    if refused is not None:
+        key, value, default = refused
         raise AsyncConfigError(key, value, f"verl's default {default!r} (the async pipeline: {row_for(key).where})")
     on_cpu = select_value(config, "trainer.device", None) == "cpu"
     for rule in UNSUPPORTED + (CPU_UNSUPPORTED if on_cpu else ()):
