@@ -294,6 +294,10 @@ class ActorTrainStage(StateMachine):
                             logp_version=self.version)
         return result, time.perf_counter() - start
 
+    def trace_args(self, data: Any) -> dict:
+        """The batch's index, and the trainer's version it trains from (not the version it was generated at)."""
+        return {**super().trace_args(data), "version": self.version}
+
     async def process_data(self, parts: dict) -> None:
         if self._stopping:  # checkpoint_and_stop: the driver stops the run; train nothing more
             await asyncio.Event().wait()

@@ -218,12 +218,13 @@ class StateMachine(ABC):
         return self.timer.paused()
 
     def trace_args(self, data: Any) -> dict:
-        """What the timeline shows with an item's work span (default: its batch `index`, if any; of a
-        dict of messages, the first's)."""
+        """What the timeline shows with an item's work span (default: its batch `index` and the `version`
+        it was generated from, `start_version`, where it has them; of a dict of messages, the first's)."""
         if isinstance(data, dict) and data:
             data = next(iter(data.values()))
         index = getattr(data, "index", data if isinstance(data, int) else None)
-        return {} if index is None else {"index": index}
+        version = getattr(data, "start_version", None)
+        return {k: v for k, v in (("index", index), ("version", version)) if v is not None}
 
     async def _process_timed(self, data: Any) -> Any:
         self.timer.enter()

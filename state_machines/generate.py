@@ -12,6 +12,7 @@ admitted only when AReaL's rule allows it (`async_rl.core.staleness`).
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 from async_rl.core.fault_points import hold_at
 from async_rl.core.messages import GeneratedBatch, PromptBatch, Sample
@@ -137,6 +138,10 @@ class GenerateStage(StateMachine):
                 else:
                     await self.staleness.wait_until_admitted(item.index)
         return item
+
+    def trace_args(self, data: Any) -> dict:
+        """The batch's index and the version served when its generation began."""
+        return {**super().trace_args(data), "version": self.staleness.served_version}
 
     async def process_data(self, batch: PromptBatch) -> GeneratedBatch:
         start_version = self.staleness.served_version

@@ -48,6 +48,7 @@ def test_stages_record_every_item_in_order_and_the_waits_on_a_slow_neighbour(tmp
     for owner in ("stage source", "stage mapper", "stage sink"):
         work = [e for e in by_owner[owner] if e[0] == "work"]
         assert [e[4]["index"] for e in work] == list(range(n)), owner  # every item, in order
+        assert all("version" not in e[4] for e in work)  # these items carry no start_version
     # the source outruns the slow mapper (inbox of 1): it waits downstream; the sink waits for input
     assert sum(e[3] - e[2] for e in by_owner["stage source"] if e[1] == "wait downstream") > 0.02
     assert sum(e[3] - e[2] for e in by_owner["stage sink"] if e[1] == "wait input") > 0.02
@@ -91,3 +92,14 @@ def test_overlapping_spans_of_one_track_go_to_threads_of_the_same_name():
     spans = {e["args"]["index"]: e["tid"] for e in events if e["ph"] == "X"}
     assert set(threads.values()) == {"work"} and len(threads) == 2
     assert spans[0] == spans[2] != spans[1]  # batch 2 starts after batch 0 ended: back on the first thread
+
+
+def test_a_work_span_carries_the_batch_index_and_the_version_it_was_generated_from():
+    from types import SimpleNamespace
+
+    from state_machines.base import StateMachine
+
+    generated = SimpleNamespace(index=3, start_version=2)
+    assert StateMachine.trace_args(None, generated) == {"index": 3, "version": 2}
+    assert StateMachine.trace_args(None, {"logp": generated, "reward": generated}) == {"index": 3, "version": 2}
+    assert StateMachine.trace_args(None, SimpleNamespace(index=3)) == {"index": 3}

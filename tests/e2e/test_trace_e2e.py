@@ -35,6 +35,14 @@ def test_a_short_runs_timeline(demo_dir, tmp_path, ray_address):
             work.setdefault(owners[span["pid"]], []).append(span["args"]["index"])
     for stage in PATH:  # every trained batch (index 0 is step 1's), in order; none twice
         assert work[f"stage {stage}"][:STEPS] == list(range(STEPS)), (stage, work.get(f"stage {stage}"))
+    # each work span's version: generate's, the one served as it began (k = 2: batch j starts at j - 1 or j);
+    # the stages after it, the batch's; actor_train's, the trainer's (batch j trains at version j)
+    versions = {(owners[s["pid"]], s["args"]["index"]): s["args"].get("version") for s in spans
+                if tracks[(s["pid"], s["tid"])] == "work" and "index" in s["args"]}
+    for index in range(STEPS):
+        generated = versions[("stage generate", index)]
+        assert generated in (index - 1, index), (index, generated)
+        assert versions[("stage reward", index)] == generated and versions[("stage actor_train", index)] == index
     # each batch leaves a stage before the next stage on its path finishes it
     ends = {(owners[s["pid"]], s["args"]["index"]): s["ts"] + s["dur"] for s in spans
             if tracks[(s["pid"], s["tid"])] == "work" and "index" in s["args"]}
