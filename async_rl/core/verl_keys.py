@@ -116,11 +116,11 @@ def set_away_from_default(config, handling: Handling) -> Iterator[tuple[str, Any
         if row.handling is not handling:
             continue
         for key in leaf_keys(raw_default(row.prefix), row.prefix):
-            if row_for(key) is not row:  # a longer row decides it
-                continue
             value = select_value(config, key, ABSENT)  # absent: a config composed from another file
-            default = default_in(config, key) if value is not ABSENT else ABSENT
-            if value is not ABSENT and value != default:
+            if row_for(key) is not row or value is ABSENT:  # a longer row decides it
+                continue
+            default = default_in(config, key)
+            if value != default:
                 yield key, value, default
 
 
