@@ -54,7 +54,8 @@ system generates with vLLM's CPU build through verl's vLLM servers (fp32, eager)
 package's CPU engine; verl's synchronous trainer then runs on one device (its hybrid replica).
 
 `--task lookup`: the demo's agent task (`overrides_agent.txt`: verl agent loops calling a lookup tool,
-2 to 4 turns a trajectory), the same target.
+2 to 4 turns a trajectory), the same target. `--lora-ks 2`: pipeline runs that train a LoRA adapter
+(`overrides_lora.txt`: rank 16 on every Linear layer, lr 3e-3) instead of the whole model.
 
     python bench/e2e.py [--seeds 0,1] [--steps 400] [--rollout cpu|vllm] [--task copy|lookup] [--json PATH] [--png PATH]
 """
@@ -370,6 +371,8 @@ def main(argv=None) -> list[dict]:
                         help="pipeline runs with AReaL's naive PPO (no pi_prox) at these generate_ahead_steps")
     parser.add_argument("--logp-stage-ks", default="",
                         help="pipeline runs with pi_prox on the logp stage (proximal_logp_workers=logp)")
+    parser.add_argument("--lora-ks", default="",
+                        help="generate_ahead_steps of pipeline runs training a LoRA adapter (overrides_lora.txt)")
     parser.add_argument("--ppo-ks", default="",
                         help="PPO with GAE and a critic: verl-sync PPO and the pipeline at these generate_ahead_steps")
     parser.add_argument("--skip-verl", action="store_true", help="pipeline runs only")
@@ -407,6 +410,10 @@ def main(argv=None) -> list[dict]:
                 for k in map(int, filter(None, args.logp_stage_ks.split(",")))]
     systems += [(f"async-pipeline k={k} naive PPO", k, {"+trainer.generate_ahead_steps": k, **NAIVE_PPO}, False)
                 for k in map(int, filter(None, args.naive_ks.split(",")))]
+    from async_rl.demo.task import LORA_OVERRIDES
+
+    systems += [(f"async-pipeline k={k} LoRA", k, {"+trainer.generate_ahead_steps": k, **LORA_OVERRIDES}, False)
+                for k in map(int, filter(None, args.lora_ks.split(",")))]
     ppo_ks = list(map(int, filter(None, args.ppo_ks.split(","))))
     grpo_verl = not args.skip_verl and (systems or not ppo_ks)  # verl's GRPO run: the baseline of the GRPO rows
     if grpo_verl and args.rollout == "vllm":

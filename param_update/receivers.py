@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Optional
 
 from async_rl.api.weights import BucketRef
+from param_update.lora import LoraAdapter
 from param_update.transports.object_store import ObjectStore
 
 
@@ -43,10 +44,11 @@ class ActorReceiver:
         return ActorReceiver(self.name, handle, self.serves_generation, self.replica_index)
 
     async def configure(self, dual_buffer: bool, consume_bytes: int, layout: Optional[dict] = None,
-                        partial_rollout: bool = True) -> None:
+                        partial_rollout: bool = True, adapter: Optional[LoraAdapter] = None) -> None:
         """Set up its staging (`consume_bytes`: bytes loaded at a time) for the trainer's `layout` (name ->
-        (dtype, shape); a mismatch fails here; None: not checked)."""
-        await self.handle.configure_weight_sync.remote(dual_buffer, consume_bytes, layout, partial_rollout)
+        (dtype, shape); a mismatch fails here; None: not checked). `adapter` (LoRA): versions carry the
+        adapter's tensors, which the receiver merges onto its own base weights (param_update/lora.py)."""
+        await self.handle.configure_weight_sync.remote(dual_buffer, consume_bytes, layout, partial_rollout, adapter)
 
     async def nodes(self) -> Optional[list]:
         return await self.handle.weight_sync_nodes.remote()
@@ -109,7 +111,9 @@ class VerlReplicaReceiver:
         return [w.execute_checkpoint_engine.remote(method, *args) for w in self.replica.workers]
 
     async def configure(self, dual_buffer: bool, consume_bytes: int, layout: Optional[dict] = None,
-                        partial_rollout: bool = True) -> None:
+                        partial_rollout: bool = True, adapter: Optional[LoraAdapter] = None) -> None:
+        if adapter is not None:  # refused at start too (async_rl/core/verl_keys.py)
+            raise ValueError(f"{self.name}: LoRA adapters reach the CPU backend's servers only under the flag")
         await asyncio.gather(*self._on_workers("configure", layout, dual_buffer))
 
     async def nodes(self) -> Optional[list]:

@@ -289,6 +289,7 @@ class OverlappedWeightSync(WeightSync):
             "async/param_update/step_wait_s": max((loads[r.name]["load_s"] - loads[r.name]["blocked_s"]
                                                    for r in generation), default=0.0),
             "async/param_update/num_buckets": float(item.num_buckets),
+            "async/param_update/bytes": float(sum(s.nbytes for bucket in buckets for s in bucket.slices)),
             **{f"async/param_update/{name}_receivers": float(count) for name, count in read_through.items()},
         }
 

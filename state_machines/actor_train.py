@@ -214,6 +214,11 @@ class ActorTrainStage(StateMachine):
         """name -> (dtype, shape) of the weights this stage sends (param_update checks receivers against it)."""
         return self.worker_group.weight_layout()[0]
 
+    def lora_adapter(self):
+        """The LoRA adapter the receivers merge onto their base weights (param_update/lora.py); None
+        without LoRA."""
+        return self.worker_group.lora_adapter()[0]
+
     async def get_input_data(self):
         want = self.version  # batch j is trained at trainer version j
         while len(self._parts.get(want, {})) < self.parts_needed:
@@ -239,6 +244,8 @@ class ActorTrainStage(StateMachine):
             batch.batch["ref_log_prob"] = parts["ref_logp"].ref_log_prob
         if "values" in parts:
             batch.batch["values"] = parts["values"].values
+        if parts["reward"].baselines is not None:  # ReMax's greedy-sample scores (verl's reward_baselines)
+            batch.batch["reward_baselines"] = parts["reward"].baselines
         set_behaviour_as_old(batch, self.config)
         kl_metrics = add_token_level_rewards(batch, self.kl_ctrl_in_reward, algo.get("kl_penalty", "kl"))
         batch, correction_metrics = add_correction(batch, self.config)

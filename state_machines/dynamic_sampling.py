@@ -41,6 +41,7 @@ class _Group:
     uid: str
     rows: Any  # DataProto of the group's samples
     scores: torch.Tensor
+    baselines: Optional[torch.Tensor] = None  # ReMax: the greedy sample's score, per row
 
 
 class DynamicSamplingStage(StateMachine):
@@ -112,7 +113,8 @@ class DynamicSamplingStage(StateMachine):
                 continue
             self._counts["kept"] += 1
             self.pending.append(
-                _Group(self._arrivals, int(oldest[rows].min()), uid, batch.select_idxs(rows), scored.scores[rows])
+                _Group(self._arrivals, int(oldest[rows].min()), uid, batch.select_idxs(rows), scored.scores[rows],
+                       None if scored.baselines is None else scored.baselines[rows])
             )
             self._arrivals += 1
 
@@ -141,6 +143,7 @@ class DynamicSamplingStage(StateMachine):
             scores=torch.cat([g.scores for g in chosen]),
             uids=np.asarray(batch.non_tensor_batch["uid"]),
             metrics=metrics,
+            baselines=None if chosen[0].baselines is None else torch.cat([g.baselines for g in chosen]),
         )
         ref = ray.put(batch) if ray.is_initialized() else batch
         start = min(int(v) for v in batch.non_tensor_batch["start_version"])

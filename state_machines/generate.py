@@ -57,6 +57,7 @@ class GenerateStage(StateMachine):
         )
         self.config = config
         self.n = int(config.actor_rollout_ref.rollout.n)
+        self.greedy_baselines = wants_greedy_baselines(config)
         self._agent_loops = None  # verl's AgentLoopWorker, built at first use (loads the tokenizer and tools)
         self.staleness = StalenessController(max_staleness)
         self.request_timeout_s, self.tool_timeout_s = request_timeout_s, tool_timeout_s
@@ -99,14 +100,14 @@ class GenerateStage(StateMachine):
         return self._agent_loops
 
     async def run_agent_loops(self, rows: list[dict], n: int, start_version: int | None = None,
-                              validate: bool = False) -> list[Sample]:
+                              validate: bool = False, greedy_baselines: bool = False) -> list[Sample]:
         """`n` trajectories of each row (a dataset row's non-tensor fields: `raw_prompt`, `agent_name`, ...),
         through the same supervised path as training; validation uses it with `validate=True` (verl's
         `val_kwargs` sampling). `start_version`: the version served when the batch was admitted (None:
-        the version served now)."""
+        the version served now). `greedy_baselines` (ReMax): then one greedy trajectory of each row, last."""
         if start_version is None:
             start_version = self.staleness.served_version
-        proto = prompt_rows(rows, [uuid.uuid4().hex for _ in rows], n, start_version)
+        proto = prompt_rows(rows, [uuid.uuid4().hex for _ in rows], n, start_version, greedy_baselines)
         proto.meta_info["validate"] = validate
         output = await self.agent_loops().generate_sequences(proto)
         return samples_from_agent_output(output, start_version)
@@ -145,7 +146,17 @@ class GenerateStage(StateMachine):
 
     async def process_data(self, batch: PromptBatch) -> GeneratedBatch:
         start_version = self.staleness.served_version
-        samples = await self.run_agent_loops(batch.non_tensor, self.n, start_version)
+        samples = await self.run_agent_loops(batch.non_tensor, self.n, start_version,
+                                             greedy_baselines=self.greedy_baselines)
         if batch.index > start_version:  # started ahead of the trainer (whatever it reached since)
             hold_at("generate_ahead", batch.index + 1)
-        return GeneratedBatch(index=batch.index, samples=samples, start_version=start_version)
+        trained = len(batch.non_tensor) * self.n
+        return GeneratedBatch(index=batch.index, samples=samples[:trained], start_version=start_version,
+                              baselines=samples[trained:])
+
+
+def wants_greedy_baselines(config) -> bool:
+    """ReMax (`algorithm.adv_estimator=remax`): each prompt's greedy sample, scored, is its samples' baseline."""
+    from verl.trainer.ppo.core_algos import AdvantageEstimator
+
+    return config.algorithm.adv_estimator == AdvantageEstimator.REMAX

@@ -47,7 +47,7 @@ class ParamUpdateStage(StateMachine):
     # ---- rollout servers restarted by the generate stage ------------------------------------
     async def configure_rollout_servers(self, *setup_args) -> None:
         """Set up weight staging on every rollout receiver for the trainer's layout (a mismatch fails
-        here, naming the server); `setup_args` = (dual, consume_bytes, layout, partial), kept for the
+        here, naming the server); `setup_args` = (dual, consume_bytes, layout, partial, adapter), kept for the
         servers restarted later."""
         self._server_setup = setup_args
         await asyncio.gather(*(r.configure(*setup_args) for r in self.weight_sync.receivers if r.serves_generation))

@@ -5,6 +5,7 @@ shaping); the stage runs it in a worker thread under `reward.async_timeout_s`. W
 hanging reward function does is `reward.on_error`: `stop` (default) fails the run naming the
 function and the batch; `zero` scores that sample 0, counts it (`async/faults/reward_errors`)
 and goes on (the timeout then applies to each sample; a hung call's thread is left behind).
+ReMax: the greedy sample of each prompt is scored the same way, as its rows' `baselines`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import logging
 import numpy as np
 import torch
 
-from async_rl.core.messages import RolloutBatch, ScoredBatch
+from async_rl.core.messages import RolloutBatch, ScoredBatch, resolve
 from async_rl.core.scoring import (
     RewardFunctionError,
     decode_responses,
@@ -27,6 +28,8 @@ from async_rl.core.scoring import (
 from state_machines.base import StateMachine
 
 logger = logging.getLogger(__name__)
+
+REMAX_BASELINE_METRIC = "async/remax/baseline_score/mean"  # mean score of the step's greedy samples
 
 
 class RewardStage(StateMachine):
@@ -42,20 +45,32 @@ class RewardStage(StateMachine):
 
     async def process_data(self, data: RolloutBatch) -> ScoredBatch:
         batch = await data.get()
-        if self.on_error == "zero":
-            responses = await asyncio.to_thread(decode_responses, batch, self.tokenizer)
-            scores, failures = await score_each_zeroing_failures(responses, self.score_fn, self.overlong,
-                                                                 self.timeout_s)
-            if failures:
-                row, cause = failures[0]
-                logger.warning("reward function %s failed on %d of %d samples of batch %d (scored 0; first: row %d, "
-                               "%s)", self.score_fn_name, len(failures), len(responses), data.index, row, cause)
-        else:
-            scores, failures = await self._score_or_stop(batch, data.index), []
+        uids = np.asarray(batch.non_tensor_batch["uid"])
+        scores, failures = await self._score(batch, data.index)
+        baselines, metrics = None, {}
+        if data.baseline_ref is not None:  # ReMax: each prompt's greedy sample, scored, is its rows' baseline
+            greedy = await resolve(data.baseline_ref)
+            greedy_scores, greedy_failures = await self._score(greedy, data.index)
+            failures += greedy_failures
+            by_uid = dict(zip(greedy.non_tensor_batch["uid"].tolist(), greedy_scores.tolist()))
+            baselines = torch.tensor([by_uid[uid] for uid in uids.tolist()], dtype=torch.float32)
+            metrics[REMAX_BASELINE_METRIC] = float(greedy_scores.mean())
         return ScoredBatch(
-            index=data.index, scores=scores, uids=np.asarray(batch.non_tensor_batch["uid"]), batch_ref=data.batch_ref,
-            metrics={"async/faults/reward_errors": float(len(failures))},
+            index=data.index, scores=scores, uids=uids, batch_ref=data.batch_ref, baselines=baselines,
+            metrics={"async/faults/reward_errors": float(len(failures)), **metrics},
         )
+
+    async def _score(self, batch, index: int) -> tuple[torch.Tensor, list]:
+        """(score of each row, the rows whose scoring failed and why) under `reward.on_error`."""
+        if self.on_error != "zero":
+            return await self._score_or_stop(batch, index), []
+        responses = await asyncio.to_thread(decode_responses, batch, self.tokenizer)
+        scores, failures = await score_each_zeroing_failures(responses, self.score_fn, self.overlong, self.timeout_s)
+        if failures:
+            row, cause = failures[0]
+            logger.warning("reward function %s failed on %d of %d samples of batch %d (scored 0; first: row %d, "
+                           "%s)", self.score_fn_name, len(failures), len(responses), index, row, cause)
+        return scores, failures
 
     async def _score_or_stop(self, batch, index: int) -> torch.Tensor:
         try:

@@ -1,4 +1,5 @@
-"""rollout stage: turns generated samples into one verl `DataProto` per step and fans out.
+"""rollout stage: turns generated samples into one verl `DataProto` per step and fans out (ReMax: a
+second one of the greedy baseline samples, for the reward stage).
 
 The batch is put into Ray's object store once; reward, logp and ref_logp each get a
 reference to it (`RolloutBatch`), so it is serialized once, not three times.
@@ -22,6 +23,9 @@ class RolloutStage(StateMachine):
         self.pad_token_id = pad_token_id
 
     async def process_data(self, data: GeneratedBatch) -> RolloutBatch:
-        batch = build_batch(data.samples, self.max_prompt_length, self.max_response_length, self.pad_token_id)
-        ref = ray.put(batch) if ray.is_initialized() else batch
-        return RolloutBatch(index=data.index, batch_ref=ref, start_version=data.start_version)
+        refs = []
+        for samples in (data.samples, data.baselines):
+            batch = build_batch(samples, self.max_prompt_length, self.max_response_length, self.pad_token_id) \
+                if samples else None
+            refs.append(ray.put(batch) if ray.is_initialized() and batch is not None else batch)
+        return RolloutBatch(index=data.index, batch_ref=refs[0], start_version=data.start_version, baseline_ref=refs[1])

@@ -170,9 +170,9 @@ KEYS = (
         "a reward function that raises or hangs: stop the run naming it, or score it 0, counted "
         "(`async/faults/reward_errors`)"),
     Key(STAGES_KEY, "user_stages", None, None, "name -> `{cls, after, kwargs}`",
-        "your own stages, each inserted after an existing one (see \"Writing a stage\")", "`{}`"),
+        "your own stages, each after an existing one (\"Writing a stage\")", "`{}`"),
     Key("algorithm.decoupled_ppo", "decoupled_ppo", True, _as_bool, "bool",
-        "AReaL's decoupled PPO through verl's rollout correction (see \"Algorithms\")"),
+        "AReaL's decoupled PPO through verl's rollout correction"),
     Key("algorithm.behav_imp_weight_cap", "behav_imp_weight_cap", 5.0, _as_cap, "> 1",
         "tokens whose pi_prox / pi_behav exceeds it get weight 0 (AReaL's cap)"),
     Key("actor_rollout_ref.rollout.partial_rollout", "partial_rollout", True, _as_bool, "bool",
@@ -181,9 +181,9 @@ KEYS = (
     Key("algorithm.proximal_logp_workers", "proximal_logp_workers", "train", _as_proximal_workers,
         "`train` or `logp`",
         "where pi_prox (verl's `old_log_probs`) is recomputed: the train ranks before their update, or the "
-        "logp stage's workers (see \"Algorithms\")"),
+        "logp stage's workers"),
     Key("actor_rollout_ref.rollout.max_restarts", "replica_max_restarts", None, _as_optional_count, "int >= 0",
-        "restarts of each lost rollout replica over the run (see \"Faults\"); `0` stops the run naming it; "
+        "restarts of each lost rollout replica over the run; `0` stops the run naming it; "
         "above 0 with `cpu` or `vllm`", "`3` with `rollout.name=cpu`, else `0`"),
     Key("actor_rollout_ref.rollout.request_timeout_s", "request_timeout_s", 600.0, _as_positive_number, "> 0",
         "a request unanswered this long marks its server lost (killed, restarted)", "`600`"),

@@ -124,6 +124,7 @@ class GeneratedBatch:
     index: int
     samples: list[Sample]
     start_version: int  # version served when the batch was admitted
+    baselines: list[Sample] = field(default_factory=list)  # ReMax: one greedy sample per prompt (not trained)
 
 
 async def resolve(value):
@@ -138,6 +139,7 @@ class RolloutBatch:
     index: int
     batch_ref: Any
     start_version: int
+    baseline_ref: Any = None  # ReMax: the greedy samples' DataProto, by reference (the reward stage scores it)
 
     async def get(self):
         return await resolve(self.batch_ref)
@@ -157,6 +159,7 @@ class ScoredBatch:
     keep: Optional[torch.Tensor] = None  # (bs,) bool: rows to train on; None = all
     metrics: dict = field(default_factory=dict)  # merged into the step's logged metrics
     batch_ref: Any = None  # the scored DataProto, by reference (for stages that regroup rows)
+    baselines: Optional[torch.Tensor] = None  # (bs,) ReMax: the score of each row's prompt's greedy sample
 
 
 @dataclass

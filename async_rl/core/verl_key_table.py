@@ -66,12 +66,13 @@ VERL_KEYS = (
     KeyRow(f"{ARR}.nccl_timeout", N, "nothing in verl 0.9.1 reads it"),
     # the model: verl's HFModelConfig in every worker, server and agent loop; the pipeline's tokenizer too
     KeyRow(f"{ARR}.model", V, "verl's HFModelConfig (also the pipeline's tokenizer: async_rl/core/prompts.py)"),
-    KeyRow(f"{ARR}.model.lora_rank", X, "the weight sync sends full weights, which the rollout servers cannot take "
-           "under PEFT's names: LoRA does not run under the flag yet"),
-    KeyRow(f"{ARR}.model.lora_adapter_path", X, "LoRA does not run under the flag yet"),
+    KeyRow(f"{ARR}.model.lora_rank", V, "LoRA: versions carry the adapter, the receivers merge it "
+           "(param_update/lora.py); on the CPU backend only (async_rl/core/verl_keys.py)"),
     KeyRow(f"{ARR}.model.lora", N, "Megatron's LoRA; FSDP reads actor_rollout_ref.model.lora_rank"),
-    KeyRow(f"{ARR}.model.lora.rank", X, "LoRA does not run under the flag yet"),
-    KeyRow(f"{ARR}.model.lora.adapter_path", X, "LoRA does not run under the flag yet"),
+    KeyRow(f"{ARR}.model.lora.rank", X, "Megatron's LoRA rank, which the FSDP engine does not read: set "
+           "actor_rollout_ref.model.lora_rank"),
+    KeyRow(f"{ARR}.model.lora.adapter_path", X, "Megatron's adapter path, which the FSDP engine does not read: set "
+           "actor_rollout_ref.model.lora_adapter_path"),
     # the rollout: verl's servers (vllm, sglang) and agent loops read it; the CPU backend reads its sampling
     KeyRow(f"{ARR}.rollout", V, "verl's rollout servers and agent loops (async_rl/rollout); the CPU backend: "
            "sampling, lengths, seed, multi_turn and agent keys"),

@@ -1,8 +1,8 @@
 """verl 0.9.1 settings the pipeline cannot honour: each is refused before Ray starts, naming its key and
 why, never ignored (`refuse_unsupported`). Two kinds: a key the table (`verl_key_table.VERL_KEYS`) marks
 REFUSED, set to anything but verl's default; and a value of a key otherwise honoured (`UNSUPPORTED`: an
-estimator, a strategy). A row leaves when the pipeline learns to run it (issue 40: LoRA, reward models,
-ReMax's greedy baseline)."""
+estimator, a strategy). A row leaves when the pipeline learns to run it (issue 40: reward models, LoRA on
+vLLM)."""
 
 from __future__ import annotations
 
@@ -40,10 +40,6 @@ class Unsupported:
 
 
 UNSUPPORTED = (
-    Unsupported("algorithm.adv_estimator", lambda v: v == "remax", "any estimator but remax",
-                "ReMax needs one greedy sample per prompt, scored, as its baseline (`reward_baselines`); the "
-                "generate stage does not produce it, and verl 0.9.1's own trainer fails the same way on this "
-                "config"),
     Unsupported("algorithm.adv_estimator", lambda v: v in OPTIMAL_TOKEN_BASELINES,
                 f"any estimator but {' / '.join(OPTIMAL_TOKEN_BASELINES)}",
                 "the optimal token baseline needs `sum_pi_squared` from the actor's log-prob pass, which the "
@@ -64,6 +60,9 @@ CPU_UNSUPPORTED = tuple(
                 "use_remove_padding's varlen attention, neither of which runs on a CPU")
     for key in SEQUENCE_PARALLEL_KEYS)
 
+
+LORA_RANK = "actor_rollout_ref.model.lora_rank"
+LORA_BACKENDS = ("cpu",)  # whose servers merge an adapter under the flag (async_rl/rollout/cpu/server.py)
 
 BYPASS = "algorithm.rollout_correction.bypass_mode"
 # applied by verl inside its bypass-mode loss (`compute_policy_loss_bypass_mode`), which the pipeline does
@@ -137,6 +136,12 @@ def refuse_unsupported(config) -> None:
         value = select_value(config, rule.key, None)
         if value is not None and rule.refuses(value):
             raise AsyncConfigError(rule.key, value, f"{rule.allowed} (the async pipeline: {rule.why})")
+    backend = select_value(config, "actor_rollout_ref.rollout.name", None)
+    if (select_value(config, LORA_RANK, 0) or 0) > 0 and backend not in LORA_BACKENDS:
+        raise AsyncConfigError(LORA_RANK, select_value(config, LORA_RANK, 0),
+                               f"0 with actor_rollout_ref.rollout.name={backend} (the async pipeline sends a LoRA "
+                               f"adapter to servers that merge it: rollout.name={' or '.join(LORA_BACKENDS)}; "
+                               "serving adapters through vLLM's or SGLang's LoRA API is not built yet)")
     if select_value(config, BYPASS, False) is True:
         for key, neutral in BYPASS_LOSS_KEYS.items():
             value = select_value(config, key, neutral)

@@ -177,6 +177,16 @@ PPO_OVERRIDES: dict[str, str] = {
 }
 
 
+# LoRA on every Linear layer in place of full fine-tuning; an adapter needs a larger learning rate
+# (measured: docs/lora.md)
+LORA_OVERRIDES = {
+    "actor_rollout_ref.model.lora_rank": "16",
+    "actor_rollout_ref.model.lora_alpha": "32",
+    "actor_rollout_ref.actor.optim.lr": "3e-3",
+    "trainer.experiment_name": "copy_digits_lora",
+}
+
+
 def lookup_overrides(root: Path) -> dict[str, str]:
     """The lookup task (``async_rl.demo.lookup``) in place of the copy task: its data, reward and
     agent loop (verl's ``agent_loop_config_path`` + ``default_agent_loop``)."""
@@ -195,13 +205,14 @@ def lookup_overrides(root: Path) -> dict[str, str]:
 
 
 def demo_overrides(output_dir: str | Path, extra: Mapping[str, Any] | Iterable[str] | None = None,
-                   critic: bool = False, agent: bool = False) -> list[str]:
+                   critic: bool = False, agent: bool = False, lora: bool = False) -> list[str]:
     """verl hydra overrides (``key=value``) for the demo prepared in ``output_dir``.
 
     ``extra`` (a mapping, or ``key=value`` strings) is merged last: a key that is
     already present is replaced in place, new keys are appended. ``critic``: PPO with GAE and a
     critic (``PPO_OVERRIDES``) instead of GRPO. ``agent``: the lookup task, an agent loop calling a
-    tool (``lookup_overrides``), instead of the copy task.
+    tool (``lookup_overrides``), instead of the copy task. ``lora``: a LoRA adapter trained in place of
+    the whole model (``LORA_OVERRIDES``).
     """
     root = Path(output_dir).resolve()
     overrides: dict[str, str] = {
@@ -222,6 +233,8 @@ def demo_overrides(output_dir: str | Path, extra: Mapping[str, Any] | Iterable[s
         overrides.update({**PPO_OVERRIDES, "critic.model.path": _format_value(str(root / "model"))})
     if agent:
         overrides.update(lookup_overrides(root))
+    if lora:
+        overrides.update(LORA_OVERRIDES)
     if isinstance(extra, Mapping):
         overrides.update({key: _format_value(value) for key, value in extra.items()})
     elif extra is not None:
@@ -240,7 +253,8 @@ def prepare(
     val_size: int = DEFAULT_VAL_SIZE,
 ) -> dict[str, Path]:
     """Write model + tokenizer, train/val parquet, reward.py, overrides.txt (GRPO) and
-    overrides_ppo.txt (PPO with a critic) under ``output_dir``; and the lookup task's (one model for
+    overrides_ppo.txt (PPO with a critic), overrides_lora.txt (a LoRA adapter) under ``output_dir``; and the
+    lookup task's (one model for
     both): its parquet files, lookup_reward.py, agent_loops.yaml and overrides_agent.txt."""
     root = Path(output_dir).resolve()
     model_dir, data_dir = root / "model", root / "data"
@@ -260,6 +274,7 @@ def prepare(
         "reward": root / "reward.py",
         "overrides": root / "overrides.txt",
         "ppo_overrides": root / "overrides_ppo.txt",
+        "lora_overrides": root / "overrides_lora.txt",
         "lookup_train": data_dir / "lookup_train.parquet",
         "lookup_val": data_dir / "lookup_val.parquet",
         "lookup_reward": root / "lookup_reward.py",
@@ -271,6 +286,7 @@ def prepare(
     shutil.copyfile(reward_module.__file__, paths["reward"])
     paths["overrides"].write_text("\n".join(demo_overrides(root)) + "\n")
     paths["ppo_overrides"].write_text("\n".join(demo_overrides(root, critic=True)) + "\n")
+    paths["lora_overrides"].write_text("\n".join(demo_overrides(root, lora=True)) + "\n")
 
     table = lookup.LookupTable.build(seed)
     train_keys, val_keys = lookup.sample_keys(table, np.random.default_rng(seed), train_size, val_size)

@@ -314,12 +314,20 @@ def absolute_agent_files(config) -> None:
             section[leaf] = resolve_config_path(path)
 
 
-def prompt_rows(batch_non_tensor: list[dict], uids: list[str], n: int, start_version: int):
+DO_SAMPLE = "__do_sample__"  # verl's per-row column: False makes the agent loop sample greedily (ReMax)
+
+
+def prompt_rows(batch_non_tensor: list[dict], uids: list[str], n: int, start_version: int,
+                greedy_baselines: bool = False):
     """verl's agent-loop input (a DataProto of non-tensor columns), each prompt's row `n` times in a
-    row (GRPO groups), with its `uid` and the batch's `start_version`."""
+    row (GRPO groups), with its `uid` and the batch's `start_version`; `greedy_baselines` (ReMax): then
+    each prompt's row once more, sampled greedily (verl's `__do_sample__` column)."""
     from verl import DataProto
 
     rows = [{**row, "uid": uid} for row, uid in zip(batch_non_tensor, uids) for _ in range(n)]
+    if greedy_baselines:
+        rows = [{**row, DO_SAMPLE: True} for row in rows]
+        rows += [{**row, "uid": uid, DO_SAMPLE: False} for row, uid in zip(batch_non_tensor, uids)]
     keys = sorted({key for row in rows for key in row})
     columns = {key: object_column([row.get(key) for row in rows]) for key in keys}
     proto = DataProto.from_dict(non_tensors=columns)
@@ -357,7 +365,8 @@ def samples_from_agent_output(output, start_version: int) -> list[Sample]:
                 k += 1
             else:
                 versions.append(-1)
-        non_tensor = {key: _python_scalar(columns[key][i]) for key in columns if key not in (VERSIONS_FIELD, "uid")}
+        non_tensor = {key: _python_scalar(columns[key][i]) for key in columns
+                      if key not in (VERSIONS_FIELD, "uid", DO_SAMPLE)}
         non_tensor["start_version"] = start_version
         for name, column in AGENT_LOOP_TIMINGS.items():  # verl's per-trajectory AgentLoopMetrics, seconds
             non_tensor[column] = float(timings[i].get(name, 0.0)) if i < len(timings) else 0.0

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import copy
+
 import ray
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 
 from async_rl.core.devices import GroupDevices, device_pool
 from async_rl.training.workers import CONCURRENCY_GROUPS, CriticWorker, PipelineWorker
@@ -31,12 +33,25 @@ def _worker_group(on_cpu: bool, devices: "int | GroupDevices", name: str, remote
 
 
 def make_worker_group(config: DictConfig, role: str, devices: "int | GroupDevices", name: str):
-    """verl `RayWorkerGroup` of `PipelineWorker` (role `actor` or `ref`), models initialised."""
+    """verl `RayWorkerGroup` of `PipelineWorker` (role `actor` or `ref`), models initialised. Under LoRA the
+    reference is the base model without adapter, as verl's trainer computes it (`ref_in_actor`)."""
     on_cpu = _prepare_platform(config)
+    section = config.actor_rollout_ref
+    if role == "ref":
+        section = without_lora(section)
     group = _worker_group(on_cpu, devices, name, ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(PipelineWorker),
-                          config=config.actor_rollout_ref, role=role)
+                          config=section, role=role)
     group.init_model()
     return group
+
+
+def without_lora(section: DictConfig) -> DictConfig:
+    """`actor_rollout_ref` with its model's LoRA off (no rank, no adapter to load)."""
+    section = copy.deepcopy(section)
+    with open_dict(section):
+        section.model.lora_rank = 0
+        section.model.lora_adapter_path = None
+    return section
 
 
 def critic_worker_config(config: DictConfig):

@@ -24,6 +24,7 @@ from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
 from async_rl.training.checkpoint_writer import CheckpointWriter
 from param_update.buckets import tensor_digest
+from param_update.lora import LoraAdapter, adapter_of, is_adapter_key, sent_name, served_state
 from param_update.sender import BucketSender, live_storage_addresses
 from param_update.staging import WeightStaging
 from verl_patches.cpu_patches import apply_cpu_worker_patches
@@ -44,10 +45,40 @@ class PipelineWorker(ActorRolloutRefWorker):
         self._bucket_sender = None
         self._staging = None
         self._checkpoint_writer = None
+        self._adapter = None  # LoraAdapter under LoRA (found once), False without
 
     def _engine(self):
         worker = self.actor if self.actor is not None else self.ref
         return worker.engine
+
+    def _lora(self) -> LoraAdapter | None:
+        """The model's LoRA adapter (param_update/lora.py), None when it has none."""
+        if self._adapter is None:
+            module = self._engine().module
+            peft_model = getattr(module, "_fsdp_wrapped_module", module)
+            self._adapter = adapter_of(peft_model) if hasattr(peft_model, "peft_config") else False
+        return self._adapter or None
+
+    def _sent_tensors(self):
+        """(name, full tensor) of what a version carries (collective): verl's per-tensor weights, or
+        under LoRA the adapter's tensors alone (the base is frozen, and every receiver has it)."""
+        engine = self._engine()
+        if self._lora() is None:
+            return engine.get_per_tensor_param()[0]
+        from verl.utils.fsdp_utils import collect_lora_params
+
+        layered = bool(self.config.rollout.get("layered_summon", False))
+        return collect_lora_params(engine.module, layered_summon=layered, base_sync_done=True).items()
+
+    def _full_state(self):
+        """(module key, full tensor) of every weight of this rank's model (collective)."""
+        for key, tensor in self._engine().module.state_dict().items():
+            yield key, tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def lora_adapter(self) -> LoraAdapter | None:
+        """The adapter the receivers merge (None without LoRA)."""
+        return self._lora()
 
     # ---- training side: gather + send ------------------------------------------------
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -61,7 +92,7 @@ class PipelineWorker(ActorRolloutRefWorker):
             self._bucket_sender = BucketSender()
         engine = self._engine()
         live = live_storage_addresses(engine.module.state_dict().values())
-        per_tensor, _ = engine.get_per_tensor_param()
+        per_tensor = self._sent_tensors()
         is_sender = torch.distributed.get_rank() == 0
         return self._bucket_sender.gather_and_send(per_tensor, version, bucket_bytes, sink, is_sender, live)
 
@@ -74,17 +105,28 @@ class PipelineWorker(ActorRolloutRefWorker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def weight_layout(self) -> dict[str, tuple]:
-        """HF name -> (dtype, global shape) of what `send_weight_buckets` sends (no data moves)."""
+        """Name -> (dtype, global shape) of what `send_weight_buckets` sends (no data moves): HF names,
+        or under LoRA the adapter's tensors under PEFT's names."""
+        return {name: (t.dtype, tuple(t.shape)) for name, (key, t) in self._sent_keys().items()}
+
+    def _sent_keys(self) -> dict[str, tuple[str, torch.Tensor]]:
+        """Sent name -> (module key, the module's tensor) of what a version carries."""
         from verl.utils.model import convert_weight_keys
 
         module = self._engine().module
-        state = convert_weight_keys(module.state_dict(), getattr(module, "_fsdp_wrapped_module", module))
-        return {name: (t.dtype, tuple(t.shape)) for name, t in state.items()}
+        state = module.state_dict()
+        if self._lora() is not None:
+            return {sent_name(key): (key, t) for key, t in state.items() if is_adapter_key(sent_name(key))}
+        names = convert_weight_keys({key: key for key in state}, getattr(module, "_fsdp_wrapped_module", module))
+        return {name: (key, state[key]) for name, key in names.items()}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def weight_digests(self) -> dict[str, str] | None:
-        """HF name -> digest of the full weights (collective; rank 0 returns them, others None)."""
-        per_tensor, _ = self._engine().get_per_tensor_param()
+        """HF name -> digest of the full weights (collective; rank 0 returns them, others None); under
+        LoRA of the weights a receiver serves: the base with the adapter merged (param_update/lora.py)."""
+        adapter = self._lora()
+        per_tensor = self._engine().get_per_tensor_param()[0] if adapter is None else \
+            served_state(self._full_state(), adapter).items()
         digests = {name: tensor_digest(t) for name, t in per_tensor}
         return digests if torch.distributed.get_rank() == 0 else None
 
@@ -118,16 +160,12 @@ class PipelineWorker(ActorRolloutRefWorker):
     def configure_weight_sync(self) -> None:
         """Set up this rank's staging (a load into FSDP2 shards is always a copy).
 
-        Names are the HF names the trainer sends (verl's `convert_weight_keys`), shapes global.
+        Names are what the trainer sends (`weight_layout`: HF names, or the adapter's under LoRA, which
+        this PEFT model loads as they are), shapes global.
         """
-        from verl.utils.model import convert_weight_keys
-
-        module = self._engine().module
-        hf_model = getattr(module, "_fsdp_wrapped_module", module)
-        state = module.state_dict()
-        self._module_key = convert_weight_keys({key: key for key in state}, hf_model)  # HF name -> module key
-        expected = {name: (state[key].dtype, tuple(state[key].shape)) for name, key in self._module_key.items()}
-        self._staging = WeightStaging(expected)
+        sent = self._sent_keys()
+        self._module_key = {name: key for name, (key, _) in sent.items()}  # sent name -> module key
+        self._staging = WeightStaging({name: (t.dtype, tuple(t.shape)) for name, (_, t) in sent.items()})
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     @ray.method(concurrency_group=WEIGHTS_GROUP)

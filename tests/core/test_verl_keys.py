@@ -13,12 +13,13 @@ from async_rl.run_config import read_run_config
 from conftest import compose_ppo
 
 REFUSED = [
-    ({"algorithm.adv_estimator": "remax"}, "algorithm.adv_estimator='remax'", "greedy sample per prompt"),
     ({"algorithm.adv_estimator": "optimal_token_baseline"}, "algorithm.adv_estimator='optimal_token_baseline'",
      "sum_pi_squared"),
     ({"algorithm.adv_estimator": "tir_optimal_token_baseline"}, "tir_optimal_token_baseline", "sum_pi_squared"),
     ({"reward.reward_model.enable": True}, "reward.reward_model.enable=True", "reward-model servers are not started"),
-    ({"actor_rollout_ref.model.lora_rank": 8}, "actor_rollout_ref.model.lora_rank=8", "LoRA"),
+    ({"actor_rollout_ref.model.lora_rank": 8, "actor_rollout_ref.rollout.name": "vllm"},
+     "actor_rollout_ref.model.lora_rank=8", "0 with actor_rollout_ref.rollout.name=vllm"),
+    ({"actor_rollout_ref.model.lora.rank": 8}, "actor_rollout_ref.model.lora.rank=8", "set actor_rollout_ref.model.lora_rank"),
     ({"reward.reward_manager.source": "importlib", "reward.reward_manager.module.path": "pkg://async_rl.demo.reward"},
      "reward.reward_manager.source='importlib'", "naive or dapo manager"),
 ]
@@ -31,10 +32,17 @@ def test_a_setting_the_pipeline_cannot_run_is_refused_before_ray_starts(demo_dir
     assert named in str(refused.value) and why in str(refused.value)
 
 
-@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus", "gpg", "grpo_passk", "opo"])
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus", "gpg", "grpo_passk", "opo", "remax"])
 def test_the_estimators_it_runs_are_not_refused(demo_dir, estimator):
     run = read_run_config(compose_ppo(demo_overrides(demo_dir, extra={"algorithm.adv_estimator": estimator})))
     assert run.config.algorithm.adv_estimator == estimator
+
+
+def test_lora_on_the_cpu_backend_is_not_refused(demo_dir):
+    from async_rl.demo.task import LORA_OVERRIDES
+
+    run = read_run_config(compose_ppo(demo_overrides(demo_dir, lora=True)))
+    assert run.config.actor_rollout_ref.model.lora_rank == int(LORA_OVERRIDES["actor_rollout_ref.model.lora_rank"]) > 0
 
 
 def test_the_table_names_real_verl_keys_and_estimators(demo_dir):

@@ -115,3 +115,17 @@ def test_gae_advantages_and_returns_equal_verls_compute_advantage_with_the_value
                                                              "token_level_rewards": last_token_scores}),
                                 adv_estimator="gae", gamma=1.0, lam=1.0, config=train.config.algorithm)
     assert not torch.allclose(trained.batch["advantages"], default.batch["advantages"])
+
+
+def test_remax_advantage_is_the_score_less_the_prompts_greedy_score_on_every_token():
+    """ReMax: the reward stage's `baselines` (each row's prompt's greedy-sample score) reach verl's
+    `compute_remax_outcome_advantage` as `reward_baselines`."""
+    batch, parts, _, (*_, mask) = batch_and_parts()
+    parts["reward"].baselines = torch.tensor([0.5, 0.5, 1.0, 1.0])  # prompt a's greedy sample 0.5, b's 1.0
+    trained, _ = stage("algorithm.adv_estimator=remax")._training_batch(batch, parts)
+    want = (parts["reward"].scores - parts["reward"].baselines)[:, None] * mask
+    torch.testing.assert_close(trained.batch["advantages"], want)
+    # without baselines verl's estimator cannot run at all (what verl 0.9.1's own trainer hits)
+    batch, parts, *_ = batch_and_parts()
+    with pytest.raises(TypeError, match="reward_baselines"):
+        stage("algorithm.adv_estimator=remax")._training_batch(batch, parts)

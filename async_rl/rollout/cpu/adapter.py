@@ -49,19 +49,27 @@ class CPUServerAdapter(BaseRollout):
         peft_config=None, base_sync_done: bool = True, **kwargs: Any,
     ) -> None:
         """Drain the per-tensor generator (every rank: each item is a collective); the replica's
-        leader rank sends the full tensors to the server, which loads them between decoding steps."""
+        leader rank sends the full tensors to the server, which loads them between decoding steps.
+
+        LoRA (`peft_config` set), as verl's engine worker sends it: with `base_sync_done=False` the base
+        weights (PEFT's `.base_layer.` names mapped to the model's), else the adapter's tensors, which
+        the server merges onto its base (param_update/lora.py)."""
         if wire_format != "named_tensors":
             raise NotImplementedError(f"the cpu rollout takes full named tensors, got wire_format={wire_format!r}")
-        if peft_config is not None:
-            raise NotImplementedError("the cpu rollout does not serve LoRA adapters")
         named = []
         async for name, tensor in _iterate(weights):
             if self.is_leader_rank:
                 named.append((name, tensor.detach().to("cpu", copy=True)))
-        if self.is_leader_rank:
-            if self._server is None:
-                self._server = ray.get_actor(server_actor_name(self.replica_rank))
-            await self._server.update_weights.remote(named, int(global_steps or 0))
+        if not self.is_leader_rank:
+            return
+        if self._server is None:
+            self._server = ray.get_actor(server_actor_name(self.replica_rank))
+        version = int(global_steps or 0)
+        if peft_config is not None and base_sync_done:
+            await self._server.update_adapter.remote(named, dict(peft_config), version)
+        else:
+            base = [(name.replace(".base_layer.", "."), tensor) for name, tensor in named]
+            await self._server.update_weights.remote(base, version)
 
 
 async def _iterate(items):

@@ -25,6 +25,7 @@ from async_rl.core.fault_points import delay_for
 from async_rl.rollout.cpu.engine import ContinuousBatchingEngine
 from async_rl.rollout.cpu.requests import STOP_ABORTED
 from param_update.buckets import tensor_digest
+from param_update.lora import LoraAdapter, MergedVersion, adapter_from_peft_config, base_weights
 from param_update.staging import WeightStaging, layout_mismatches
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,8 @@ class CPURolloutServer:
         self._rejecting = False  # set by abort_all_requests(reject_request=True) until resume_generation()
         self._staging = None  # param_update.staging.WeightStaging, set by configure_weight_sync()
         self._consume_bytes = 0
+        self._adapter: Optional[LoraAdapter] = None  # LoRA: versions are adapters, merged onto _lora_base
+        self._lora_base: dict[str, torch.Tensor] = {}  # HF name -> base weight (as loaded) an adapter changes
 
         # There is no HTTP endpoint. The port is reserved (bound, never listening) only so that
         # "ip:port" is unique per replica: verl's load balancer keys servers by that address.
@@ -190,14 +193,30 @@ class CPURolloutServer:
 
     async def update_weights(self, named_tensors: Any, version: int) -> None:
         """Load ``named_tensors`` (list of ``(name, tensor)`` pairs or a dict) between decode steps
-        and set the weight version to ``version``. All-or-nothing; see the engine."""
+        and set the weight version to ``version``. All-or-nothing; see the engine. The tensors loaded
+        are the base an adapter (`update_adapter`) is merged onto from then on."""
         if isinstance(named_tensors, dict):
             named_tensors = list(named_tensors.items())
-        await self.engine.update_weights(
-            [(name, t if isinstance(t, torch.Tensor) else torch.as_tensor(t)) for name, t in named_tensors], version
-        )
+        named = [(name, t if isinstance(t, torch.Tensor) else torch.as_tensor(t)) for name, t in named_tensors]
+        await self.engine.update_weights(named, version)
         if self._staging is not None:
             self._staging.stager.release_serving()  # the engine copied the weights into its own memory
+        self._lora_base.update((name, t.detach().clone()) for name, t in named if name in self._lora_base)
+
+    async def update_adapter(self, named_tensors: list, peft_config: dict, version: int) -> None:
+        """Serve base + a LoRA adapter (`lora_A` / `lora_B` tensors under PEFT's names, with PEFT's config
+        dict: what verl's own trainer sends) from the next decode step, as `version`: each adapted
+        weight is its base (as loaded) merged with the adapter (param_update/lora.py)."""
+        adapter = adapter_from_peft_config(peft_config, [name for name, _ in named_tensors])
+        if self._adapter != adapter:
+            self._use_adapter(adapter)
+        merged = adapter.merged(self._lora_base, dict(named_tensors))
+        await self.engine.update_weights(list(merged), version)
+
+    def _use_adapter(self, adapter: LoraAdapter) -> None:
+        """Keep a copy of the weights `adapter` changes, as loaded now: what its versions merge onto."""
+        self._lora_base = base_weights(self.engine.model.state_dict(), adapter)
+        self._adapter = adapter
 
     async def get_param_version(self) -> int:
         return self.engine.param_version
@@ -205,16 +224,27 @@ class CPURolloutServer:
     # ------------------------------------------------------------------ weights, in buckets (param_update/)
 
     def configure_weight_sync(
-        self, dual_buffer: bool, consume_bucket_bytes: int, sender_layout=None, partial_rollout: bool = True
+        self, dual_buffer: bool, consume_bucket_bytes: int, sender_layout=None, partial_rollout: bool = True,
+        adapter: Optional[LoraAdapter] = None,
     ) -> None:
         """Set up staging: `dual_buffer` loads by swapping in the staged version, else by copying it.
         `partial_rollout`: a load interrupts running requests (else it waits for them to finish).
+        `adapter` (LoRA): a version carries the adapter's tensors only, and a load serves them merged
+        onto the weights this server loaded (param_update/lora.py).
 
         `sender_layout` (name -> (dtype, shape), the trainer's) is checked against this model
         now, so a mismatch fails at start rather than at the first sync.
         """
         expected, aliases, _ = self.engine.weight_layout()
-        problems = layout_mismatches(sender_layout, expected, aliases) if sender_layout is not None else []
+        if adapter is not None:
+            self._use_adapter(adapter)
+            if sender_layout is None:
+                raise ValueError("an adapter's weight sync needs the trainer's layout of its tensors")
+            expected, aliases = {name: sender_layout[name] for name in adapter.sent_names}, {}
+            problems = [f"the adapter changes {name!r}, which this server's model does not have"
+                        for name in adapter.weights if name not in self._lora_base]
+        else:
+            problems = layout_mismatches(sender_layout, expected, aliases) if sender_layout is not None else []
         if problems:
             raise ValueError(
                 f"rollout server {self.replica_rank} cannot take the trainer's weights: " + "; ".join(problems[:5])
@@ -244,10 +274,16 @@ class CPURolloutServer:
         staged views now serve (dual buffer), else they were copied and released."""
         self._staging.check(version, num_buckets)
         start = time.perf_counter()
+        staged = self._staging.stager
+        if self._adapter is not None:  # merged before the load, while the old weights still serve
+            adapter_tensors = dict(staged.named_tensors())
+            merged = await asyncio.to_thread(lambda: dict(self._adapter.merged(self._lora_base, adapter_tensors)))
+            staged = MergedVersion(merged, staged)
         blocked_s = await self.engine.load_staged(
-            self._staging.stager, version, self._consume_bytes, swap=self._dual_buffer, interrupt=self._interrupt
+            staged, version, self._consume_bytes, swap=self._dual_buffer, interrupt=self._interrupt
         )
-        return {"load_s": time.perf_counter() - start, "blocked_s": blocked_s, "keeps_buffer": self._dual_buffer,
+        return {"load_s": time.perf_counter() - start, "blocked_s": blocked_s,
+                "keeps_buffer": self._dual_buffer and self._adapter is None,
                 "interrupted": self.engine.last_load_interrupted}
 
     def discard_weights(self, version: int) -> None:
