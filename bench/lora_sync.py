@@ -7,7 +7,8 @@ every Linear layer (PEFT, the adapter's `lora_A` / `lora_B` alone; the server me
 base: param_update/lora.py). Syncs alternate between the two, so both see the same machine state.
 
 Per size and mode: the bytes a version carries (`async/param_update/bytes`), the median total sync
-latency and the load (the part generation waits for) over `--syncs` versions, and their ratios.
+latency, the load (for the adapter: its merge, computed while the previous version serves, then
+the swap) and the time generation was blocked, over `--syncs` versions.
 
     python bench/lora_sync.py [--sizes 10M,100M] [--rank 16] [--syncs 5] [--json PATH]
 """
@@ -31,6 +32,7 @@ from bench.param_update import build_model  # noqa: E402
 
 TIMEOUT_S = 900
 TOTAL, LOAD, BYTES = "timing_s/param_update/total", "timing_s/param_update/load", "async/param_update/bytes"
+BLOCKED = "async/param_update/blocked_s"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -132,6 +134,7 @@ def measure(size: str, rank: int, syncs: int) -> dict:
         row[f"{mode}_bytes"] = int(warm[0][BYTES])
         row[f"{mode}_total_s"] = statistics.median(t[TOTAL] for t in warm)
         row[f"{mode}_load_s"] = statistics.median(t[LOAD] for t in warm)
+        row[f"{mode}_blocked_s"] = statistics.median(t[BLOCKED] for t in warm)
     return row
 
 
@@ -152,11 +155,13 @@ def main() -> None:
     print(f"command: {command_line()}")
     print(f"LoRA rank {args.rank} on every Linear layer; medians of {args.syncs} syncs after a cold one")
     print(f"{'size':>6} {'params':>12} {'full bytes':>12} {'lora bytes':>12} {'bytes ratio':>11} "
-          f"{'full total s':>12} {'lora total s':>12} {'full load s':>11} {'lora load s':>11}")
+          f"{'full total s':>12} {'lora total s':>12} {'full load s':>11} {'lora load s':>11} "
+          f"{'full blocked s':>14} {'lora blocked s':>14}")
     for r in rows:
         print(f"{r['size']:>6} {r['params']:>12,} {r['full_bytes']:>12,} {r['lora_bytes']:>12,} "
               f"{r['lora_bytes'] / r['full_bytes']:>11.4f} {r['full_total_s']:>12.4f} {r['lora_total_s']:>12.4f} "
-              f"{r['full_load_s']:>11.4f} {r['lora_load_s']:>11.4f}")
+              f"{r['full_load_s']:>11.4f} {r['lora_load_s']:>11.4f} {r['full_blocked_s']:>14.5f} "
+              f"{r['lora_blocked_s']:>14.5f}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 

@@ -21,3 +21,4 @@ def test_bench_prints_the_adapters_and_the_models_sync(tmp_path):
     assert row["full_bytes"] == 4 * row["params"]
     assert 0 < row["lora_bytes"] < row["full_bytes"] / 2
     assert all(row[f"{mode}_{part}_s"] > 0 for mode in ("full", "lora") for part in ("total", "load"))
+    assert all(0 <= row[f"{mode}_blocked_s"] <= row[f"{mode}_load_s"] for mode in ("full", "lora"))
