@@ -126,3 +126,14 @@ def _round_trip(obj):
     th.save(obj, buffer)
     buffer.seek(0)
     return buffer
+
+
+def test_remax_baselines_follow_their_groups_into_the_training_batch():
+    """Each kept row keeps its prompt's greedy-sample score (ReMax's `reward_baselines`), in the batch's order."""
+    stage = DynamicSamplingStage(config(batch_groups=2), max_staleness=1, total_steps=2)
+    first, second = generated(0, [[1, 1], [0, 1]], version=0), generated(1, [[0, 1]], version=0)
+    first.baselines = torch.tensor([0.9, 0.9, 0.2, 0.2])
+    second.baselines = torch.tensor([0.7, 0.7])
+    out = run(stage, first, second)[1]
+    assert list(out.batch_ref.non_tensor_batch["uid"]) == ["b0g1", "b0g1", "b1g0", "b1g0"]
+    assert out.scored.baselines.tolist() == pytest.approx([0.2, 0.2, 0.7, 0.7])
