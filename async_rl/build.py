@@ -72,6 +72,7 @@ class BuiltPipeline:
     start_step: int = 0  # the trainer's version at start (the resumed step)
     bucket_bytes: dict = field(default_factory=dict)  # "preduce" / "consume" -> bytes
     world_sizes: dict = field(default_factory=dict)  # role -> ranks
+    adapter: Any = None  # the trainer's LoRA adapter (param_update/lora.py LoraAdapter), None without LoRA
     training: bool = False  # the stages' loops run
 
     def wait(self, refs: dict[str, Any], timeout_s: float, what: str) -> dict[str, Any]:
@@ -222,6 +223,7 @@ def start_weight_sync(built: BuiltPipeline) -> None:
     setup = built.stages["param_update"].configure_rollout_servers.remote(
         settings.enable_dual_buffer, built.bucket_bytes["consume"], sent["layout"], settings.partial_rollout,
         sent["adapter"])
+    built.adapter = sent["adapter"]
     built.wait({"param_update": setup}, SETUP_TIMEOUT_S, "set up the rollout servers' weight staging")
     built.wait({"generate": built.stages["generate"].attach_weight_source.remote(built.stages["param_update"])},
                CALL_TIMEOUT_S, "attach the weight source for restarted rollout servers")
@@ -229,10 +231,11 @@ def start_weight_sync(built: BuiltPipeline) -> None:
 
 def resume(built: BuiltPipeline) -> None:
     """Load the resume point into the train ranks (and the critic) and serve its weights before anything
-    generates; without one, serve version 0 where the backend's servers start on dummy weights."""
+    generates; without one, serve version 0 where the servers do not hold it yet: they start on dummy
+    weights, or the trainer's LoRA adapter (`lora_adapter_path`: not zero) is not on their base."""
     point = built.resume_point
     if point is None:
-        if built.run.backend.starts_on_dummy_weights:
+        if built.run.backend.starts_on_dummy_weights or built.adapter is not None:
             serve_weights(built, 0)
         return
     logger.warning("resuming from %s (step %d, written by %s)", point.path, point.state.global_step, point.written_by)

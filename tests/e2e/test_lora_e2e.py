@@ -52,8 +52,9 @@ def test_every_receiver_serves_the_trained_adapter_merged(demo_dir, tmp_path, ra
 
 def test_the_adapter_goes_round_trip_between_the_pipeline_and_verls_trainer(demo_dir, tmp_path, ray_address):
     """Pipeline steps 1-2 (saved) -> verl's synchronous trainer, flag off, on the CPU rollout (which merges
-    the adapter verl sends it) resumes step 3 -> the pipeline resumes verl's checkpoint for step 4. At
-    every step the rollout's log-probs are the trainer's: the resumed adapter is the one served."""
+    the adapter verl sends it) resumes step 3: the rollout's log-probs are the trainer's, so the resumed
+    adapter is the one served. (Both load checkpoints with verl's `load_checkpoint`; the pipeline's
+    resume then sends the loaded adapter as a sync, which the next test covers from a saved adapter.)"""
     ckpt = tmp_path / "ckpt"
     common = {**LORA_OVERRIDES, "trainer.default_local_dir": str(ckpt), "trainer.test_freq": -1,
               "trainer.val_before_train": False, "trainer.resume_mode": "auto"}
@@ -71,9 +72,30 @@ def test_the_adapter_goes_round_trip_between_the_pipeline_and_verls_trainer(demo
     assert sorted(step_rows(rows)) == [3]
     assert step_rows(rows)[3]["training/rollout_probs_diff_max"] < FP32_NOISE, step_rows(rows)[3]
 
-    code, out, rows = run_verl(demo_dir, {**common, "trainer.total_training_steps": 4, "trainer.generate_ahead_steps": 1},
-                               tmp_path / "last", ray_address=ray_address)
-    assert code == 0, out[-4000:]
-    assert f"resuming from {ckpt}/global_step_3 (step 3, written by verl)" in out
-    assert sorted(step_rows(rows)) == [4]
-    assert step_rows(rows)[4]["rollout_corr/log_ppl_abs_diff"] < FP32_NOISE, step_rows(rows)[4]
+
+def test_a_pretrained_adapter_is_served_from_the_first_step(demo_dir, tmp_path, ray_address):
+    """`lora_adapter_path`: the train ranks start from a saved adapter (not zero), so the servers, which
+    load the base, are sent version 0 before anything generates: step 1's rollout log-probs are the
+    trainer's already."""
+    import torch
+    from peft import LoraConfig, TaskType, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(demo_dir / "model"), LoraConfig(
+        task_type=TaskType.CAUSAL_LM, r=int(LORA_OVERRIDES["actor_rollout_ref.model.lora_rank"]),
+        lora_alpha=int(LORA_OVERRIDES["actor_rollout_ref.model.lora_alpha"]), target_modules="all-linear"))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+    model.save_pretrained(tmp_path / "adapter")
+    (tmp_path / "run").mkdir()
+    extra = {**LORA_OVERRIDES, "actor_rollout_ref.model.lora_adapter_path": str(tmp_path / "adapter"),
+             "trainer.total_training_steps": 2, "trainer.test_freq": -1, "trainer.val_before_train": False,
+             "trainer.generate_ahead_steps": 1}
+    proc, result = run_pipeline_reading_digests(demo_dir, extra, tmp_path / "run", env={"RAY_ADDRESS": ray_address})
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert result["digests"]["rollout_server_0"] == result["digests"]["actor_train"]
+    first = next(s for s in result["steps"] if s["training/global_step"] == 1)
+    assert first["rollout_corr/log_ppl_abs_diff"] < FP32_NOISE, first["rollout_corr/log_ppl_abs_diff"]
