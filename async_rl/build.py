@@ -217,13 +217,11 @@ def start_weight_sync(built: BuiltPipeline) -> None:
     """Set every rollout receiver up for the trainer's layout (a mismatch fails here, at start) and give
     the generate stage the weight source of the servers it restarts."""
     trainer = built.stages["actor_train"]
-    sent = built.wait({"layout": trainer.weight_layout.remote(), "adapter": trainer.lora_adapter.remote()},
-                      CALL_TIMEOUT_S, "read the trainer's weight layout")
+    layout, built.adapter = built.wait({"actor_train": trainer.weight_layout.remote()}, CALL_TIMEOUT_S,
+                                       "read the trainer's weight layout")["actor_train"]
     settings = built.run.async_cfg
     setup = built.stages["param_update"].configure_rollout_servers.remote(
-        settings.enable_dual_buffer, built.bucket_bytes["consume"], sent["layout"], settings.partial_rollout,
-        sent["adapter"])
-    built.adapter = sent["adapter"]
+        settings.enable_dual_buffer, built.bucket_bytes["consume"], layout, settings.partial_rollout, built.adapter)
     built.wait({"param_update": setup}, SETUP_TIMEOUT_S, "set up the rollout servers' weight staging")
     built.wait({"generate": built.stages["generate"].attach_weight_source.remote(built.stages["param_update"])},
                CALL_TIMEOUT_S, "attach the weight source for restarted rollout servers")

@@ -210,14 +210,10 @@ class ActorTrainStage(StateMachine):
             self._tokenizer = model_tokenizer(self.config)
         self.dumps.write_batch(step, batch, self._tokenizer, batch.batch["token_level_scores"].sum(-1).tolist())
 
-    def weight_layout(self) -> dict:
-        """name -> (dtype, shape) of the weights this stage sends (param_update checks receivers against it)."""
-        return self.worker_group.weight_layout()[0]
-
-    def lora_adapter(self):
-        """The LoRA adapter the receivers merge onto their base weights (param_update/lora.py); None
-        without LoRA."""
-        return self.worker_group.lora_adapter()[0]
+    def weight_layout(self) -> tuple[dict, Any]:
+        """(name -> (dtype, shape) of what this stage sends, the LoRA adapter the receivers merge or None):
+        param_update sets the receivers up for them (param_update/lora.py)."""
+        return self.worker_group.weight_layout()[0], self.worker_group.lora_adapter()[0]
 
     async def get_input_data(self):
         want = self.version  # batch j is trained at trainer version j
