@@ -28,7 +28,7 @@ import ray
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.command import command_line  # noqa: E402
-from bench.param_update import build_model  # noqa: E402
+from bench.param_update import VersionLog, build_model, wait_for  # noqa: E402
 
 TIMEOUT_S = 900
 TOTAL, LOAD, BYTES = "timing_s/param_update/total", "timing_s/param_update/load", "async/param_update/bytes"
@@ -77,12 +77,6 @@ class Trainer:
         self.sender.close()
 
 
-@ray.remote
-class VersionLog:
-    def set_served_version(self, version: int) -> None:
-        pass
-
-
 def start_sync(model_dir: str, adapter=None, layout=None):
     """A CPU rollout server of `model_dir` (LoRA: configured for `adapter`) and its param_update stage."""
     from verl.workers.config import HFModelConfig, RolloutConfig
@@ -108,13 +102,8 @@ def sync(stage, trainer, mode: str, version: int) -> dict:
 
     ray.get(stage.put.remote(NewWeights(version, time.time())), timeout=TIMEOUT_S)
     ray.get(trainer.send.remote(mode, version, 64 << 20, stage), timeout=TIMEOUT_S)
-    deadline = time.monotonic() + TIMEOUT_S
-    while time.monotonic() < deadline:
-        timings = ray.get(stage.pop_timings.remote(), timeout=TIMEOUT_S).get(version)
-        if timings is not None:
-            return timings
-        time.sleep(0.02)
-    raise TimeoutError(f"{mode} version {version} was not synced within {TIMEOUT_S} s")
+    return wait_for(lambda: ray.get(stage.pop_timings.remote(), timeout=TIMEOUT_S).get(version),
+                    f"the sync of {mode} version {version}", poll_s=0.02)
 
 
 def measure(size: str, rank: int, syncs: int) -> dict:
