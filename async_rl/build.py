@@ -28,6 +28,7 @@ from async_rl.core.errors import PipelineError
 from async_rl.core.messages import NewWeights
 from async_rl.core.prompts import model_tokenizer
 from async_rl.core.stage_graph import upstream_counts
+from async_rl.rollout.reward_models import RewardModelService, start_reward_model
 from async_rl.rollout.supervisor import kill_actor
 from async_rl.rollout.verl_replicas import launch_rollout_replicas, make_rollout_replicas
 from async_rl.run_config import RunConfig
@@ -65,6 +66,7 @@ class BuiltPipeline:
     devices: dict = field(default_factory=dict)  # role -> GroupDevices; "generate" -> one per replica
     stage_nodes: dict = field(default_factory=dict)  # stage -> the Ray node id its actor is placed on
     replicas: list = field(default_factory=list)  # verl RolloutReplica objects, started
+    reward_model: Optional[RewardModelService] = None  # the reward model's servers and router, if enabled
     stages: dict[str, Any] = field(default_factory=dict)  # stage name -> Ray actor handle
     receivers: list = field(default_factory=list)  # WeightReceivers of the weight sync
     validator: Optional[Validator] = None
@@ -136,7 +138,10 @@ def build_stages(built: BuiltPipeline) -> None:
     built.replicas = launch_rollout_replicas(make_rollout_replicas(cfg, len(devices["generate"])), run.backend,
                                              devices["generate"], SETUP_TIMEOUT_S)
     servers = [r.server_handle for r in built.replicas]
-    built.validator = Validator(cfg, tokenizer, settings.reward_timeout_s, settings.reward_on_error)
+    built.reward_model = start_reward_model(cfg, SETUP_TIMEOUT_S)
+    router = built.reward_model.router_address if built.reward_model is not None else None
+    built.validator = Validator(cfg, tokenizer, settings.reward_timeout_s, settings.reward_on_error,
+                                reward_router=router)
     workers = int(cfg.data.get("dataloader_num_workers", 0) or 0) if run.dataloader_workers_named else None
     built.resume_point = find_resume_point(run.checkpoint, built.world_sizes["train"], workers,
                                            settings.dynamic_sampling, built.world_sizes["critic"] if run.critic else None)
@@ -161,7 +166,7 @@ def build_stages(built: BuiltPipeline) -> None:
     built.stage("rollout", RolloutStage, int(cfg.data.max_prompt_length),
                 int(cfg.actor_rollout_ref.rollout.response_length),
                 tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
-    built.stage("reward", RewardStage, cfg, tokenizer, settings.reward_timeout_s, settings.reward_on_error)
+    built.stage("reward", RewardStage, cfg, tokenizer, settings.reward_timeout_s, settings.reward_on_error, router)
     sampling = None
     if settings.dynamic_sampling:  # draws prompts until the training batches are full
         sampling = built.stage("dynamic_sampling", DynamicSamplingStage, cfg, eta, steps, generate, dataloader,
@@ -265,6 +270,8 @@ def shutdown(built: BuiltPipeline) -> None:
             logger.warning("the weight sync's shared-memory files were not unlinked; the next run removes them")
     for actor in [*built.stages.values(), *(s for r in built.replicas for s in r.servers)]:
         kill_actor(actor)
+    if built.reward_model is not None:
+        built.reward_model.stop()
     if built.node_groups and ray.is_initialized():
         for group in built.node_groups:
             try:

@@ -26,6 +26,7 @@ from async_rl.core.scoring import overlong_shaping
 from async_rl.core.stage_graph import STAGES_KEY, UserStageSpec, build_edges
 from async_rl.core.verl_keys import refuse_misspelt_keys, refuse_unsupported, replaced_settings
 from async_rl.rollout.agent_loops import absolute_agent_files, check_agent_loops
+from async_rl.rollout.cpu.reward_server import check_reward_model
 from state_machines.base import StateMachine
 
 logger = logging.getLogger(__name__)
@@ -100,6 +101,9 @@ def read_run_config(config: DictConfig) -> RunConfig:
     workers_named = size_dataloader_workers(config)
     resolve_output_dirs(config)
     absolute_agent_files(config)
+    if config.reward.reward_model.get("enable", False):  # its servers load it in Ray workers
+        with open_dict(config):
+            config.reward.reward_model.model_path = os.path.abspath(str(config.reward.reward_model.model_path))
     checkpoint = read_checkpoint_config(config)
     total_steps = total_training_steps(config, count_rows(config.data.train_files))
     set_optimizer_horizon(config, total_steps)
@@ -172,7 +176,7 @@ def load_stage_class(spec: UserStageSpec) -> type:
 # files a command names, checked before Ray starts (the reward's are optional; verl also loads them from
 # "pkg://module", not a file, and "file://path", a file)
 FILE_KEYS = ("data.train_files", "actor_rollout_ref.model.path")
-OPTIONAL_FILE_KEYS = ("reward.custom_reward_function.path",)
+OPTIONAL_FILE_KEYS = ("reward.custom_reward_function.path",)  # reward.reward_model.model_path: check_reward_model_path
 
 
 def check_files(config: DictConfig) -> None:
@@ -193,6 +197,20 @@ def check_files(config: DictConfig) -> None:
         check_rl_files(OmegaConf.select(config, key), prompt_key, key, media)
     if int(config.trainer.get("total_training_steps") or 0) <= 0 and int(config.trainer.total_epochs) <= 0:
         raise ValueError("set trainer.total_training_steps or trainer.total_epochs to a positive number")
+    check_reward_model_path(config)
+
+
+def check_reward_model_path(config: DictConfig) -> None:
+    """With `reward.reward_model.enable`: its model exists and the CPU backend can serve it."""
+    rm = config.reward.reward_model
+    if not rm.get("enable", False):
+        return
+    key, path = "reward.reward_model.model_path", rm.get("model_path")
+    if not path or not os.path.exists(str(path)):
+        raise FileNotFoundError(f"{key}={path!r}: no such file or directory")
+    why = check_reward_model(str(path), bool(config.actor_rollout_ref.model.get("trust_remote_code", False)))
+    if why is not None:
+        raise AsyncConfigError(key, path, f"a model the reward model's backend serves: {why}")
 
 
 def ray_init_kwargs(config: DictConfig) -> dict:

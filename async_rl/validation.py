@@ -12,6 +12,7 @@ import numpy as np
 
 from async_rl.core.generation_dumps import GenerationDumps
 from async_rl.core.prompts import load_prompt_dataset, tokenize_row
+from async_rl.core.reward_loop_scoring import RewardLoopScorer, one_row
 from async_rl.core.scoring import ResponseToScore, RewardFunctionError, load_score_fn, score_each_zeroing_failures
 
 
@@ -19,12 +20,15 @@ class Validator:
     """Scores the policy the rollout servers serve on `data.val_files`."""
 
     def __init__(self, config, tokenizer, reward_timeout_s: float = 60.0, reward_on_error: str = "stop",
-                 generate=None):
+                 generate=None, reward_router: str | None = None):
         """``reward_timeout_s`` (s, per sample) and ``reward_on_error`` as for the reward stage
         (`reward.async_timeout_s`, `reward.on_error`). ``generate``: `generate(rows, n)`, awaitable, -> the
         Samples of `n` validation trajectories of each row (the generate stage's `run_agent_loops` with
         `validate=True`: verl's agent loops with `val_kwargs` sampling, a lost or hung server restarted and
-        its requests resubmitted as in training); set before `run`."""
+        its requests resubmitted as in training); set before `run`. ``reward_router``: the reward model's
+        router ("ip:port"), when `reward.reward_model.enable`: samples are scored by verl's reward loop, as in
+        training."""
+        self.reward_router = reward_router
         self.generate = generate
         self.config = config
         self.reward_timeout_s, self.reward_on_error = reward_timeout_s, reward_on_error
@@ -49,16 +53,20 @@ class Validator:
         from verl.trainer.ppo.metric_utils import process_validation_metrics
 
         outputs = asyncio.run(self._generate_all(timeout_s))
-        sources, uids, texts, responses = [], [], [], []
+        sources, uids, texts, responses, rows = [], [], [], [], []
         for j, out in enumerate(outputs):
             _, info = self.rows[j // self.n]
             texts.append(self.tokenizer.decode(out.response_ids, skip_special_tokens=True))
             responses.append(ResponseToScore(info["data_source"], texts[-1], info["reward_model"]["ground_truth"],
                                              info.get("extra_info"), len(out.response_ids)))
+            rows.append((out.prompt_ids, out.response_ids, info))
             sources.append(info["data_source"])
             uids.append(str(j // self.n))
-        scored, failures = asyncio.run(score_each_zeroing_failures(responses, self.score_fn, None,
-                                                                   self.reward_timeout_s))
+        if self.reward_router is not None:
+            scored, failures = asyncio.run(self._score_with_reward_model(rows))
+        else:
+            scored, failures = asyncio.run(score_each_zeroing_failures(responses, self.score_fn, None,
+                                                                       self.reward_timeout_s))
         if failures and self.reward_on_error == "stop":
             row, cause = failures[0]
             raise RewardFunctionError(f"validation at step {step}: the reward function failed on sample {row}: "
@@ -75,6 +83,10 @@ class Validator:
         metrics["val-aux/reward/mean"] = float(np.mean(scores)) if scores else float("nan")
         self._dump(step, texts, scores)
         return metrics
+
+    async def _score_with_reward_model(self, rows: list):
+        scorer = RewardLoopScorer(self.config, self.reward_router)  # in this loop: verl's managers keep it
+        return await scorer.score([one_row(*row) for row in rows], self.reward_timeout_s)
 
     def _dump(self, step: int, outputs: list[str], scores: list[float]) -> None:
         if self.dumps.directory is None:

@@ -19,6 +19,7 @@ from omegaconf import open_dict
 from async_rl.core.config import async_pipeline_enabled, strip_async_keys
 from verl_patches import vllm_cpu
 from verl_patches.cpu_patches import apply_cpu_worker_patches
+from verl_patches.cpu_reward_model import patch_disrm_on_cpu
 
 # verl's own trainer on trainer.device=cpu: the rollouts it can use there, and whether each is installed
 ROLLOUTS_ON_CPU = {"cpu": lambda: True, "vllm": lambda: vllm_cpu.vllm_cpu_installed()}
@@ -79,4 +80,5 @@ def set_up_worker_process() -> None:
     from async_rl.rollout.cpu.replica import register_cpu_rollout
 
     apply_cpu_worker_patches()
+    patch_disrm_on_cpu()
     register_cpu_rollout()

@@ -6,6 +6,9 @@ hanging reward function does is `reward.on_error`: `stop` (default) fails the ru
 function and the batch; `zero` scores that sample 0, counts it (`async/faults/reward_errors`)
 and goes on (the timeout then applies to each sample; a hung call's thread is left behind).
 ReMax: the greedy sample of each prompt is scored the same way, as its rows' `baselines`.
+With a reward model (`reward_router` set: `reward.reward_model.enable=True`) every row is scored by
+verl's own reward loop through the reward model's router (async_rl/core/reward_loop_scoring.py), under
+the same timeout and `reward.on_error`.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import numpy as np
 import torch
 
 from async_rl.core.messages import RolloutBatch, ScoredBatch, resolve
+from async_rl.core.reward_loop_scoring import RewardLoopScorer, rows_of
 from async_rl.core.scoring import (
     RewardFunctionError,
     decode_responses,
@@ -35,9 +39,11 @@ REMAX_BASELINE_METRIC = "async/remax/baseline_score/mean"  # mean score of the s
 class RewardStage(StateMachine):
     """Scores each step's batch; the result goes to actor_train."""
 
-    def __init__(self, config, tokenizer, timeout_s: float, on_error: str = "stop"):
+    def __init__(self, config, tokenizer, timeout_s: float, on_error: str = "stop", reward_router: str | None = None):
         super().__init__("reward")
         self.tokenizer = tokenizer
+        self.config, self.reward_router = config, reward_router  # "ip:port" of the reward model's router
+        self.reward_model: RewardLoopScorer | None = None  # built on first use, in the stage's event loop
         self.score_fn, self.score_fn_name = load_score_fn(config)
         self.overlong = overlong_shaping(config)
         self.timeout_s = timeout_s
@@ -62,6 +68,8 @@ class RewardStage(StateMachine):
 
     async def _score(self, batch, index: int) -> tuple[torch.Tensor, list]:
         """(score of each row, the rows whose scoring failed and why) under `reward.on_error`."""
+        if self.reward_router is not None:
+            return await self._score_with_reward_model(batch, index)
         if self.on_error != "zero":
             return await self._score_or_stop(batch, index), []
         responses = await asyncio.to_thread(decode_responses, batch, self.tokenizer)
@@ -70,6 +78,19 @@ class RewardStage(StateMachine):
             row, cause = failures[0]
             logger.warning("reward function %s failed on %d of %d samples of batch %d (scored 0; first: row %d, "
                            "%s)", self.score_fn_name, len(failures), len(responses), index, row, cause)
+        return scores, failures
+
+    async def _score_with_reward_model(self, batch, index: int) -> tuple[torch.Tensor, list]:
+        if self.reward_model is None:  # here: verl's reward managers keep the running loop for their calls
+            self.reward_model = RewardLoopScorer(self.config, self.reward_router)
+        scores, failures = await self.reward_model.score(rows_of(batch), self.timeout_s)
+        if failures:
+            row, cause = failures[0]
+            if self.on_error != "zero":
+                raise RewardFunctionError(f"{self.reward_model.what} failed on row {row} of batch {index}: {cause} "
+                                          "(reward.on_error=zero scores such samples 0 instead)")
+            logger.warning("%s failed on %d of %d samples of batch %d (scored 0; first: row %d, %s)",
+                           self.reward_model.what, len(failures), len(batch), index, row, cause)
         return scores, failures
 
     async def _score_or_stop(self, batch, index: int) -> torch.Tensor:

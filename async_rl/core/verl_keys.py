@@ -1,8 +1,8 @@
 """verl 0.9.1 settings the pipeline cannot honour: each is refused before Ray starts, naming its key and
 why, never ignored (`refuse_unsupported`). Two kinds: a key the table (`verl_key_table.VERL_KEYS`) marks
 REFUSED, set to anything but verl's default; and a value of a key otherwise honoured (`UNSUPPORTED`: an
-estimator, a strategy). A row leaves when the pipeline learns to run it (issue 40: reward models, LoRA on
-vLLM)."""
+estimator, a strategy). A row leaves when the pipeline learns to run it (issue 40: reward models on vLLM
+and SGLang, LoRA on vLLM)."""
 
 from __future__ import annotations
 
@@ -63,6 +63,9 @@ CPU_UNSUPPORTED = tuple(
 
 LORA_RANK = "actor_rollout_ref.model.lora_rank"
 LORA_BACKENDS = ("cpu",)  # whose servers merge an adapter under the flag (async_rl/rollout/cpu/server.py)
+
+REWARD_MODEL = "reward.reward_model"
+REWARD_MODEL_BACKENDS = ("cpu",)  # whose reward-model servers the pipeline starts (async_rl/rollout/reward_models.py)
 
 BYPASS = "algorithm.rollout_correction.bypass_mode"
 # applied by verl inside its bypass-mode loss (`compute_policy_loss_bypass_mode`), which the pipeline does
@@ -142,6 +145,13 @@ def refuse_unsupported(config) -> None:
                                f"0 with actor_rollout_ref.rollout.name={backend} (the async pipeline sends a LoRA "
                                f"adapter to servers that merge it: rollout.name={' or '.join(LORA_BACKENDS)}; "
                                "serving adapters through vLLM's or SGLang's LoRA API is not built yet)")
+    if select_value(config, f"{REWARD_MODEL}.enable", False) is True:
+        rm_backend = select_value(config, f"{REWARD_MODEL}.rollout.name", None)
+        if rm_backend not in REWARD_MODEL_BACKENDS:
+            raise AsyncConfigError(f"{REWARD_MODEL}.rollout.name", rm_backend,
+                                   f"{' or '.join(REWARD_MODEL_BACKENDS)} (the async pipeline starts the reward "
+                                   "model's servers on the CPU backend; vLLM's and SGLang's reward-model servers "
+                                   "take devices of their own, which its placement does not share out yet)")
     if select_value(config, BYPASS, False) is True:
         for key, neutral in BYPASS_LOSS_KEYS.items():
             value = select_value(config, key, neutral)

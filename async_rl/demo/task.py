@@ -104,6 +104,18 @@ def build_model(vocab_size: int, eos_token_id: int, pad_token_id: int, seed: int
     return model
 
 
+def build_reward_model(vocab_size: int, pad_token_id: int, seed: int = 0):
+    """Random-init tiny Qwen2ForSequenceClassification (one label: a score), float32, the policy's
+    architecture and tokenizer: a discriminative reward model for verl's `reward.reward_model.*` keys."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    config = Qwen2Config(**MODEL_KWARGS, vocab_size=vocab_size, bos_token_id=None, pad_token_id=pad_token_id,
+                         num_labels=1, dtype="float32")
+    torch.manual_seed(seed)
+    return Qwen2ForSequenceClassification(config).to(torch.float32)
+
+
 def _format_value(value: Any) -> str:
     """Render a value for a hydra override, quoting strings hydra would not parse bare."""
     if value is None:
@@ -252,7 +264,8 @@ def prepare(
     train_size: int = DEFAULT_TRAIN_SIZE,
     val_size: int = DEFAULT_VAL_SIZE,
 ) -> dict[str, Path]:
-    """Write model + tokenizer, train/val parquet, reward.py, overrides.txt (GRPO) and
+    """Write model + tokenizer, a reward model (`reward_model/`: random, the same architecture with a score
+    head), train/val parquet, reward.py, overrides.txt (GRPO) and
     overrides_ppo.txt (PPO with a critic), overrides_lora.txt (a LoRA adapter) under ``output_dir``; and the
     lookup task's (one model for
     both): its parquet files, lookup_reward.py, agent_loops.yaml and overrides_agent.txt."""
@@ -265,10 +278,14 @@ def prepare(
     model = build_model(len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id, seed=seed)
     model.save_pretrained(model_dir, safe_serialization=True)
     tokenizer.save_pretrained(model_dir)
+    reward_model_dir = root / "reward_model"  # for verl's reward.reward_model.* keys: a random score head
+    build_reward_model(len(tokenizer), tokenizer.pad_token_id, seed=seed + 1).save_pretrained(reward_model_dir)
+    tokenizer.save_pretrained(reward_model_dir)
 
     train, val = sample_prompts(np.random.default_rng(seed), train_size, val_size)
     paths = {
         "model": model_dir,
+        "reward_model": reward_model_dir,
         "train": data_dir / "train.parquet",
         "val": data_dir / "val.parquet",
         "reward": root / "reward.py",

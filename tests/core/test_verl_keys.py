@@ -16,7 +16,8 @@ REFUSED = [
     ({"algorithm.adv_estimator": "optimal_token_baseline"}, "algorithm.adv_estimator='optimal_token_baseline'",
      "sum_pi_squared"),
     ({"algorithm.adv_estimator": "tir_optimal_token_baseline"}, "tir_optimal_token_baseline", "sum_pi_squared"),
-    ({"reward.reward_model.enable": True}, "reward.reward_model.enable=True", "reward-model servers are not started"),
+    ({"reward.reward_model.enable": True, "reward.reward_model.rollout.name": "vllm"},
+     "reward.reward_model.rollout.name='vllm'", "starts the reward model's servers on the CPU backend"),
     ({"actor_rollout_ref.model.lora_rank": 8, "actor_rollout_ref.rollout.name": "vllm"},
      "actor_rollout_ref.model.lora_rank=8", "0 with actor_rollout_ref.rollout.name=vllm"),
     ({"actor_rollout_ref.model.lora.rank": 8}, "actor_rollout_ref.model.lora.rank=8", "set actor_rollout_ref.model.lora_rank"),
@@ -62,6 +63,17 @@ def test_a_missing_reward_file_fails_before_ray_starts_naming_the_key(demo_dir, 
         read_run_config(compose_ppo(demo_overrides(demo_dir, extra={key: str(missing)})))
     with pytest.raises(FileNotFoundError, match=f"{key}='{missing}'"):
         read_run_config(compose_ppo(demo_overrides(demo_dir, extra={key: f"file://{missing}"})))
+
+
+def test_a_reward_model_on_the_cpu_backend_is_checked_before_ray_starts(demo_dir, tmp_path):
+    rm = {"reward.reward_model.enable": True, "reward.reward_model.rollout.name": "cpu"}
+    key = "reward.reward_model.model_path"
+    run = read_run_config(compose_ppo(demo_overrides(demo_dir, extra={**rm, key: str(demo_dir / "reward_model")})))
+    assert run.config.reward.reward_model.enable
+    with pytest.raises(FileNotFoundError, match=f"{key}='{tmp_path / 'none'}': no such file"):
+        read_run_config(compose_ppo(demo_overrides(demo_dir, extra={**rm, key: str(tmp_path / "none")})))
+    with pytest.raises(AsyncConfigError, match="a generative one needs vLLM or SGLang"):  # a causal LM
+        read_run_config(compose_ppo(demo_overrides(demo_dir, extra={**rm, key: str(demo_dir / "model")})))
 
 
 @pytest.mark.parametrize("extra,named,decoupled", [

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ray
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica, RolloutReplicaRegistry
 
+from async_rl.rollout.cpu.reward_server import CPURewardModelServer
 from async_rl.rollout.cpu.server import CPURolloutServer
 
 CPU_ROLLOUT_NAME = "cpu"
@@ -62,7 +63,8 @@ class CPURolloutReplica(RolloutReplica):
         return f"cpu_rollout_server_{kind}{self.replica_rank}{self.name_suffix}"
 
     async def launch_servers(self):
-        """Create the server actor (on its device's bundle when placed), load the model and record its
+        """Create the server actor (on its device's bundle when placed; a reward model's serves verl's
+        `/classify` over HTTP: async_rl/rollout/cpu/reward_server.py), load the model and record its
         handle and address."""
         placed = {}
         if self.bundle is not None:
@@ -71,7 +73,7 @@ class CPURolloutReplica(RolloutReplica):
             group, index = self.bundle
             placed["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, index)
         server = (
-            ray.remote(CPURolloutServer)
+            ray.remote(CPURewardModelServer if self.is_reward_model else CPURolloutServer)
             .options(name=self._server_name(), num_cpus=self.num_cpus, num_gpus=0, max_concurrency=self.max_concurrency,
                      **placed)
             .remote(

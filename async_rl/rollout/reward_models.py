@@ -1,0 +1,84 @@
+"""A reward model for the pipeline (`reward.reward_model.enable=True`): verl's reward-model replicas
+and verl's router in front of them, started once per run; the reward stage and validation score
+through the router with verl's own reward loop (async_rl/core/reward_loop_scoring.py).
+
+As many replicas as verl's trainer would start for the same keys: the devices verl gives the reward
+model (`reward.reward_model.n_gpus_per_node` x `nnodes` with `enable_resource_pool=True`, else the
+trainer's `trainer.n_gpus_per_node` x `nnodes`) over one replica's (tp x dp x pp). The CPU backend's
+replicas are one process each on a logical CPU and take none of the pipeline's devices; other
+backends are refused at start (async_rl/core/verl_keys.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from async_rl.rollout.cpu.replica import CPU_ROLLOUT_NAME, register_cpu_rollout
+from async_rl.rollout.supervisor import kill_actor
+from async_rl.rollout.verl_replicas import replica_world_size
+
+
+def reward_model_replica_count(config) -> int:
+    """Replicas verl's RewardModelManager would start for `config` (at least 1)."""
+    rm, trainer = config.reward.reward_model, config.trainer
+    if rm.get("enable_resource_pool", False):
+        devices = int(rm.n_gpus_per_node) * int(rm.nnodes)
+    else:
+        devices = int(trainer.n_gpus_per_node) * int(trainer.nnodes)
+    return max(1, devices // replica_world_size(rm.rollout))
+
+
+@dataclass
+class RewardModelService:
+    """The run's reward-model replicas (verl `RolloutReplica`s, `is_reward_model=True`) and the address
+    of verl's router in front of them ("ip:port")."""
+
+    router_address: str
+    replicas: list = field(default_factory=list)
+    router_process: Any = None
+
+    def stop(self) -> None:
+        """Kill the servers and the router (idempotent)."""
+        for replica in self.replicas:
+            for server in replica.servers:
+                kill_actor(server)
+        if self.router_process is not None and self.router_process.is_alive():
+            self.router_process.kill()
+            self.router_process.join(timeout=10)
+
+
+def start_reward_model(config, timeout_s: float) -> Optional[RewardModelService]:
+    """Start the reward model's replicas and verl's router, or None when `reward.reward_model.enable`
+    is off. TimeoutError naming the model when they are not up within `timeout_s` (s)."""
+    rm = config.reward.reward_model
+    if not rm.get("enable", False):
+        return None
+    from verl.experimental.reward_loop.router.naive_router import launch_router_process
+    from verl.workers.config import HFModelConfig
+    from verl.workers.rollout.replica import get_rollout_replica_class
+
+    if rm.rollout.name == CPU_ROLLOUT_NAME:
+        register_cpu_rollout()
+    replica_cls = get_rollout_replica_class(rm.rollout.name)
+    model_config = HFModelConfig(path=rm.model_path)
+    replicas = [replica_cls(replica_rank=rank, config=rm.rollout, model_config=model_config,
+                            gpus_per_node=int(rm.get("n_gpus_per_node") or 1), is_reward_model=True)
+                for rank in range(reward_model_replica_count(config))]
+    service = RewardModelService(router_address="", replicas=replicas)
+
+    async def start_all():
+        await asyncio.gather(*(replica.init_standalone() for replica in replicas))
+
+    try:
+        asyncio.run(asyncio.wait_for(start_all(), timeout=timeout_s))
+    except asyncio.TimeoutError as exc:
+        service.stop()
+        raise TimeoutError(f"the reward model ({rm.model_path}) was not up within {timeout_s:g} s") from exc
+    except BaseException:
+        service.stop()
+        raise
+    service.router_address, service.router_process = launch_router_process(
+        [f"http://{replica.server_address}" for replica in replicas])
+    return service
