@@ -138,7 +138,7 @@ def build_stages(built: BuiltPipeline) -> None:
     built.replicas = launch_rollout_replicas(make_rollout_replicas(cfg, len(devices["generate"])), run.backend,
                                              devices["generate"], SETUP_TIMEOUT_S)
     servers = [r.server_handle for r in built.replicas]
-    built.reward_model = start_reward_model(cfg, SETUP_TIMEOUT_S)
+    built.reward_model = start_reward_model(cfg, SETUP_TIMEOUT_S, settings.replica_max_restarts)
     router = built.reward_model.router_address if built.reward_model is not None else None
     built.validator = Validator(cfg, tokenizer, settings.reward_timeout_s, settings.reward_on_error,
                                 reward_router=router)

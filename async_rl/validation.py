@@ -69,7 +69,8 @@ class Validator:
                                                                        self.reward_timeout_s))
         if failures and self.reward_on_error == "stop":
             row, cause = failures[0]
-            raise RewardFunctionError(f"validation at step {step}: the reward function failed on sample {row}: "
+            scorer = "the reward model" if self.reward_router is not None else "the reward function"
+            raise RewardFunctionError(f"validation at step {step}: {scorer} failed on sample {row}: "
                                       f"{cause} (reward.on_error=zero scores such samples 0 instead)")
         scores = scored.tolist()
         nested = process_validation_metrics(sources, uids, {"reward": scores})

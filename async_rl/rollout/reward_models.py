@@ -7,17 +7,29 @@ model (`reward.reward_model.n_gpus_per_node` x `nnodes` with `enable_resource_po
 trainer's `trainer.n_gpus_per_node` x `nnodes`) over one replica's (tp x dp x pp). The CPU backend's
 replicas are one process each on a logical CPU and take none of the pipeline's devices; other
 backends are refused at start (async_rl/core/verl_keys.py).
+
+A replica whose server is lost is started again on the same address (verl's router keeps its list),
+up to `actor_rollout_ref.rollout.max_restarts` times each; meanwhile verl's client retries, and each
+row's deadline (`reward.async_timeout_s`) still holds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+import ray
 
 from async_rl.rollout.cpu.replica import CPU_ROLLOUT_NAME, register_cpu_rollout
 from async_rl.rollout.supervisor import kill_actor
 from async_rl.rollout.verl_replicas import replica_world_size
+
+logger = logging.getLogger(__name__)
+PING_TIMEOUT_S = 10.0  # a server that does not answer its address within this long is lost
+WATCH_PERIOD_S = 1.0
 
 
 def reward_model_replica_count(config) -> int:
@@ -38,9 +50,40 @@ class RewardModelService:
     router_address: str
     replicas: list = field(default_factory=list)
     router_process: Any = None
+    max_restarts: int = 0  # per replica
+    restarts: list = field(default_factory=list)  # per replica, so far
+    _stopped: threading.Event = field(default_factory=threading.Event)
+
+    def watch(self) -> None:
+        """Restart lost servers from a daemon thread until `stop` (a replica past its restarts is left out:
+        verl's router then fails its requests, which the reward stage names)."""
+        self.restarts = [0] * len(self.replicas)
+        threading.Thread(target=self._watch, daemon=True, name="reward-model-watch").start()
+
+    def _watch(self) -> None:
+        while not self._stopped.wait(WATCH_PERIOD_S):
+            for index, replica in enumerate(self.replicas):
+                if self._stopped.is_set() or self.restarts[index] >= self.max_restarts or self._alive(replica):
+                    continue
+                self.restarts[index] += 1
+                logger.warning("reward model replica %d lost: restart %d of %d (actor_rollout_ref.rollout.max_restarts)",
+                               index, self.restarts[index], self.max_restarts)
+                try:
+                    asyncio.run(replica.relaunch(self.restarts[index]))
+                except Exception:  # noqa: BLE001 - the next round tries again, within the restarts left
+                    logger.exception("reward model replica %d did not start again", index)
+
+    @staticmethod
+    def _alive(replica) -> bool:
+        try:
+            ray.get(replica.servers[0].get_server_address.remote(), timeout=PING_TIMEOUT_S)
+            return True
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return False
 
     def stop(self) -> None:
         """Kill the servers and the router (idempotent)."""
+        self._stopped.set()
         for replica in self.replicas:
             for server in replica.servers:
                 kill_actor(server)
@@ -49,9 +92,10 @@ class RewardModelService:
             self.router_process.join(timeout=10)
 
 
-def start_reward_model(config, timeout_s: float) -> Optional[RewardModelService]:
-    """Start the reward model's replicas and verl's router, or None when `reward.reward_model.enable`
-    is off. TimeoutError naming the model when they are not up within `timeout_s` (s)."""
+def start_reward_model(config, timeout_s: float, max_restarts: int = 0) -> Optional[RewardModelService]:
+    """Start the reward model's replicas and verl's router, watched (`max_restarts` per replica), or None
+    when `reward.reward_model.enable` is off. TimeoutError naming the model when they are not up within
+    `timeout_s` (s)."""
     rm = config.reward.reward_model
     if not rm.get("enable", False):
         return None
@@ -66,7 +110,7 @@ def start_reward_model(config, timeout_s: float) -> Optional[RewardModelService]
     replicas = [replica_cls(replica_rank=rank, config=rm.rollout, model_config=model_config,
                             gpus_per_node=int(rm.get("n_gpus_per_node") or 1), is_reward_model=True)
                 for rank in range(reward_model_replica_count(config))]
-    service = RewardModelService(router_address="", replicas=replicas)
+    service = RewardModelService(router_address="", replicas=replicas, max_restarts=max_restarts)
 
     async def start_all():
         await asyncio.gather(*(replica.init_standalone() for replica in replicas))
@@ -81,4 +125,6 @@ def start_reward_model(config, timeout_s: float) -> Optional[RewardModelService]
         raise
     service.router_address, service.router_process = launch_router_process(
         [f"http://{replica.server_address}" for replica in replicas])
+    if max_restarts:
+        service.watch()
     return service

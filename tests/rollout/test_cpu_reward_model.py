@@ -118,8 +118,10 @@ def test_a_reward_function_gets_the_router_and_combines_the_score(demo_dir, ray_
 
 
 def test_a_lost_reward_model_is_named_within_the_timeout(demo_dir, ray_cluster):
+    """No restarts left (actor_rollout_ref.rollout.max_restarts=0): verl's client would retry for minutes;
+    the row's deadline names it."""
     config = config_for(demo_dir, {"reward.custom_reward_function.path": None})
-    service = start_reward_model(config, timeout_s=120)
+    service = start_reward_model(config, timeout_s=120, max_restarts=0)
     try:
         for replica in service.replicas:
             ray.kill(replica.servers[0])
@@ -129,6 +131,27 @@ def test_a_lost_reward_model_is_named_within_the_timeout(demo_dir, ray_cluster):
         service.stop()
     assert scores.tolist() == [0.0]
     assert failures == [(0, "no score within reward.async_timeout_s=5 s")]
+
+
+def test_a_lost_reward_model_server_is_started_again_on_its_address(demo_dir, ray_cluster):
+    """A killed server is restarted on the same port (verl's router keeps its address list); a row sent
+    meanwhile is scored once it is back, within its deadline."""
+    config = config_for(demo_dir, {"reward.custom_reward_function.path": None})
+    service = start_reward_model(config, timeout_s=120, max_restarts=1)
+    try:
+        replica = service.replicas[0]
+        address = replica.server_address
+        ray.kill(replica.servers[0])
+        tokenizer = AutoTokenizer.from_pretrained(demo_dir / "model")
+        prompt, response = prompt_ids(tokenizer), tokenizer("1234")["input_ids"]
+        row = one_row(prompt, response, {"raw_prompt": RAW_PROMPT, "data_source": "d",
+                                         "reward_model": {"ground_truth": "1234"}})
+        scores, failures = asyncio.run(score_in_a_loop(config, service.router_address, [row], 120))
+    finally:
+        service.stop()
+    assert failures == [] and service.restarts == [1]
+    assert replica.server_address == address
+    assert scores.item() == pytest.approx(verl_recipe_score(demo_dir, prompt, response), abs=1e-6)
 
 
 def test_verl_refuses_the_cpu_reward_model_without_the_patch(demo_dir):

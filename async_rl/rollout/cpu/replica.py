@@ -27,6 +27,7 @@ class CPURolloutReplica(RolloutReplica):
 
     num_cpus: float = 1
     bundle: tuple | None = None  # (placement group, bundle index) of its device, set by the pipeline's placement
+    reward_port: int | None = None  # a reward model's HTTP port, kept across restarts (verl's router keeps it)
 
     def rollout_worker_use_gpu(self) -> bool:
         return False
@@ -81,6 +82,7 @@ class CPURolloutReplica(RolloutReplica):
                 model_config=self.model_config,
                 replica_rank=self.replica_rank,
                 rollout_mode=self.rollout_mode,
+                **({"port": self.reward_port} if self.is_reward_model else {}),
             )
         )
         await server.launch_server.remote()
@@ -88,6 +90,8 @@ class CPURolloutReplica(RolloutReplica):
         self._server_handle = server
         address, port = await server.get_server_address.remote()
         self._server_address = f"{address}:{port}"
+        if self.is_reward_model:
+            self.reward_port = port
 
 
     async def relaunch(self, attempt: int):

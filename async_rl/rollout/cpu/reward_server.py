@@ -27,6 +27,7 @@ from async_rl.rollout.cpu.server import _node_ip
 logger = logging.getLogger(__name__)
 
 CLASSIFY_ENDPOINT = "/classify"
+PORT_WAIT_S = 15.0
 
 
 def scores_of(model, tokenizer, texts: list[str], max_length: int) -> list[list[float]]:
@@ -57,9 +58,12 @@ class CPURewardModelServer:
         config: verl `RolloutConfig` of `reward.reward_model.rollout` (used: `max_model_len`).
         model_config: verl `HFModelConfig` of `reward.reward_model.model_path`.
         replica_rank: the replica's rank (names it in logs and errors).
+        port: the HTTP port (a restarted server takes its predecessor's: verl's router keeps the address);
+            None: a free one.
     """
 
-    def __init__(self, config: RolloutConfig, model_config: HFModelConfig, replica_rank: int = 0, **kwargs: Any):
+    def __init__(self, config: RolloutConfig, model_config: HFModelConfig, replica_rank: int = 0,
+                 port: Optional[int] = None, **kwargs: Any):
         self.config = omega_conf_to_dataclass(config, dataclass_type=RolloutConfig)
         self.model_config = omega_conf_to_dataclass(model_config, dataclass_type=HFModelConfig)
         self.replica_rank = replica_rank
@@ -69,9 +73,11 @@ class CPURewardModelServer:
         self._lock = asyncio.Lock()  # one forward at a time: the model is the process's
         self._runner = None
         self._address = _node_ip()
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            probe.bind(("", 0))
-            self._port = probe.getsockname()[1]
+        self._port = port
+        if port is None:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+                probe.bind(("", 0))
+                self._port = probe.getsockname()[1]
 
     async def launch_server(self, *args: Any, **kwargs: Any) -> None:
         """Load the model (float32, eval) and start the HTTP endpoint. Idempotent."""
@@ -90,7 +96,15 @@ class CPURewardModelServer:
         app.router.add_post(CLASSIFY_ENDPOINT, self._http_classify)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        await web.TCPSite(self._runner, host="0.0.0.0", port=self._port).start()
+        deadline = time.monotonic() + PORT_WAIT_S
+        while True:  # a restarted server's port may still be held by the process it replaces, a moment longer
+            try:
+                await web.TCPSite(self._runner, host="0.0.0.0", port=self._port).start()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.2)
         logger.info("CPU reward model %d up: %s at %s:%d", self.replica_rank, path, self._address, self._port)
 
     def get_server_address(self) -> tuple[str, int]:
