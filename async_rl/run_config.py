@@ -198,6 +198,29 @@ def check_files(config: DictConfig) -> None:
     if int(config.trainer.get("total_training_steps") or 0) <= 0 and int(config.trainer.total_epochs) <= 0:
         raise ValueError("set trainer.total_training_steps or trainer.total_epochs to a positive number")
     check_reward_model_path(config)
+    check_sequence_parallel(config)
+
+
+# (Ulysses size key, the model it splits): verl reads the actor's for the ref too (interpolated)
+SEQUENCE_PARALLEL = (("actor_rollout_ref.actor.ulysses_sequence_parallel_size", "actor_rollout_ref.model.path"),
+                     ("actor_rollout_ref.ref.ulysses_sequence_parallel_size", "actor_rollout_ref.model.path"),
+                     ("critic.ulysses_sequence_parallel_size", "critic.model.path"))
+
+
+def check_sequence_parallel(config: DictConfig) -> None:
+    """Each Ulysses size above 1 divides its model's attention heads (verl checks it only once its workers
+    are up)."""
+    from transformers import AutoConfig
+
+    for key, model_key in SEQUENCE_PARALLEL:
+        size = int(OmegaConf.select(config, key, default=1) or 1)
+        if size <= 1 or (key.startswith("critic") and not critic_enabled(config)):
+            continue
+        model = AutoConfig.from_pretrained(str(OmegaConf.select(config, model_key)),
+                                           trust_remote_code=bool(config.actor_rollout_ref.model.get("trust_remote_code")))
+        heads = int(model.get_text_config().num_attention_heads)
+        if heads % size:
+            raise AsyncConfigError(key, size, f"a divisor of the {heads} attention heads of {model_key}")
 
 
 def check_reward_model_path(config: DictConfig) -> None:

@@ -11,6 +11,8 @@ Each is applied only inside the pipeline's own worker processes on a CPU run
    `CPUOffloadPolicy(pin_memory=True)`; pinning needs an accelerator.
 3. `engine_device`: verl registers its FSDP engine for cuda/npu only; the env var
    `VERL_ENGINE_DEVICE=cuda` selects that (device-agnostic) engine class.
+5. `ulysses_sdpa` (verl_patches/ulysses_sdpa.py): verl's Ulysses sequence parallelism patches
+   flash-attention's forward only; the same all-to-all around transformers' sdpa attention.
 4. `value_model_attention`: verl's critic loads its value model with
    `attn_implementation="flash_attention_2"` hard-coded (`verl.utils.model.load_valuehead_model`),
    which needs CUDA; load it with the attention the critic's config asks for
@@ -23,6 +25,7 @@ import functools
 import os
 
 from verl_patches.cpu_platform import make_cpu_platform_class
+from verl_patches.ulysses_sdpa import patch_ulysses_sdpa
 
 _APPLIED: set[str] = set()
 
@@ -109,3 +112,4 @@ def apply_cpu_worker_patches() -> None:
     patch_gloo_process_group()
     patch_unpinned_cpu_offload()
     patch_value_model_attention()
+    patch_ulysses_sdpa()

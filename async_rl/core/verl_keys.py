@@ -50,17 +50,6 @@ UNSUPPORTED = (
                 "the reward stage applies verl's naive manager, or dapo's overlong shaping"),
 )
 
-SEQUENCE_PARALLEL_KEYS = tuple(f"{role}.ulysses_sequence_parallel_size" for role in (
-    "actor_rollout_ref.actor", "actor_rollout_ref.actor.fsdp_config", "actor_rollout_ref.ref",
-    "actor_rollout_ref.ref.fsdp_config", "critic", "critic.fsdp"))
-# refused where trainer.device=cpu only: verl runs them on GPUs (not tested here: no GPU runs this pipeline)
-CPU_UNSUPPORTED = tuple(
-    Unsupported(key, lambda v: isinstance(v, int) and v > 1, "1 with trainer.device=cpu",
-                "verl's Ulysses sequence parallelism patches flash-attention's forward and needs "
-                "use_remove_padding's varlen attention, neither of which runs on a CPU")
-    for key in SEQUENCE_PARALLEL_KEYS)
-
-
 LORA_RANK = "actor_rollout_ref.model.lora_rank"
 LORA_BACKENDS = ("cpu",)  # whose servers merge an adapter under the flag (async_rl/rollout/cpu/server.py)
 
@@ -134,8 +123,7 @@ def refuse_unsupported(config) -> None:
     if refused is not None:
         key, value, default = refused
         raise AsyncConfigError(key, value, f"verl's default {default!r} (the async pipeline: {row_for(key).where})")
-    on_cpu = select_value(config, "trainer.device", None) == "cpu"
-    for rule in UNSUPPORTED + (CPU_UNSUPPORTED if on_cpu else ()):
+    for rule in UNSUPPORTED:
         value = select_value(config, rule.key, None)
         if value is not None and rule.refuses(value):
             raise AsyncConfigError(rule.key, value, f"{rule.allowed} (the async pipeline: {rule.why})")
