@@ -13,9 +13,9 @@ from __future__ import annotations
 import asyncio
 from typing import Optional
 
-import numpy as np
 import torch
 
+from async_rl.core.messages import object_column
 from verl_patches.cpu_reward_model import patch_disrm_on_cpu
 
 
@@ -26,13 +26,8 @@ def one_row(prompt_ids: list[int], response_ids: list[int], non_tensor: dict):
 
     prompts, responses = torch.tensor([prompt_ids]), torch.tensor([response_ids])
     mask = torch.ones(1, len(prompt_ids) + len(response_ids), dtype=torch.long)
-    columns = {}
-    for key, value in non_tensor.items():
-        column = np.empty(1, dtype=object)
-        column[0] = value
-        columns[key] = column
     return DataProto.from_dict(tensors={"prompts": prompts, "responses": responses, "attention_mask": mask},
-                               non_tensors=columns)
+                               non_tensors={key: object_column([value]) for key, value in non_tensor.items()})
 
 
 def rows_of(batch) -> list:

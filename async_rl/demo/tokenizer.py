@@ -57,10 +57,11 @@ def _bytes_to_unicode() -> dict[int, str]:
 _BYTE_TO_UNICODE = _bytes_to_unicode()
 
 
-def build_tokenizer(model_max_length: int = 64) -> PreTrainedTokenizerFast:
-    """Return the demo tokenizer (vocab: special tokens, then one token per character)."""
+def build_tokenizer(model_max_length: int = 64, characters=CHARACTERS, chat_template: str = CHAT_TEMPLATE
+                    ) -> PreTrainedTokenizerFast:
+    """Return the demo tokenizer (vocab: special tokens, then one token per character of `characters`)."""
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
-    for char in CHARACTERS:
+    for char in characters:
         vocab[_BYTE_TO_UNICODE[ord(char)]] = len(vocab)
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False, byte_fallback=False))
     backend.normalizer = normalizers.NFC()
@@ -76,7 +77,7 @@ def build_tokenizer(model_max_length: int = 64) -> PreTrainedTokenizerFast:
         pad_token=PAD_TOKEN,
         eos_token=EOS_TOKEN,
         additional_special_tokens=[IM_END_TOKEN],
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chat_template,
         clean_up_tokenization_spaces=False,
         model_max_length=model_max_length,
         padding_side="left",

@@ -16,12 +16,11 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-from async_rl.demo.tokenizer import _BYTE_TO_UNICODE, _QWEN2_PRETOKENIZE_REGEX
+from async_rl.demo.tokenizer import build_tokenizer as build_demo_tokenizer
 
-PAD, EOS, IM_END, CALL, END_CALL = "<pad>", "<|endoftext|>", "<|im_end|>", "<tool_call>", "</tool_call>"
+CALL, END_CALL = "<tool_call>", "</tool_call>"
 CHARACTERS = sorted(set(string.printable) - set("\t\r\x0b\x0c"))
 TEMPLATE = (
     "{%- for message in messages -%}"
@@ -53,19 +52,9 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 '''
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    vocab = {token: i for i, token in enumerate([PAD, EOS, IM_END])}
-    for char in CHARACTERS:
-        vocab[_BYTE_TO_UNICODE[ord(char)]] = len(vocab)
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False, byte_fallback=False))
-    backend.normalizer = normalizers.NFC()
-    backend.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(_QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    backend.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=PAD, eos_token=EOS,
-                                        additional_special_tokens=[IM_END], chat_template=TEMPLATE,
-                                        clean_up_tokenization_spaces=False, model_max_length=256, padding_side="left")
+def build_tokenizer():
+    """The demo's tokenizer builder with printable ASCII and this task's template, plus the tool-call tokens."""
+    tokenizer = build_demo_tokenizer(model_max_length=256, characters=CHARACTERS, chat_template=TEMPLATE)
     tokenizer.add_tokens([CALL, END_CALL])  # one token each, kept by decode: what verl's hermes parser looks for
     return tokenizer
 
