@@ -13,8 +13,8 @@ bash scripts/setup.sh
 export PYTHONUNBUFFERED=1 RAY_DEDUP_LOGS=0
 LOGS="$(mktemp -d)"
 PYTEST=(-q -p no:cacheprovider --timeout=1500 --durations=15)
-# lane B takes two end-to-end files too, so that the lanes take about as long
-LANE_B_E2E=(tests/e2e/test_verl_examples_e2e.py tests/e2e/test_sequence_parallel_e2e.py)
+# lane B takes three end-to-end files too, so that the lanes take about as long
+LANE_B_E2E=(tests/e2e/test_verl_examples_e2e.py tests/e2e/test_sequence_parallel_e2e.py tests/e2e/test_reward_model_e2e.py)
 LANE_A=()
 for file in tests/e2e/test_*.py; do
   [[ " ${LANE_B_E2E[*]} " == *" $file "* ]] || LANE_A+=("$file")
