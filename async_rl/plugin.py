@@ -26,6 +26,7 @@ from async_rl import verl_trainer_on_cpu
 from async_rl.core.config import async_pipeline_enabled
 from verl_patches.cpu_platform import make_cpu_platform_class
 from verl_patches.vllm_cpu import apply_vllm_cpu_patches
+from verl_patches.vllm_lora_names import apply_vllm_lora_names_patch
 
 _WRAPPED_MARK = "_async_rl_wrapped"
 
@@ -114,5 +115,6 @@ wrap_validate_config()
 wrap_auto_set_device()
 make_cpu_platform_class()  # registered, never selected: only the pipeline sets VERL_PLATFORM=cpu, on CPU runs
 apply_vllm_cpu_patches()  # verl's vLLM rollout on vLLM's CPU build (a no-op where `vllm-cpu` is not installed)
+apply_vllm_lora_names_patch()  # verl's LoRA adapter load on vLLM 0.30 (a no-op without vLLM)
 if os.environ.get("VERL_PLATFORM") == "cpu":
     verl_trainer_on_cpu.set_up_worker_process()

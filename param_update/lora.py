@@ -18,7 +18,8 @@ Names: an adapter tensor is sent under the name PEFT's `get_peft_model_state_dic
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -47,6 +48,9 @@ class LoraAdapter:
     the order of their weights' names."""
 
     layers: tuple[AdaptedLinear, ...]
+    # PEFT's config of the adapter as a dict (`LoraConfig.to_dict()`): what a backend that serves adapters
+    # itself is given with each version (verl's `peft_config`, vLLM's `add_lora`)
+    peft_config: Optional[dict] = field(default=None, compare=False)
 
     @property
     def sent_names(self) -> list[str]:
@@ -100,7 +104,8 @@ def adapter_of(peft_model: torch.nn.Module, adapter: str = "default") -> LoraAda
                                     float(module.scaling[adapter])))
     if not layers:
         raise LoraError("the model has no LoRA layer (target_modules matched nothing)")
-    return LoraAdapter(tuple(sorted(layers, key=lambda layer: layer.weight)))
+    return LoraAdapter(tuple(sorted(layers, key=lambda layer: layer.weight)),
+                       peft_config=peft_model.peft_config[adapter].to_dict())
 
 
 def sent_name(module_key: str, adapter: str = "default") -> str:
@@ -152,7 +157,7 @@ def adapter_from_peft_config(peft_config: Mapping, sent_names: Iterable[str]) ->
     modules = sorted({name.removesuffix(suffix) for name in sent_names for suffix in ADAPTER_SUFFIXES
                       if name.endswith(suffix)})
     return LoraAdapter(tuple(AdaptedLinear(served_name(m), f"{m}.lora_A.weight", f"{m}.lora_B.weight", scaling)
-                             for m in modules))
+                             for m in modules), peft_config=dict(peft_config))
 
 
 class MergedVersion:

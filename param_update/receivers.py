@@ -18,6 +18,7 @@ from typing import Any, Optional
 from async_rl.api.weights import BucketRef
 from param_update.lora import LoraAdapter
 from param_update.transports.object_store import ObjectStore
+from param_update.verl_engine import load_versions_as_adapter
 
 
 def handle_for(link: str, bucket: BucketRef):
@@ -112,8 +113,13 @@ class VerlReplicaReceiver:
 
     async def configure(self, dual_buffer: bool, consume_bytes: int, layout: Optional[dict] = None,
                         partial_rollout: bool = True, adapter: Optional[LoraAdapter] = None) -> None:
-        if adapter is not None:  # refused at start too (async_rl/core/verl_keys.py)
-            raise ValueError(f"{self.name}: LoRA adapters reach the CPU backend's servers only under the flag")
+        """`adapter` (LoRA): versions carry the adapter's tensors, which the replica serves as an adapter
+        over the base it loaded (verl's LoRA path for its servers: param_update/verl_engine.py)."""
+        if adapter is not None:
+            if adapter.peft_config is None:
+                raise ValueError(f"{self.name}: the adapter has no PEFT config to serve it with")
+            await asyncio.gather(*(w.__ray_call__.remote(load_versions_as_adapter, adapter.peft_config)
+                                   for w in self.replica.workers))
         await asyncio.gather(*self._on_workers("configure", layout, dual_buffer))
 
     async def nodes(self) -> Optional[list]:

@@ -194,6 +194,24 @@ class StagedCheckpointEngine(CheckpointEngine):
             self.staging.discard(version)
 
 
+def load_versions_as_adapter(worker, peft_config: dict) -> None:
+    """Inside a replica's `CheckpointEngineWorker` (run through `__ray_call__`): from now on its server
+    adapter loads every version as a LoRA adapter over the base the server holds, with verl's own
+    arguments for that (`peft_config`: PEFT's config as a dict, `base_sync_done=True`); vLLM's worker
+    extension then removes the old adapter and `add_lora`s the new one between two decoding steps.
+
+    verl's `CheckpointEngineWorker.update_weights` passes its server adapter no such arguments (verl's
+    trainer calls the adapter itself), so this wraps the adapter's `update_weights` on the instance;
+    calling it again replaces the wrap."""
+    adapter = worker.server_adapter
+    load = type(adapter).update_weights
+
+    async def update_weights(weights, **kwargs):
+        return await load(adapter, weights, **kwargs, peft_config=peft_config, base_sync_done=True)
+
+    adapter.update_weights = update_weights
+
+
 def use_staged_checkpoint_engine(config, consume_bucket_mb: float, dual_buffer: bool) -> None:
     """Point verl's checkpoint-engine config at this backend (GPU rollout backends only), in place.
 

@@ -145,13 +145,19 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+def on_import(name: str, attribute: str, hook) -> None:
+    """`hook(module)` on module `name` now if it is imported (and has `attribute`), else right after
+    its first import (once per name)."""
+    module = sys.modules.get(name)
+    if module is not None and hasattr(module, attribute):
+        hook(module)
+    elif not any(isinstance(f, _AfterImport) and f.name == name for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(name, hook))
+
+
 def patch_keep_linear_weights() -> None:
     """Patch 3: now if vLLM's linear layers are imported, else right after they are."""
-    module = sys.modules.get(LINEAR_MODULE)
-    if module is not None and hasattr(module, "UnquantizedLinearMethod"):
-        keep_linear_weights(module)
-    elif not any(isinstance(f, _AfterImport) and f.name == LINEAR_MODULE for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport(LINEAR_MODULE, keep_linear_weights))
+    on_import(LINEAR_MODULE, "UnquantizedLinearMethod", keep_linear_weights)
 
 
 def apply_vllm_cpu_patches() -> None:

@@ -66,9 +66,11 @@ VERL_KEYS = (
     KeyRow(f"{ARR}.nccl_timeout", N, "nothing in verl 0.9.1 reads it"),
     # the model: verl's HFModelConfig in every worker, server and agent loop; the pipeline's tokenizer too
     KeyRow(f"{ARR}.model", V, "verl's HFModelConfig (also the pipeline's tokenizer: async_rl/core/prompts.py)"),
-    KeyRow(f"{ARR}.model.lora_rank", V, "LoRA: versions carry the adapter, the receivers merge it "
-           "(param_update/lora.py); on the CPU backend only (async_rl/core/verl_keys.py)"),
+    KeyRow(f"{ARR}.model.lora_rank", V, "LoRA: versions carry the adapter, which the CPU backend merges and "
+           "vLLM serves as an adapter (param_update/lora.py); SGLang refused (async_rl/core/verl_keys.py)"),
     KeyRow(f"{ARR}.model.lora", N, "Megatron's LoRA; FSDP reads actor_rollout_ref.model.lora_rank"),
+    KeyRow(f"{ARR}.model.lora.merge", X, "the pipeline sends the adapter alone (the CPU backend merges it, vLLM "
+           "serves it as an adapter); verl's merged-weights sync is not built"),
     KeyRow(f"{ARR}.model.lora.rank", X, "Megatron's LoRA rank, which the FSDP engine does not read: set "
            "actor_rollout_ref.model.lora_rank"),
     KeyRow(f"{ARR}.model.lora.adapter_path", X, "Megatron's adapter path, which the FSDP engine does not read: set "

@@ -51,7 +51,9 @@ UNSUPPORTED = (
 )
 
 LORA_RANK = "actor_rollout_ref.model.lora_rank"
-LORA_BACKENDS = ("cpu",)  # whose servers merge an adapter under the flag (async_rl/rollout/cpu/server.py)
+# whose servers take the adapter under the flag: the CPU backend merges it (async_rl/rollout/cpu/server.py),
+# vLLM serves it through its LoRA support (param_update/verl_engine.py load_versions_as_adapter)
+LORA_BACKENDS = ("cpu", "vllm")
 
 REWARD_MODEL = "reward.reward_model"
 REWARD_MODEL_BACKENDS = ("cpu",)  # whose reward-model servers the pipeline starts (async_rl/rollout/reward_models.py)
@@ -131,8 +133,8 @@ def refuse_unsupported(config) -> None:
     if (select_value(config, LORA_RANK, 0) or 0) > 0 and backend not in LORA_BACKENDS:
         raise AsyncConfigError(LORA_RANK, select_value(config, LORA_RANK, 0),
                                f"0 with actor_rollout_ref.rollout.name={backend} (the async pipeline sends a LoRA "
-                               f"adapter to servers that merge it: rollout.name={' or '.join(LORA_BACKENDS)}; "
-                               "serving adapters through vLLM's or SGLang's LoRA API is not built yet)")
+                               f"adapter to rollout.name={' or '.join(LORA_BACKENDS)}; SGLang's adapter loading is "
+                               "untested: it has no build for this project's CPU machines)")
     if select_value(config, f"{REWARD_MODEL}.enable", False) is True:
         rm_backend = select_value(config, f"{REWARD_MODEL}.rollout.name", None)
         if rm_backend not in REWARD_MODEL_BACKENDS:

@@ -7,14 +7,17 @@ requests (its submission gate), its weights read back for bit-identity checks
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from typing import Optional
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 
 from async_rl.rollout import verl_replicas
 from verl_patches.vllm_cpu import WORKER_ENV, cpu_rollout_overrides, vllm_cpu_installed
+
+logger = logging.getLogger(__name__)
 
 DRAIN_TIMEOUT_S = 300.0  # partial_rollout=False: how long a load may wait for running requests
 
@@ -59,10 +62,29 @@ def unavailable(device: str) -> Optional[str]:
 
 
 def prepare_config(config: DictConfig, consume_bucket_mb: float, dual_buffer: bool) -> None:
-    """On CPU, the keys vLLM's CPU build needs (no sleep mode); then the checkpoint-engine backend."""
+    """On CPU, the keys vLLM's CPU build needs (no sleep mode); under LoRA, servers that load the base
+    from the model's path (`base_weights_from_path`); then the checkpoint-engine backend."""
     if str(config.trainer.device) == "cpu":
         cpu_rollout_overrides(config.actor_rollout_ref.rollout)
+    base_weights_from_path(config)
     verl_replicas.prepare_config(config, consume_bucket_mb, dual_buffer)
+
+
+def base_weights_from_path(config: DictConfig) -> bool:
+    """Under LoRA, `rollout.load_format=dummy` (verl's default) becomes `auto`, in place; True if changed.
+
+    A version carries the adapter alone (param_update/lora.py) and vLLM serves it as an adapter
+    (`enable_lora`, verl's `add_lora` path), so a server needs the frozen base before the first
+    version: it reads it from `actor_rollout_ref.model.path`, as the trainer did (verl's own trainer
+    sends it once instead)."""
+    rollout = config.actor_rollout_ref.rollout
+    if not int(config.actor_rollout_ref.model.get("lora_rank", 0) or 0) or rollout.get("load_format") != "dummy":
+        return False
+    with open_dict(rollout):
+        rollout.load_format = "auto"
+    logger.warning("LoRA on vLLM: actor_rollout_ref.rollout.load_format=auto (the servers load the frozen base "
+                   "from actor_rollout_ref.model.path; every version is the adapter, served through vLLM's LoRA)")
+    return True
 
 
 def ray_env(config: DictConfig) -> dict:

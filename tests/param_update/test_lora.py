@@ -68,6 +68,9 @@ def test_the_merge_is_pefts_bit_for_bit(rslora):
     sent = get_peft_model_state_dict(model)
     assert set(sent) == set(adapter.sent_names)
     assert adapter_from_peft_config(model.peft_config["default"].to_dict(), sent) == adapter
+    # what a backend serving adapters itself (vLLM) is given with each version: PEFT's own config
+    assert adapter.peft_config == model.peft_config["default"].to_dict()
+    assert adapter.peft_config["use_rslora"] is rslora
 
 
 def test_the_merge_changes_the_adapted_weights_only():

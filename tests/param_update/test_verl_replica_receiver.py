@@ -11,7 +11,9 @@ import types
 import pytest
 
 from async_rl.rollout import vllm
+from param_update.lora import AdaptedLinear, LoraAdapter
 from param_update.receivers import VerlReplicaReceiver
+from param_update.verl_engine import load_versions_as_adapter
 
 
 class FakeServer:
@@ -122,3 +124,71 @@ def test_partial_rollout_false_is_refused_for_sglang(demo_dir):
             run_config.read_run_config(config)
     finally:
         register_rollout_backend(sglang)
+
+
+class FakeServerAdapter:
+    """verl's vLLM ServerAdapter as `CheckpointEngineWorker.update_weights` calls it."""
+
+    def __init__(self):
+        self.calls = []
+
+    async def update_weights(self, weights, global_steps=None, wire_format="named_tensors", **kwargs):
+        self.calls.append((list(weights), global_steps, kwargs))
+
+
+def test_under_lora_every_version_loads_as_an_adapter_with_verls_arguments():
+    """verl's worker passes its server adapter no LoRA arguments; once configured with an adapter, the replica's
+    workers load each version with PEFT's config and `base_sync_done=True` (vLLM's add_lora path)."""
+    peft_config = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}
+    adapter = LoraAdapter((AdaptedLinear("m.q_proj.weight", "a", "b", 2.0),), peft_config=peft_config)
+    worker = types.SimpleNamespace(server_adapter=FakeServerAdapter(), configured=[])
+
+    class RayCall:  # Ray's `__ray_call__`: fn(actor, *args)
+        @staticmethod
+        async def remote(fn, *args):
+            return fn(worker, *args)
+
+    async def update(global_steps):  # verl's CheckpointEngineWorker.update_weights
+        await worker.server_adapter.update_weights(iter([("a", 1), ("b", 2)]), global_steps=global_steps,
+                                                   wire_format="named_tensors")
+
+    async def execute(method, *args):
+        worker.configured.append(method)
+
+    worker.__ray_call__ = RayCall
+    worker.update_weights = types.SimpleNamespace(remote=update)
+    worker.execute_checkpoint_engine = types.SimpleNamespace(remote=execute)
+    replica = FakeReplica([FakeServer(running=0)], [])
+    replica.workers = [worker]
+    receiver = vllm.receiver(0, replica, partial=True, replica_index=None)
+
+    async def main():
+        await receiver.configure(True, 1 << 20, {"a": None, "b": None}, adapter=adapter)
+        await receiver.configure(True, 1 << 20, {"a": None, "b": None}, adapter=adapter)  # a restart: no double wrap
+        await receiver.commit(version=4, num_buckets=1)
+
+    asyncio.run(asyncio.wait_for(main(), 10))
+    assert worker.configured == ["configure", "configure"]
+    assert worker.server_adapter.calls == [([("a", 1), ("b", 2)], 4, {"peft_config": peft_config, "base_sync_done": True})]
+
+
+def test_an_adapter_without_its_peft_config_is_refused_naming_the_replica():
+    adapter = LoraAdapter((AdaptedLinear("m.q_proj.weight", "a", "b", 2.0),))
+    receiver = vllm.receiver(2, FakeReplica([FakeServer(running=0)], []), partial=True, replica_index=None)
+    with pytest.raises(ValueError, match="rollout_replica_2: the adapter has no PEFT config"):
+        asyncio.run(receiver.configure(True, 1 << 20, None, adapter=adapter))
+
+
+def test_lora_on_vllm_loads_the_base_from_the_model_path_and_keeps_a_users_load_format():
+    from omegaconf import OmegaConf
+
+    def config(lora_rank, load_format):
+        return OmegaConf.create({"actor_rollout_ref": {"model": {"lora_rank": lora_rank},
+                                                       "rollout": {"load_format": load_format}}})
+
+    lora = config(8, "dummy")
+    assert vllm.base_weights_from_path(lora) and lora.actor_rollout_ref.rollout.load_format == "auto"
+    for lora_rank, load_format in [(0, "dummy"), (8, "safetensors")]:
+        kept = config(lora_rank, load_format)
+        assert not vllm.base_weights_from_path(kept)
+        assert kept.actor_rollout_ref.rollout.load_format == load_format

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import importlib.metadata
 import sys
+import types
 
 import pytest
 from omegaconf import OmegaConf
 
-from verl_patches import vllm_cpu
+from verl_patches import vllm_cpu, vllm_lora_names
 
 
 def test_vllm_version_answers_the_cpu_distribution_with_its_cpu_suffix(monkeypatch):
@@ -102,6 +103,32 @@ def test_verls_trainer_on_cpu_takes_vllm_only_where_its_cpu_build_is_installed(m
     assert wants_cpu_rollout(config)
     monkeypatch.setattr(vllm_cpu, "vllm_cpu_installed", lambda: False)
     assert not wants_cpu_rollout(config)
+
+
+def test_verls_lora_loader_finds_vllms_rename_mapper_under_its_old_name():
+    class Renamed:  # vLLM 0.30: only the new name
+        def get_rename_mapper(self):
+            return "renames only"
+
+    class Both:  # an older vLLM: its own method stays
+        def get_rename_mapper(self):
+            return "renames only"
+
+        def get_unstacked_mapper(self):
+            return "unstacked"
+
+    for mapper, want in [(Renamed, "renames only"), (Both, "unstacked")]:
+        vllm_lora_names.alias_unstacked_mapper(types.SimpleNamespace(WeightsMapper=mapper))
+        assert mapper().get_unstacked_mapper() == want
+
+
+@pytest.mark.vllm
+def test_vllms_weights_mapper_has_the_name_verls_lora_loader_calls_after_import_verl():
+    import verl  # noqa: F401  (the plugin registers the patch)
+    from vllm.model_executor.models.utils import WeightsMapper
+
+    mapper = WeightsMapper(orig_to_new_prefix={"model.": "language_model.model."})
+    assert mapper.get_unstacked_mapper() == mapper.get_rename_mapper()
 
 
 @pytest.mark.vllm
