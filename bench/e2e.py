@@ -330,7 +330,7 @@ def explain(row: dict, base: dict) -> str:
 
 
 def time_to_target_ratio(row: dict, base: dict) -> tuple[float | None, str]:
-    """How many times sooner `row` reached TARGET than `base` (None if either did not), and
+    """How many times sooner `row` reached the target than `base` (None if either did not), and
     "<row> s against <base> s (<ratio>x)"."""
     mine, theirs = row["time_to_target_s"], base["time_to_target_s"]
     ratio = theirs / mine if mine and theirs else None
@@ -338,8 +338,8 @@ def time_to_target_ratio(row: dict, base: dict) -> tuple[float | None, str]:
     return ratio, f"{fmt(mine)} s against {fmt(theirs)} s ({'-' if ratio is None else f'{ratio:.2f}x'})"
 
 
-def why_short_of_goal(row: dict, base: dict) -> str:
-    """What bounds a pipeline run that reaches TARGET less than GOAL_SPEEDUP times sooner than verl-sync."""
+def why_short_of_goal(row: dict, base: dict, target: float = TARGET) -> str:
+    """What bounds a pipeline run that reaches `target` less than GOAL_SPEEDUP times sooner than verl-sync."""
     path = row["breakdown"]
     largest = max(path, key=path.get)
     reasons = [f"its step ({row['mean_step_s']:.2f} s) is bounded by the train ranks' {largest} "
@@ -350,7 +350,7 @@ def why_short_of_goal(row: dict, base: dict) -> str:
     if base["time_to_target_s"] and row["time_to_target_s"] and base["steps"] and row["steps"]:
         steps_ratio = row["steps"] / base["steps"]
         if steps_ratio > 1.2:
-            reasons.append(f"it needed {steps_ratio:.2f}x verl's steps to reach {TARGET}")
+            reasons.append(f"it needed {steps_ratio:.2f}x verl's steps to reach {target}")
     cause = bottleneck(row)
     if cause:
         reasons.append(cause)
@@ -359,7 +359,7 @@ def why_short_of_goal(row: dict, base: dict) -> str:
 
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=400, help="most steps a run takes (it stops at TARGET)")
+    parser.add_argument("--steps", type=int, default=400, help="most steps a run takes (it stops at --target)")
     parser.add_argument("--seeds", default="0,1", help="demo seeds (model init and data), runs interleaved")
     parser.add_argument("--no-stop-at-target", action="store_true", help="run all --steps")
     parser.add_argument("--response-length", type=int, default=4, help="max response tokens (the copy task's: 4)")
@@ -379,6 +379,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--skip-verl-sync", action="store_true", help="no verl-sync run (verl-fully-async still runs)")
     parser.add_argument("--rollout", choices=("cpu", "vllm"), default="cpu",
                         help="vllm: every system on verl's vLLM servers (vLLM's CPU build), verl-fully-async too")
+    parser.add_argument("--target", type=float, default=TARGET,
+                        help=f"the validation reward every run is timed to (default {TARGET}); fix it before the runs")
     parser.add_argument("--json")
     parser.add_argument("--png", default="bench/results/e2e.png")
     parser.add_argument("--timeout-s", type=float, default=3600, help="most seconds a run takes")
@@ -423,7 +425,8 @@ def main(argv=None) -> list[dict]:
     if ppo_ks and not args.skip_verl:
         systems.append(("verl-sync PPO", None, flag_off, True))
     systems += [(f"async-pipeline k={k} PPO", k, {"+trainer.generate_ahead_steps": k}, True) for k in ppo_ks]
-    stop_at = None if args.no_stop_at_target else TARGET
+    target = args.target
+    stop_at = None if args.no_stop_at_target else target
     rows, curves = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         metrics_dir = Path(args.metrics_dir or tmp)
@@ -442,7 +445,7 @@ def main(argv=None) -> list[dict]:
                     entry = FULLY_ASYNC_MAIN if name == "verl-fully-async" else "verl.trainer.main_ppo"
                     metrics = run_system(name, demo_dir, Path(tmp), path, {**common, **extra}, args.timeout_s,
                                          critic, stop_at, entry, agent=args.task == "lookup")
-                row, curve = summarize(name, k, metrics, TRAIN_BATCH_SIZE * GROUP_SIZE, TARGET)
+                row, curve = summarize(name, k, metrics, TRAIN_BATCH_SIZE * GROUP_SIZE, target)
                 row["seed"] = seed
                 rows.append(row)
                 curves[f"{name} seed {seed}"] = curve
@@ -450,7 +453,7 @@ def main(argv=None) -> list[dict]:
     print(f"\ncommand: {command}\ncpus: {os.cpu_count()}; up to {args.steps} steps of {TRAIN_BATCH_SIZE} prompts x "
           f"{GROUP_SIZE} samples; task {args.task}; "
           + (f"responses up to {args.response_length} tokens; " if args.task == "copy" else "")
-          + f"target {TARGET} (fixed); "
+          + f"target {target} (fixed); "
           f"seeds {seeds}; rollout {args.rollout}; " + ("each run stops at the target" if stop_at else "all steps"))
     if grpo_verl and args.rollout == "cpu":
         print(f"verl-fully-async: not run: {FULLY_ASYNC_NOT_RUN}")
@@ -468,7 +471,7 @@ def main(argv=None) -> list[dict]:
     print(f"{'system':>24} {'seed':>4} | " + " ".join(f"{p:>15}" for p in parts))
     for r in rows:
         print(f"{r['system']:>24} {r['seed']:>4} | " + " ".join(f"{r['breakdown'][p]:>15.3f}" for p in parts))
-    print(f"\ngoal: time to {TARGET} at least {GOAL_SPEEDUP:.0f}x sooner than verl-sync, bubble ratio <= 1.15")
+    print(f"\ngoal: time to {target} at least {GOAL_SPEEDUP:.0f}x sooner than verl-sync, bubble ratio <= 1.15")
     for r in rows:
         if not r.get("generate_ahead_steps"):
             continue
@@ -479,17 +482,17 @@ def main(argv=None) -> list[dict]:
             print(explain(r, base))
             ratio, against = time_to_target_ratio(r, base)
             verdict = ("met" if ratio is not None and ratio >= GOAL_SPEEDUP else "missed")
-            print(f"  time to {TARGET}: {against}: goal {verdict}"
-                  + ("" if verdict == "met" else f"; {why_short_of_goal(r, base)}"))
+            print(f"  time to {target}: {against}: goal {verdict}"
+                  + ("" if verdict == "met" else f"; {why_short_of_goal(r, base, target)}"))
         if peer:
             print(explain(r, peer))
-            print(f"  against verl-fully-async: time to {TARGET} {time_to_target_ratio(r, peer)[1]}")
+            print(f"  against verl-fully-async: time to {target} {time_to_target_ratio(r, peer)[1]}")
     if args.png and importlib.util.find_spec("matplotlib") is None:
         print("plot: not drawn (matplotlib is not installed in this venv)")
     elif args.png:
         workload = (f"copy-digits, responses up to {args.response_length} tokens" if args.task == "copy"
                     else "lookup agent, 2-4 turns")
-        plot(curves, args.png, TARGET, f"{workload}: verl vs async pipeline")
+        plot(curves, args.png, target, f"{workload}: verl vs async pipeline")
         print(f"plot: {args.png}")
     if args.json:
         keys = ("system", "seed", "generate_ahead_steps", "wall_s_per_sample", "time_to_target_s", "steps",

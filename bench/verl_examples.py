@@ -1,0 +1,114 @@
+"""Benchmark: verl's example scripts with the flag and without it (verl's own trainer), on the demo.
+
+Each example's verl keys (`EXAMPLES`: what its script at verl's commit b178a3cd5 sets that changes
+training) run 2 steps on the demo's model and data (8 prompts a step, `DEMO_SIZES`), once with
+`+actor_rollout_ref.async_pipeline=True` and once flag off, one run at a time, each with a Ray of its
+own. Per run: trained or failed (the error's last line), seconds, and step 2's `actor/pg_loss` and
+`critic/advantages/mean`. The flag-on half is also a test (tests/e2e/test_verl_examples_e2e.py); the
+flag-off half is verl's own trainer as a control, run here rather than in CI (about 10 minutes).
+
+    python bench/verl_examples.py [--examples rloo_trainer/run_qwen2-7b.sh,...] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.command import command_line  # noqa: E402
+from bench.e2e import run_system  # noqa: E402
+
+ACTOR = "actor_rollout_ref.actor"
+EXAMPLES = {
+    "rloo_trainer/run_qwen2-7b.sh": {
+        "algorithm.adv_estimator": "rloo", f"{ACTOR}.use_kl_loss": False, "actor_rollout_ref.rollout.n": 5,
+        "algorithm.use_kl_in_reward": True, "algorithm.kl_penalty": "kl", "algorithm.kl_ctrl.kl_coef": 0.001,
+    },
+    "reinforce_plus_plus_trainer/run_qwen2-7b_math_rf.sh": {
+        "algorithm.adv_estimator": "reinforce_plus_plus", f"{ACTOR}.use_kl_loss": False,
+        f"{ACTOR}.kl_loss_coef": 0.001, f"{ACTOR}.kl_loss_type": "mse", f"{ACTOR}.entropy_coeff": 0,
+        "actor_rollout_ref.rollout.n": 8, "algorithm.use_kl_in_reward": True,
+    },
+    "gpg_trainer/run_qwen2-7b_math.sh": {
+        "algorithm.adv_estimator": "gpg", f"{ACTOR}.use_kl_loss": False, f"{ACTOR}.policy_loss.loss_mode": "gpg",
+        f"{ACTOR}.kl_loss_coef": 0.001, f"{ACTOR}.kl_loss_type": "low_var_kl", f"{ACTOR}.entropy_coeff": 0,
+        "actor_rollout_ref.rollout.n": 5, "algorithm.use_kl_in_reward": False,
+    },
+    "gspo_trainer/test_gspo_3b_math.sh": {
+        "algorithm.adv_estimator": "grpo", f"{ACTOR}.policy_loss.loss_mode": "gspo",
+        f"{ACTOR}.loss_agg_mode": "seq-mean-token-mean", "reward.reward_manager.name": "dapo",
+        "algorithm.use_kl_in_reward": False, "algorithm.kl_ctrl.kl_coef": 0.0, f"{ACTOR}.use_kl_loss": False,
+        f"{ACTOR}.kl_loss_coef": 0.0, f"{ACTOR}.clip_ratio_low": 0.0003, f"{ACTOR}.clip_ratio_high": 0.0004,
+        "actor_rollout_ref.rollout.n": 16, f"{ACTOR}.entropy_coeff": 0,
+    },
+    "cispo_trainer/run_cispo_qwen2_5_0_5b_gsm8k.sh": {
+        "algorithm.adv_estimator": "grpo", f"{ACTOR}.policy_loss.loss_mode": "cispo",
+        f"{ACTOR}.clip_ratio_low": 10, f"{ACTOR}.clip_ratio_high": 0.2, f"{ACTOR}.use_kl_loss": True,
+        f"{ACTOR}.kl_loss_coef": 0.001, f"{ACTOR}.kl_loss_type": "low_var_kl", f"{ACTOR}.entropy_coeff": 0,
+        "actor_rollout_ref.rollout.n": 5, "algorithm.use_kl_in_reward": False,
+    },
+}
+DEMO_SIZES = {"data.train_batch_size": 8, f"{ACTOR}.ppo_mini_batch_size": 8, "trainer.total_training_steps": 2,
+              "trainer.test_freq": -1, "trainer.val_before_train": False}
+FLAGS = {"with the flag": {}, "verl's trainer": {"+actor_rollout_ref.async_pipeline": False}}
+STEPS = 2
+TIMEOUT_S = 900
+
+
+def run_one(name: str, keys: dict, demo_dir: Path, workdir: Path) -> dict:
+    """One 2-step run; {"trained": bool, "seconds", "pg_loss", "advantages_mean"} or the error's last line."""
+    workdir.mkdir(parents=True)
+    start = time.monotonic()
+    try:
+        rows = run_system(name, demo_dir, workdir, workdir / "metrics.jsonl", keys, TIMEOUT_S)
+    except RuntimeError as exc:
+        lines = [line for line in str(exc).splitlines() if line.strip()]
+        return {"trained": False, "seconds": time.monotonic() - start, "error": lines[-1][:200] if lines else ""}
+    steps = {r["step"]: r["data"] for r in rows if "actor/pg_loss" in r["data"]}
+    last = steps.get(STEPS, {})
+    return {"trained": sorted(steps) == list(range(1, STEPS + 1)), "seconds": time.monotonic() - start,
+            "pg_loss": last.get("actor/pg_loss"), "advantages_mean": last.get("critic/advantages/mean")}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--examples", default=",".join(EXAMPLES), help="comma-separated keys of EXAMPLES")
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    command = command_line()
+    from async_rl.demo import prepare
+
+    results: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        demo_dir = Path(tmp) / "demo"
+        prepare(demo_dir, seed=0)
+        for i, script in enumerate(filter(None, args.examples.split(","))):
+            for label, flag in FLAGS.items():
+                result = run_one(f"{script} ({label})", {**EXAMPLES[script], **DEMO_SIZES, **flag}, demo_dir,
+                                 Path(tmp) / f"run{i}_{len(results.get(script, {}))}")
+                results.setdefault(script, {})[label] = result
+                print(f"{script} | {label}: {'trained' if result['trained'] else 'FAILED'} "
+                      f"in {result['seconds']:.0f} s", flush=True)
+    print(f"\n{command}\n")
+    print("| verl example | " + " | ".join(FLAGS) + " |")
+    print("|---|" + "---|" * len(FLAGS))
+    for script, by_flag in results.items():
+        cells = []
+        for label in FLAGS:
+            r = by_flag[label]
+            cells.append(f"trained 2 steps in {r['seconds']:.0f} s (pg_loss {r['pg_loss']:.4f})" if r["trained"]
+                         else f"failed: {r.get('error', 'steps missing')}")
+        print(f"| `{script}` | " + " | ".join(cells) + " |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"command": command, "results": results}, indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""bench/verl_examples.py's table: each example with the flag and flag off, trained or the error's last line
+(the runs themselves faked here; the flag-on half runs for real in tests/e2e/test_verl_examples_e2e.py)."""
+
+from __future__ import annotations
+
+import json
+
+from bench import verl_examples
+
+
+def test_the_table_says_per_example_and_flag_whether_it_trained(monkeypatch, tmp_path, capsys):
+    prepared = []
+    monkeypatch.setattr("async_rl.demo.prepare", lambda path, seed: prepared.append(seed))
+
+    def fake_run(name, demo_dir, workdir, metrics_path, extra, timeout_s):
+        if extra.get("+actor_rollout_ref.async_pipeline") is False:  # verl's trainer fails, say
+            raise RuntimeError(f"{name} failed after 3 s (log: x):\nTraceback\nKeyError: 'reward_baselines'\n")
+        assert extra["trainer.total_training_steps"] == 2 and extra["algorithm.adv_estimator"] == "rloo"
+        return [{"step": s, "data": {"actor/pg_loss": 0.5 * s, "critic/advantages/mean": 0.0}} for s in (1, 2)]
+
+    monkeypatch.setattr(verl_examples, "run_system", fake_run)
+    out = tmp_path / "r.json"
+    results = verl_examples.main(["--examples", "rloo_trainer/run_qwen2-7b.sh", "--json", str(out)])
+    printed = capsys.readouterr().out
+    row = next(line for line in printed.splitlines() if line.startswith("| `rloo_trainer"))
+    assert "trained 2 steps in" in row and "(pg_loss 1.0000)" in row and "failed: KeyError: 'reward_baselines'" in row
+    assert "python" in printed and prepared == [0]
+    saved = json.loads(out.read_text())["results"]["rloo_trainer/run_qwen2-7b.sh"]
+    assert saved["with the flag"]["trained"] and not saved["verl's trainer"]["trained"]
+    assert results == json.loads(out.read_text())["results"]
