@@ -266,6 +266,7 @@ def summarize(name: str, k, rows: list[dict], samples_per_step: int, target: flo
         "generate_ahead_steps": k,
         "wall_s_per_sample": train_s / (len(steps) * samples_per_step),
         "time_to_target_s": reached,
+        "trained_s": train_s,  # training seconds over every step the run took
         "final_val_reward": vals[max(vals)] if vals else None,
         "bubble_ratio": 1.0 / busy[busiest],
         "busiest_stage": busiest,
@@ -330,11 +331,16 @@ def explain(row: dict, base: dict) -> str:
 
 
 def time_to_target_ratio(row: dict, base: dict) -> tuple[float | None, str]:
-    """How many times sooner `row` reached the target than `base` (None if either did not), and
-    "<row> s against <base> s (<ratio>x)"."""
+    """How many times sooner `row` reached the target than `base` (None if `row` did not), and
+    "<row> s against <base> s (<ratio>x)". When only `row` reached it, the ratio is a lower bound:
+    `base`'s whole training time over `row`'s time to the target ("more than")."""
     mine, theirs = row["time_to_target_s"], base["time_to_target_s"]
-    ratio = theirs / mine if mine and theirs else None
     fmt = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
+    if mine and theirs is None and base.get("trained_s"):
+        bound = base["trained_s"] / mine
+        return bound, (f"{fmt(mine)} s against more than {fmt(base['trained_s'])} s (not reached in "
+                       f"{base['steps']} steps): more than {bound:.2f}x")
+    ratio = theirs / mine if mine and theirs else None
     return ratio, f"{fmt(mine)} s against {fmt(theirs)} s ({'-' if ratio is None else f'{ratio:.2f}x'})"
 
 

@@ -96,6 +96,18 @@ def test_explain_and_the_goal_name_the_parts_and_what_bounds_the_pipeline():
     assert "bottleneck: actor_train (busy 0.50) waits on its upstream stages: generate 0.25" in why
 
 
+def test_a_baseline_that_never_reaches_the_target_gives_a_lower_bound():
+    verl, _ = e2e.summarize("verl-sync", None, rows_for(8.0, e2e.VAL_KEYS[1], {0: 0.0, 4: 0.3},
+                                                        **{"timing_s/gen": 5.0}), 8, 0.5)
+    pipe, _ = e2e.summarize("async-pipeline k=2", 2, rows_for(2.0, e2e.VAL_KEYS[0], {0: 0.0, 4: 0.6}, **{
+        "async/actor_train/busy_ratio": 1.0}), 8, 0.5)
+    assert verl["time_to_target_s"] is None and verl["trained_s"] == pytest.approx(8.0 * verl["steps"])
+    ratio, words = e2e.time_to_target_ratio(pipe, verl)
+    assert ratio == pytest.approx(verl["trained_s"] / pipe["time_to_target_s"])
+    assert "more than" in words and f"not reached in {verl['steps']} steps" in words
+    assert e2e.time_to_target_ratio(verl, pipe)[0] is None  # the one that never reached it has no ratio
+
+
 def test_a_run_stops_at_its_first_validation_at_the_target_with_its_whole_process_group(tmp_path):
     import os
     import subprocess
