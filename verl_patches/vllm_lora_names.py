@@ -28,5 +28,6 @@ def alias_unstacked_mapper(utils_module) -> None:
 
 
 def apply_vllm_lora_names_patch() -> None:
+    """Where vLLM is installed: `alias_unstacked_mapper` now or right after vLLM's model utilities are imported."""
     if importlib.util.find_spec("vllm") is not None:
         on_import(MODEL_UTILS, "WeightsMapper", alias_unstacked_mapper)

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.verl_examples import DEMO_SIZES, EXAMPLES
+from bench.verl_examples import ACTOR, DEMO_SIZES, EXAMPLES
 from conftest import every_step_with, run_verl
-
-ACTOR = "actor_rollout_ref.actor"
 
 
 @pytest.mark.parametrize("script", list(EXAMPLES))
