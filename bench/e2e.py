@@ -435,7 +435,7 @@ def main(argv=None) -> list[dict]:
     stop_at = None if args.no_stop_at_target else target
     rows, curves = [], {}
     with tempfile.TemporaryDirectory() as tmp:
-        metrics_dir = Path(args.metrics_dir or tmp)
+        metrics_dir = Path(args.metrics_dir or tmp).resolve()  # the runs write it from a directory of their own
         metrics_dir.mkdir(parents=True, exist_ok=True)
         for seed in seeds:  # interleaved: every system on seed 0, then every system on seed 1, ...
             demo_dir = Path(tmp) / f"demo_seed{seed}"
