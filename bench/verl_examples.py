@@ -89,9 +89,9 @@ def main(argv=None) -> dict:
         demo_dir = Path(tmp) / "demo"
         prepare(demo_dir, seed=0)
         for i, script in enumerate(filter(None, args.examples.split(","))):
-            for label, flag in FLAGS.items():
+            for j, (label, flag) in enumerate(FLAGS.items()):
                 result = run_one(f"{script} ({label})", {**EXAMPLES[script], **DEMO_SIZES, **flag}, demo_dir,
-                                 Path(tmp) / f"run{i}_{len(results.get(script, {}))}")
+                                 Path(tmp) / f"run{i}_{j}")
                 results.setdefault(script, {})[label] = result
                 print(f"{script} | {label}: {'trained' if result['trained'] else 'FAILED'} "
                       f"in {result['seconds']:.0f} s", flush=True)
@@ -102,7 +102,7 @@ def main(argv=None) -> dict:
         cells = []
         for label in FLAGS:
             r = by_flag[label]
-            cells.append(f"trained 2 steps in {r['seconds']:.0f} s (pg_loss {r['pg_loss']:.4f})" if r["trained"]
+            cells.append(f"trained {STEPS} steps in {r['seconds']:.0f} s (pg_loss {r['pg_loss']:.4f})" if r["trained"]
                          else f"failed: {r.get('error', 'steps missing')}")
         print(f"| `{script}` | " + " | ".join(cells) + " |")
     if args.json:
