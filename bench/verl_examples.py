@@ -54,10 +54,10 @@ EXAMPLES = {
         "actor_rollout_ref.rollout.n": 5, "algorithm.use_kl_in_reward": False,
     },
 }
-DEMO_SIZES = {"data.train_batch_size": 8, f"{ACTOR}.ppo_mini_batch_size": 8, "trainer.total_training_steps": 2,
+STEPS = 2
+DEMO_SIZES = {"data.train_batch_size": 8, f"{ACTOR}.ppo_mini_batch_size": 8, "trainer.total_training_steps": STEPS,
               "trainer.test_freq": -1, "trainer.val_before_train": False}
 FLAGS = {"with the flag": {}, "verl's trainer": {"+actor_rollout_ref.async_pipeline": False}}
-STEPS = 2
 TIMEOUT_S = 900
 
 
