@@ -13,7 +13,7 @@ from typing import Optional
 import ray
 
 from async_rl.build import CALL_TIMEOUT_S, BuiltPipeline
-from async_rl.core.trace import TRACE_FILE, clock_offset, write_trace
+from async_rl.core.trace import TRACE_FILE, clock_offset, same_clock, write_trace
 from async_rl.report import REPORT_FILE, ReportError, write_report
 
 logger = logging.getLogger(__name__)
@@ -53,9 +53,9 @@ def write_run_trace(built: BuiltPipeline, attempt: int = 0) -> Optional[str]:
     batches, offsets = [], {}
     for name, stage in built.stages.items():
         try:
-            left = max(0.0, deadline - time.monotonic())
-            offset = clock_offset(lambda: ray.get(stage.clock.remote(), timeout=left))
             batch = ray.get(pops[name], timeout=max(0.0, deadline - time.monotonic()))
+            offset = 0.0 if same_clock(batch) else clock_offset(
+                lambda: ray.get(stage.clock.remote(), timeout=max(0.0, deadline - time.monotonic())))
         except Exception as exc:  # noqa: BLE001 - a dead or hung stage's timeline is lost; the rest is written
             logger.warning("the timeline of stage %s is missing from the trace: %s", name, type(exc).__name__)
             continue

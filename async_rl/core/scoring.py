@@ -119,19 +119,26 @@ async def score_each_zeroing_failures(responses: list[ResponseToScore], score_fn
     """Scores in row order, a response whose call raises or takes over `timeout_s` (s) scored 0.
 
     The calls run one after another in a daemon thread; when one hangs, the thread is left
-    behind and a new one goes on from the next response. Returns the scores and the
+    behind (it calls the function no more once that call returns) and a new one goes on from
+    the next response. Returns the scores and the
     (row, cause) of every failed call.
     """
     loop = asyncio.get_running_loop()
     results: asyncio.Queue = asyncio.Queue()
+    current = [0]  # the run whose results count; a thread given up on stops at its next row
 
     def work(start: int, run: int) -> None:
         for i in range(start, len(responses)):
+            if current[0] != run:
+                return
             try:
                 value, cause = score_response(score_fn, responses[i], overlong), None
             except Exception as exc:  # noqa: BLE001 - the user's function may raise anything
                 value, cause = 0.0, f"{type(exc).__name__}: {exc}"
-            loop.call_soon_threadsafe(results.put_nowait, (run, i, value, cause))
+            try:
+                loop.call_soon_threadsafe(results.put_nowait, (run, i, value, cause))
+            except RuntimeError:  # the batch's loop has closed: nobody waits for this score
+                return
 
     def start(at: int, run: int) -> None:
         threading.Thread(target=work, args=(at, run), daemon=True, name=f"reward-from-{at}").start()
@@ -145,6 +152,7 @@ async def score_each_zeroing_failures(responses: list[ResponseToScore], score_fn
         except asyncio.TimeoutError:
             failures.append((next_row, f"no score within reward.async_timeout_s={timeout_s:g} s"))
             next_row, run = next_row + 1, run + 1
+            current[0] = run
             if next_row < len(responses):
                 start(next_row, run)
             continue

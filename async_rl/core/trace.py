@@ -4,7 +4,8 @@ driver gathers them, aligns the clocks and writes one Chrome-trace / Perfetto fi
 
 - `TraceRecorder`: one process's events. Off, every call returns at once; on, a span costs one
   tuple append (and a dict entry while it runs: a pop shows running spans as `open`). At most `max_events` are kept between two `pop`s (the oldest dropped, counted).
-- `clock_offset`: how far a process's clock is from the driver's, from one round trip (seconds).
+- `clock_offset`: how far a process's clock is from the driver's, from the quickest of a few round trips
+  (seconds); a process on the driver's host shares its clock (`same_clock`) and needs none.
 - `write_trace`: the gathered events as Chrome-trace JSON, one process per track owner (a stage,
   a replica, a train rank) and one thread per track.
 """
@@ -15,6 +16,7 @@ import collections
 import contextlib
 import json
 import os
+import socket
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Optional
@@ -65,13 +67,13 @@ class TraceRecorder:
             self.add(track, name, start, time.time(), **args)
 
     def pop(self) -> dict:
-        """The events recorded since the last pop: {"owner", "now_s" (this clock), "events", "dropped"}; the
-        spans still running end at now_s with `open: True` (what a hung stage was doing)."""
+        """The events recorded since the last pop: {"owner", "host", "now_s" (this clock), "events",
+        "dropped"}; the spans still running end at now_s with `open: True` (what a hung stage was doing)."""
         now = time.time()
         events, self._events = list(self._events), collections.deque(maxlen=self._events.maxlen)
         events += [(track, name, start, now, {**args, "open": True}) for track, name, start, args in self._open.values()]
         dropped, self.dropped = self.dropped, 0
-        return {"owner": self.owner, "now_s": now, "events": events, "dropped": dropped}
+        return {"owner": self.owner, "host": socket.gethostname(), "now_s": now, "events": events, "dropped": dropped}
 
 
 class BusyPeriods:
@@ -102,13 +104,23 @@ class BusyPeriods:
                 self.recorder.add(self.track, self.name, self._start, time.time(), **self._args)
 
 
-def clock_offset(read_remote_clock: Callable[[], float]) -> float:
-    """Seconds to add to a remote process's time.time() to get this process's, from one round trip:
-    the remote read is taken to happen halfway (error: at most half the round trip)."""
-    sent = time.time()
-    remote = read_remote_clock()
-    received = time.time()
-    return (sent + received) / 2 - remote
+def same_clock(batch: Mapping) -> bool:
+    """Whether a popped batch comes from this host, whose processes all read one system clock (offset 0)."""
+    return batch.get("host") == socket.gethostname()
+
+
+def clock_offset(read_remote_clock: Callable[[], float], round_trips: int = 3) -> float:
+    """Seconds to add to a remote process's time.time() to get this process's, from the quickest of
+    `round_trips` round trips: the remote read is taken to happen halfway (error: at most half that
+    round trip; a reply held up in a busy process only lengthens the trips not chosen)."""
+    best_trip, best = float("inf"), 0.0
+    for _ in range(max(1, round_trips)):
+        sent = time.time()
+        remote = read_remote_clock()
+        received = time.time()
+        if received - sent < best_trip:
+            best_trip, best = received - sent, (sent + received) / 2 - remote
+    return best
 
 
 def chrome_events(batches: Sequence[Mapping], offsets: Optional[Mapping[str, float]] = None) -> list[dict]:

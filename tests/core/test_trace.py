@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from async_rl.core.trace import TraceRecorder, chrome_events, clock_offset, write_trace
+from async_rl.core.trace import TraceRecorder, chrome_events, clock_offset, same_clock, write_trace
 from stage_chain import traced_run
 
 
@@ -39,6 +39,28 @@ def test_clock_offset_recovers_a_remote_clocks_shift():
 
     assert abs(clock_offset(lambda: time.time() - 100.0) - 100.0) < 0.05
     assert abs(clock_offset(lambda: time.time() + 3.0) + 3.0) < 0.05
+
+
+def test_clock_offset_keeps_the_quickest_round_trip_so_a_held_up_reply_does_not_shift_it():
+    import time
+
+    trips = []
+
+    def remote_read_then_reply_held_up_on_the_first_trip():  # a busy process: its answer waits 0.4 s
+        now = time.time() - 100.0
+        if not trips:
+            time.sleep(0.4)
+        trips.append(now)
+        return now
+
+    assert abs(clock_offset(remote_read_then_reply_held_up_on_the_first_trip) - 100.0) < 0.05
+    assert len(trips) == 3
+
+
+def test_a_batch_popped_on_this_host_shares_its_clock_and_one_from_elsewhere_does_not():
+    popped = TraceRecorder("stage x", enabled=True).pop()
+    assert same_clock(popped)
+    assert not same_clock({**popped, "host": popped["host"] + "-elsewhere"}) and not same_clock({"owner": "x"})
 
 
 def test_stages_record_every_item_in_order_and_the_waits_on_a_slow_neighbour(tmp_path):

@@ -23,15 +23,20 @@ def responses(texts):
             for t in texts]
 
 
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
 def test_zero_mode_scores_raising_and_hung_samples_0_and_names_their_rows():
-    release = threading.Event()
+    release, calls = threading.Event(), []
 
     def score(data_source, solution_str, ground_truth, extra_info=None):
+        calls.append(solution_str)
         if solution_str == "boom":
             raise ValueError("bad sample")
         if solution_str == "hang":
             release.wait(HANG_S)
             return 0.75  # arrives after the timeout: must be ignored
+        if solution_str == "13":  # the next thread wakes the hung call while the batch is still scored
+            release.set()
+            time.sleep(0.3)
         return 1.0 if solution_str == ground_truth else 0.5
 
     async def run():
@@ -44,6 +49,12 @@ def test_zero_mode_scores_raising_and_hung_samples_0_and_names_their_rows():
     assert scores.tolist() == [1.0, 0.0, 0.0, 0.5, 1.0]
     assert [row for row, _ in failures] == [1, 2]
     assert "ValueError: bad sample" in failures[0][1] and "reward.async_timeout_s=0.5" in failures[1][1]
+    # the thread left behind returns from the hung call and stops: no response is scored twice
+    left_behind = [t for t in threading.enumerate() if t.name == "reward-from-0"]
+    for thread in left_behind:
+        thread.join(timeout=5.0)
+    assert not any(t.is_alive() for t in left_behind)
+    assert sorted(calls) == sorted(["12", "boom", "hang", "13", "12"])
 
 
 def test_zero_mode_on_a_clean_batch_is_the_plain_scores():

@@ -47,7 +47,7 @@ def test_a_short_runs_timeline(demo_dir, tmp_path, ray_address):
     ends = {(owners[s["pid"]], s["args"]["index"]): s["ts"] + s["dur"] for s in spans
             if tracks[(s["pid"], s["tid"])] == "work" and "index" in s["args"]}
     for earlier, later in zip(PATH, PATH[1:]):
-        for index in range(STEPS):  # the clocks are aligned within 50 ms
+        for index in range(STEPS):  # one host, one clock (stages elsewhere: aligned within half a round trip)
             assert ends[(f"stage {earlier}", index)] <= ends[(f"stage {later}", index)] + 5e4, (earlier, later, index)
     # every version's recv, register-buffer and load on every receiver (the demo: one rollout server), and the
     # trainer's gather and send: the five parts
