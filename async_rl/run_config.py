@@ -27,6 +27,8 @@ from async_rl.core.stage_graph import STAGES_KEY, UserStageSpec, build_edges
 from async_rl.core.verl_keys import refuse_misspelt_keys, refuse_unsupported, replaced_settings
 from async_rl.rollout.agent_loops import absolute_agent_files, check_agent_loops
 from async_rl.rollout.cpu.reward_server import check_reward_model
+from async_rl.rollout.reward_models import (on_devices_of_its_own, prepare_reward_model_config, reward_model_backend,
+                                            reward_model_devices)
 from state_machines.base import StateMachine
 
 logger = logging.getLogger(__name__)
@@ -110,6 +112,7 @@ def read_run_config(config: DictConfig) -> RunConfig:
     if async_cfg.decoupled_ppo:
         apply_to_config(config, async_cfg.behav_imp_weight_cap)
     backend.prepare_config(config, async_cfg.consume_bucket_size_mb, async_cfg.enable_dual_buffer)
+    prepare_reward_model_config(config)
     proximal = None if uses_behaviour_as_old(config) else async_cfg.proximal_logp_workers
     roles = (["train"] + (["critic"] if critic else []) + (["logp"] if proximal == "logp" else [])
              + (["ref_logp"] if need_reference_policy(config) else []))
@@ -224,13 +227,17 @@ def check_sequence_parallel(config: DictConfig) -> None:
 
 
 def check_reward_model_path(config: DictConfig) -> None:
-    """With `reward.reward_model.enable`: its model exists and the CPU backend can serve it."""
+    """With `reward.reward_model.enable`: its model exists, its backend can run on `trainer.device`, and
+    the CPU backend, when it serves it, can."""
     rm = config.reward.reward_model
     if not rm.get("enable", False):
         return
     key, path = "reward.reward_model.model_path", rm.get("model_path")
     if not path or not os.path.exists(str(path)):
         raise FileNotFoundError(f"{key}={path!r}: no such file or directory")
+    reward_model_backend(config)
+    if on_devices_of_its_own(config):
+        return
     why = check_reward_model(str(path), bool(config.actor_rollout_ref.model.get("trust_remote_code", False)))
     if why is not None:
         raise AsyncConfigError(key, path, f"a model the reward model's backend serves: {why}")
@@ -248,7 +255,8 @@ def ray_init_kwargs(config: DictConfig) -> dict:
     # Hydra reads `...env_vars.X=1` as an int; Ray takes strings only
     env_vars = {key: str(value) for key, value in (kwargs.get("runtime_env", {}).get("env_vars") or {}).items()}
     env_vars.setdefault("TOKENIZERS_PARALLELISM", "false")
-    for key, value in backend.ray_env(config).items():
+    reward_model = reward_model_backend(config) if OmegaConf.select(config, "reward.reward_model.enable") else None
+    for key, value in {**(reward_model.ray_env(config) if reward_model else {}), **backend.ray_env(config)}.items():
         env_vars.setdefault(key, value)
     joins_cluster = bool(kwargs.get("address") or os.environ.get("RAY_ADDRESS"))  # its resources are set
     if not joins_cluster:  # a fresh local instance, never a cluster some other `ray start` left behind
@@ -257,8 +265,11 @@ def ray_init_kwargs(config: DictConfig) -> dict:
     if str(config.trainer.device) == "cpu":
         env_vars.update({"VERL_PLATFORM": "cpu", "VERL_ENGINE_DEVICE": "cuda"})
         if not joins_cluster:
-            if backend.logical_gpus_on_cpu:  # verl's replica pool asks for "GPUs": logical, one a slot
-                kwargs.setdefault("num_gpus", int(config.trainer.nnodes) * int(config.trainer.n_gpus_per_node))
+            # verl's replica pools ask for "GPUs": logical, one a slot (the reward model's own devices too)
+            gpus = (int(config.trainer.nnodes) * int(config.trainer.n_gpus_per_node) if backend.logical_gpus_on_cpu
+                    else 0) + (reward_model_devices(config) if reward_model and reward_model.logical_gpus_on_cpu else 0)
+            if gpus:
+                kwargs.setdefault("num_gpus", gpus)
             kwargs.setdefault("num_cpus", max(16, os.cpu_count() or 1))  # logical: stages mostly wait
     runtime_env = {k: v for k, v in kwargs.get("runtime_env", {}).items() if v is not None}
     kwargs["runtime_env"] = {**runtime_env, "env_vars": env_vars}

@@ -56,6 +56,8 @@ class RolloutBackend:
         or None.
     prepare_config: `prepare_config(config, consume_bucket_mb, dual_buffer)`: rewrite the verl config
         (in place) before any worker starts.
+    prepare_server_config: `prepare_server_config(rollout_cfg, device)`: rewrite one server config (a
+        reward model's `reward.reward_model.rollout`) for `trainer.device`, in place.
     ray_env: environment variables every Ray process of the run needs, from the config.
     logical_gpus_on_cpu: on trainer.device=cpu its replicas ask Ray for (logical) GPUs.
     replica_class: verl `RolloutReplica` class to register in verl's registry under `name` (None:
@@ -74,6 +76,7 @@ class RolloutBackend:
     replica_world_size: Callable[[Any], int] = _one_device
     unavailable: Callable[[str], Optional[str]] = _available
     prepare_config: Callable[[Any, float, bool], None] = _nothing
+    prepare_server_config: Callable[[Any, str], None] = _nothing
     ray_env: Callable[[Any], dict] = _no_env
     logical_gpus_on_cpu: bool = False
     replica_class: Optional[type] = None
@@ -95,13 +98,13 @@ def register_rollout_backend(backend: RolloutBackend) -> RolloutBackend:
     return backend
 
 
-def rollout_backend(name: str, device: Optional[str] = None) -> RolloutBackend:
-    """The backend registered as `name`; AsyncConfigError naming the key when there is none or, given
-    `device` (`trainer.device`), when it cannot run there."""
+def rollout_backend(name: str, device: Optional[str] = None, key: str = NAME_KEY) -> RolloutBackend:
+    """The backend registered as `name`; AsyncConfigError naming `key` (the config key that chose it)
+    when there is none or, given `device` (`trainer.device`), when it cannot run there."""
     if name not in _BACKENDS:
-        raise AsyncConfigError(NAME_KEY, name, f"one of {sorted(_BACKENDS)}")
+        raise AsyncConfigError(key, name, f"one of {sorted(_BACKENDS)}")
     backend = _BACKENDS[name]
     reason = backend.unavailable(str(device)) if device is not None else None
     if reason:
-        raise AsyncConfigError(NAME_KEY, name, reason)
+        raise AsyncConfigError(key, name, reason)
     return backend

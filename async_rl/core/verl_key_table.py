@@ -123,10 +123,12 @@ VERL_KEYS = (
     KeyRow("reward.reward_manager.source", X, "the reward stage scores with verl's registered naive or dapo manager"),
     *switched("reward.reward_manager.module", "path", "a reward manager class from a file is not loaded under the flag"),
     KeyRow("reward.num_workers", R, "the reward stage scores, off the critical path"),
-    KeyRow("reward.reward_model", V, "verl's reward-model replicas (rollout.name=cpu) and router, started by "
+    KeyRow("reward.reward_model", V, "verl's reward-model replicas (rollout.name=cpu, or vllm on devices of its "
+           "own) and router, started by "
            "async_rl/rollout/reward_models.py; verl's RewardLoopWorker scores (async_rl/core/reward_loop_scoring.py)"),
     KeyRow("reward.reward_model.enable", P, "the run starts the reward model (async_rl/build.py)"),
-    *(KeyRow(f"reward.reward_model.{k}", P, "how many replicas: async_rl/rollout/reward_models.py")
+    *(KeyRow(f"reward.reward_model.{k}", P, "how many replicas and, on vllm, its devices: "
+             "async_rl/rollout/reward_models.py")
       for k in ("enable_resource_pool", "n_gpus_per_node", "nnodes")),
     *switched("reward.sandbox_fusion", "url", "the reward stage does not pass a sandbox to verl's default_compute_score"),
     # the legacy top-level keys: verl 0.9.1's main_ppo does not read them either

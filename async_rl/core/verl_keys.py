@@ -56,7 +56,7 @@ LORA_RANK = "actor_rollout_ref.model.lora_rank"
 LORA_BACKENDS = ("cpu", "vllm")
 
 REWARD_MODEL = "reward.reward_model"
-REWARD_MODEL_BACKENDS = ("cpu",)  # whose reward-model servers the pipeline starts (async_rl/rollout/reward_models.py)
+REWARD_MODEL_BACKENDS = ("cpu", "vllm")  # whose reward-model servers the pipeline starts (async_rl/rollout/reward_models.py)
 
 BYPASS = "algorithm.rollout_correction.bypass_mode"
 # applied by verl inside its bypass-mode loss (`compute_policy_loss_bypass_mode`), which the pipeline does
@@ -140,8 +140,13 @@ def refuse_unsupported(config) -> None:
         if rm_backend not in REWARD_MODEL_BACKENDS:
             raise AsyncConfigError(f"{REWARD_MODEL}.rollout.name", rm_backend,
                                    f"{' or '.join(REWARD_MODEL_BACKENDS)} (the async pipeline starts the reward "
-                                   "model's servers on the CPU backend; vLLM's and SGLang's reward-model servers "
-                                   "take devices of their own, which its placement does not share out yet)")
+                                   "model's servers on the CPU backend and on vLLM; SGLang's is untested: it has "
+                                   "no build for this project's CPU machines)")
+        if rm_backend != "cpu" and select_value(config, f"{REWARD_MODEL}.enable_resource_pool", False) is not True:
+            raise AsyncConfigError(f"{REWARD_MODEL}.enable_resource_pool", False,
+                                   f"True with {REWARD_MODEL}.rollout.name={rm_backend}: its servers need devices of "
+                                   f"their own ({REWARD_MODEL}.nnodes x n_gpus_per_node); the pipeline's stages use "
+                                   "theirs all at once, so there is no phase to colocate a reward model in")
     if select_value(config, BYPASS, False) is True:
         for key, neutral in BYPASS_LOSS_KEYS.items():
             value = select_value(config, key, neutral)

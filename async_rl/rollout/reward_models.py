@@ -2,15 +2,16 @@
 and verl's router in front of them, started once per run; the reward stage and validation score
 through the router with verl's own reward loop (async_rl/core/reward_loop_scoring.py).
 
-As many replicas as verl's trainer would start for the same keys: the devices verl gives the reward
-model (`reward.reward_model.n_gpus_per_node` x `nnodes` with `enable_resource_pool=True`, else the
-trainer's `trainer.n_gpus_per_node` x `nnodes`) over one replica's (tp x dp x pp). The CPU backend's
-replicas are one process each on a logical CPU and take none of the pipeline's devices; other
-backends are refused at start (async_rl/core/verl_keys.py).
-
-A replica whose server is lost is started again on the same address (verl's router keeps its list),
-up to `actor_rollout_ref.rollout.max_restarts` times each; meanwhile verl's client retries, and each
-row's deadline (`reward.async_timeout_s`) still holds.
+Where its replicas run (`reward_model_devices`):
+- the CPU backend (`reward.reward_model.rollout.name=cpu`): as many replicas as verl's trainer would
+  start (the devices verl gives the reward model over one replica's tp x dp x pp), one process each on
+  a logical CPU, none of the pipeline's devices; a lost server is started again on the same address
+  (verl's router keeps its list), up to `actor_rollout_ref.rollout.max_restarts` times each.
+- a GPU server (vllm): `reward.reward_model.nnodes x n_gpus_per_node` devices of its own, verl's
+  standalone reward pool (`enable_resource_pool=True`, required: the pipeline's devices are all busy at
+  once, so there is no phase to colocate it in); `trainer.use_nodes_ratios` still splits the trainer's
+  devices alone. A lost server is not restarted: its requests fail, which `reward.on_error` handles.
+Each row's deadline (`reward.async_timeout_s`) holds on every backend.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any, Optional
 
 import ray
 
+from async_rl.api.rollout import rollout_backend
 from async_rl.rollout.cpu.replica import CPU_ROLLOUT_NAME, register_cpu_rollout
 from async_rl.rollout.supervisor import kill_actor
 from async_rl.rollout.verl_replicas import replica_world_size
@@ -32,10 +34,38 @@ PING_TIMEOUT_S = 10.0  # a server that does not answer its address within this l
 WATCH_PERIOD_S = 1.0
 
 
+BACKEND_KEY = "reward.reward_model.rollout.name"
+
+
+def reward_model_backend(config):
+    """The rollout backend row serving the reward model (AsyncConfigError naming BACKEND_KEY when it cannot
+    run on `trainer.device`)."""
+    return rollout_backend(str(config.reward.reward_model.rollout.name), str(config.trainer.device), BACKEND_KEY)
+
+
+def on_devices_of_its_own(config) -> bool:
+    """Whether the reward model takes devices of its own (a GPU server), not logical CPUs (the CPU backend)."""
+    rm = config.reward.reward_model
+    return bool(rm.get("enable", False)) and str(rm.rollout.name) != CPU_ROLLOUT_NAME
+
+
+def reward_model_devices(config) -> int:
+    """Devices the reward model takes beside the trainer's `nnodes x n_gpus_per_node` (0: none)."""
+    rm = config.reward.reward_model
+    return int(rm.n_gpus_per_node) * int(rm.nnodes) if on_devices_of_its_own(config) else 0
+
+
+def prepare_reward_model_config(config) -> None:
+    """Before Ray starts: the reward model's backend rewrites its server config for `trainer.device`
+    (vLLM's CPU build: no sleep mode), in place."""
+    if config.reward.reward_model.get("enable", False):
+        reward_model_backend(config).prepare_server_config(config.reward.reward_model.rollout, str(config.trainer.device))
+
+
 def reward_model_replica_count(config) -> int:
     """Replicas verl's RewardModelManager would start for `config` (at least 1)."""
     rm, trainer = config.reward.reward_model, config.trainer
-    if rm.get("enable_resource_pool", False):
+    if rm.get("enable_resource_pool", False) or on_devices_of_its_own(config):
         devices = int(rm.n_gpus_per_node) * int(rm.nnodes)
     else:
         devices = int(trainer.n_gpus_per_node) * int(trainer.nnodes)
@@ -82,11 +112,16 @@ class RewardModelService:
             return False
 
     def stop(self) -> None:
-        """Kill the servers and the router (idempotent)."""
+        """Kill the servers, their workers and the router, and free their devices (idempotent)."""
+        from ray.util.placement_group import remove_placement_group
+
         self._stopped.set()
         for replica in self.replicas:
-            for server in replica.servers:
-                kill_actor(server)
+            for actor in [*replica.servers, *replica.workers]:
+                kill_actor(actor)
+            if replica.resource_pool is not None:  # a GPU server's standalone pool (verl's)
+                for group in replica.resource_pool.pgs or []:
+                    remove_placement_group(group)
         if self.router_process is not None and self.router_process.is_alive():
             self.router_process.kill()
             self.router_process.join(timeout=10)
@@ -125,6 +160,9 @@ def start_reward_model(config, timeout_s: float, max_restarts: int = 0) -> Optio
         raise
     service.router_address, service.router_process = launch_router_process(
         [f"http://{replica.server_address}" for replica in replicas])
-    if max_restarts:
+    if max_restarts and rm.rollout.name == CPU_ROLLOUT_NAME:
         service.watch()
+    elif max_restarts:
+        logger.warning("reward model on %s: a lost server is not restarted (its requests fail, which "
+                       "reward.on_error handles)", rm.rollout.name)
     return service

@@ -61,11 +61,16 @@ def unavailable(device: str) -> Optional[str]:
     return verl_replicas.gpu_server_unavailable("vllm", "pip install 'verl-async-rl[vllm]'", device)
 
 
+def prepare_server_config(rollout_cfg, device: str) -> None:
+    """On CPU, the keys vLLM's CPU build needs (no sleep mode) in one server config, in place."""
+    if device == "cpu":
+        cpu_rollout_overrides(rollout_cfg)
+
+
 def prepare_config(config: DictConfig, consume_bucket_mb: float, dual_buffer: bool) -> None:
-    """On CPU, the keys vLLM's CPU build needs (no sleep mode); under LoRA, servers that load the base
+    """The rollout's server config (`prepare_server_config`); under LoRA, servers that load the base
     from the model's path (`base_weights_from_path`); then the checkpoint-engine backend."""
-    if str(config.trainer.device) == "cpu":
-        cpu_rollout_overrides(config.actor_rollout_ref.rollout)
+    prepare_server_config(config.actor_rollout_ref.rollout, str(config.trainer.device))
     base_weights_from_path(config)
     verl_replicas.prepare_config(config, consume_bucket_mb, dual_buffer)
 

@@ -16,8 +16,10 @@ REFUSED = [
     ({"algorithm.adv_estimator": "optimal_token_baseline"}, "algorithm.adv_estimator='optimal_token_baseline'",
      "sum_pi_squared"),
     ({"algorithm.adv_estimator": "tir_optimal_token_baseline"}, "tir_optimal_token_baseline", "sum_pi_squared"),
+    ({"reward.reward_model.enable": True, "reward.reward_model.rollout.name": "sglang"},
+     "reward.reward_model.rollout.name='sglang'", "SGLang's is untested"),
     ({"reward.reward_model.enable": True, "reward.reward_model.rollout.name": "vllm"},
-     "reward.reward_model.rollout.name='vllm'", "starts the reward model's servers on the CPU backend"),
+     "reward.reward_model.enable_resource_pool=False", "True with reward.reward_model.rollout.name=vllm"),
     ({"actor_rollout_ref.model.lora_rank": 8, "actor_rollout_ref.rollout.name": "sglang"},
      "actor_rollout_ref.model.lora_rank=8", "0 with actor_rollout_ref.rollout.name=sglang"),
     ({"actor_rollout_ref.model.lora_rank": 8, "actor_rollout_ref.model.lora.merge": True},
@@ -76,6 +78,33 @@ def test_a_reward_model_on_the_cpu_backend_is_checked_before_ray_starts(demo_dir
         read_run_config(compose_ppo(demo_overrides(demo_dir, extra={**rm, key: str(tmp_path / "none")})))
     with pytest.raises(AsyncConfigError, match="a generative one needs vLLM or SGLang"):  # a causal LM
         read_run_config(compose_ppo(demo_overrides(demo_dir, extra={**rm, key: str(demo_dir / "model")})))
+
+
+def test_a_reward_model_on_vllm_takes_devices_of_its_own_and_vllms_cpu_settings(demo_dir, monkeypatch):
+    import dataclasses
+
+    from async_rl.api.rollout import register_rollout_backend, rollout_backend
+    from async_rl.run_config import ray_init_kwargs
+
+    rm = {"reward.reward_model.enable": True, "reward.reward_model.rollout.name": "vllm",
+          "reward.reward_model.model_path": str(demo_dir / "reward_model"), "reward.reward_model.enable_resource_pool": True,
+          "reward.reward_model.n_gpus_per_node": 2, "reward.reward_model.nnodes": 1}
+    with pytest.raises(AsyncConfigError) as refused:  # this venv has no vLLM
+        read_run_config(compose_ppo(demo_overrides(demo_dir, extra=rm)))
+    assert "reward.reward_model.rollout.name='vllm'" in str(refused.value) and "vLLM's CPU build" in str(refused.value)
+    vllm = rollout_backend("vllm")
+    register_rollout_backend(dataclasses.replace(vllm, unavailable=lambda device: None))  # as where it is installed
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    try:
+        run = read_run_config(compose_ppo(demo_overrides(demo_dir, extra=rm)))
+        ray_init = ray_init_kwargs(run.config)
+    finally:
+        register_rollout_backend(vllm)
+    served = run.config.reward.reward_model.rollout
+    assert served.free_cache_engine is False and served.enable_sleep_mode is False  # vLLM's CPU build: no sleep mode
+    assert ray_init["num_gpus"] == 2  # the policy's CPU backend takes none; the reward model its 2
+    assert ray_init["runtime_env"]["env_vars"]["VLLM_TARGET_DEVICE"] == "cpu"  # vLLM's CPU build's settings
+    assert run.placement.nodes * run.placement.devices_per_node == 2  # the trainer's devices, split as before
 
 
 @pytest.mark.parametrize("extra,named,decoupled", [

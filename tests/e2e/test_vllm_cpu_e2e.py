@@ -5,7 +5,7 @@ Flag off: verl's synchronous trainer with `rollout.name=vllm` on CPU, through ve
 vLLM returns equal the trainer's recomputed ones within fp32 noise at every step, which holds
 only if every new version reached vLLM (one step of training moves them by ~1e-3). The same check
 holds for verl's own async trainer, `fully_async_policy`, its weights sent by the `async_rl`
-checkpoint-engine backend."""
+checkpoint-engine backend. A reward model served by vLLM scores what the pipeline trains."""
 
 from __future__ import annotations
 
@@ -113,6 +113,30 @@ def test_pipeline_on_vllm_serves_each_version_of_a_lora_adapter(demo_dir, tmp_pa
         assert metrics["rollout_corr/log_ppl_abs_diff"] < FP32_NOISE, (step, metrics["rollout_corr/log_ppl_abs_diff"])
         assert metrics["async/param_update/bytes"] == adapter_bytes, step  # the adapter, not the model
     assert 3 in val_rows(rows)  # validation through vLLM with the adapter
+
+
+def test_pipeline_scores_with_a_reward_model_served_by_vllm(demo_dir, tmp_path, ray_address):
+    """`reward.reward_model.rollout.name=vllm` (verl's keys, fp32) on a device of its own
+    (`enable_resource_pool`, 1 x 1), the policy on the CPU backend: the reward stage and validation
+    score through verl's reward loop and vLLM's /classify; every dumped score is the reward model's
+    forward, recomputed here by hand."""
+    from test_reward_model_e2e import plain_response_text, reward_model_keys, scored_by_hand
+
+    dump = tmp_path / "dump"
+    extra = {**reward_model_keys(demo_dir, dump, None), "reward.reward_model.rollout.name": "vllm",
+             "reward.reward_model.rollout.dtype": "float32", "reward.reward_model.rollout.enforce_eager": True,
+             "reward.reward_model.enable_resource_pool": True, "reward.reward_model.n_gpus_per_node": 1,
+             "reward.reward_model.nnodes": 1}
+    code, out, rows = run_verl(demo_dir, extra, tmp_path, timeout_s=900, ray_address=ray_address)
+    assert code == 0, out[-4000:]
+    steps = every_step_with(rows, 2, ["critic/score/mean", "async/faults/reward_errors"])
+    assert all(metrics["async/faults/reward_errors"] == 0 for metrics in steps.values())
+    assert sorted(val_rows(rows)) == [0, 2]
+    pairs = scored_by_hand(demo_dir, dump, plain_response_text)
+    assert len(pairs) >= 64, len(pairs)
+    assert len({round(d, 6) for d, _ in pairs}) > 10  # the model's scores, not a constant
+    for dumped, by_hand in pairs:
+        assert dumped == pytest.approx(by_hand, abs=1e-4)
 
 
 def test_pipeline_on_vllm_runs_ahead_within_the_bound_and_loads_during_generation(demo_dir, tmp_path, ray_address):
