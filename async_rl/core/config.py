@@ -183,7 +183,7 @@ KEYS = (
         "where pi_prox (verl's `old_log_probs`) is recomputed: the train ranks before their update, or the "
         "logp stage's workers"),
     Key("actor_rollout_ref.rollout.max_restarts", "replica_max_restarts", None, _as_optional_count, "int >= 0",
-        "restarts of each lost rollout (or CPU reward-model) replica over the run; `0` stops the run naming it; "
+        "restarts of each lost rollout (or reward-model) replica over the run; `0` stops the run naming it; "
         "above 0 with `cpu` or `vllm`", "`3` with `rollout.name=cpu`, else `0`"),
     Key("actor_rollout_ref.rollout.request_timeout_s", "request_timeout_s", 600.0, _as_positive_number, "> 0",
         "a request unanswered this long marks its server lost (killed, restarted)", "`600`"),

@@ -10,7 +10,8 @@ Where its replicas run (`reward_model_devices`):
 - a GPU server (vllm): `reward.reward_model.nnodes x n_gpus_per_node` devices of its own, verl's
   standalone reward pool (`enable_resource_pool=True`, required: the pipeline's devices are all busy at
   once, so there is no phase to colocate it in); `trainer.use_nodes_ratios` still splits the trainer's
-  devices alone. A lost server is not restarted: its requests fail, which `reward.on_error` handles.
+  devices alone. A lost server is started again by verl's `init_standalone` on freed devices, at a new
+  address, and verl's router is started again on its own address with the new list (`relaunch_standalone`).
 Each row's deadline (`reward.async_timeout_s`) holds on every backend.
 """
 
@@ -18,11 +19,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing
+import socket
 import threading
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import ray
+from verl.experimental.reward_loop.router.naive_router import launch_router_process, run_router
 
 from async_rl.api.rollout import rollout_backend
 from async_rl.rollout.cpu.replica import CPU_ROLLOUT_NAME, register_cpu_rollout
@@ -72,6 +78,51 @@ def reward_model_replica_count(config) -> int:
     return max(1, devices // replica_world_size(rm.rollout))
 
 
+def free_replica(replica) -> None:
+    """Kill a replica's servers and workers and free a GPU server's standalone pool (verl's)."""
+    from ray.util.placement_group import remove_placement_group
+
+    for actor in [*replica.servers, *replica.workers]:
+        kill_actor(actor)
+    if replica.resource_pool is not None:
+        for group in replica.resource_pool.pgs or []:
+            remove_placement_group(group)
+
+
+async def relaunch_in_place(replica, attempt: int) -> None:
+    """The CPU backend: a new server on the lost one's address (`CPURolloutReplica.relaunch`)."""
+    await replica.relaunch(attempt)
+
+
+async def relaunch_standalone(replica, attempt: int) -> None:
+    """A GPU server (vllm): the lost replica's actors killed and devices freed, then verl's
+    `init_standalone` under names of its own (`_restart<attempt>`): a new address."""
+    free_replica(replica)
+    replica.name_suffix = f"_restart{attempt}"
+    replica.servers, replica.workers, replica.resource_pool = [], [], None
+    await replica.init_standalone()
+
+
+def launch_router(address: Optional[str], worker_urls: list[str], timeout_s: float = 30.0):
+    """verl's naive router in a process of its own, on `address` ("ip:port"; None: a free port); returns
+    (its address, the process) once it accepts connections. TimeoutError when it does not within `timeout_s`."""
+    if address is None:
+        return launch_router_process(worker_urls)
+    host, port = address.rsplit(":", 1)
+    process = multiprocessing.Process(target=run_router, args=(host.strip("[]"), int(port), worker_urls), daemon=True)
+    process.start()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=1.0).close()
+            return address, process
+        except OSError:
+            if not process.is_alive() or time.monotonic() > deadline:
+                process.kill()
+                raise TimeoutError(f"verl's reward-model router did not start again on {address} within {timeout_s:g} s")
+            time.sleep(0.1)
+
+
 @dataclass
 class RewardModelService:
     """The run's reward-model replicas (verl `RolloutReplica`s, `is_reward_model=True`) and the address
@@ -82,6 +133,8 @@ class RewardModelService:
     router_process: Any = None
     max_restarts: int = 0  # per replica
     restarts: list = field(default_factory=list)  # per replica, so far
+    relaunch: Callable[[Any, int], Awaitable[None]] = relaunch_in_place  # `relaunch(replica, attempt)`
+    restart_moves_it: bool = False  # a restarted server has a new address: the router starts again with it
     _stopped: threading.Event = field(default_factory=threading.Event)
 
     def watch(self) -> None:
@@ -99,9 +152,25 @@ class RewardModelService:
                 logger.warning("reward model replica %d lost: restart %d of %d (actor_rollout_ref.rollout.max_restarts)",
                                index, self.restarts[index], self.max_restarts)
                 try:
-                    asyncio.run(replica.relaunch(self.restarts[index]))
+                    asyncio.run(self.relaunch(replica, self.restarts[index]))
+                    if self.restart_moves_it:
+                        self._restart_router()
                 except Exception:  # noqa: BLE001 - the next round tries again, within the restarts left
                     logger.exception("reward model replica %d did not start again", index)
+
+    def _restart_router(self) -> None:
+        """verl's router, which keeps the list it started with, started again on its address with the
+        replicas' addresses now (rows sent meanwhile are retried by verl's client)."""
+        self._stop_router()
+        _, self.router_process = launch_router(self.router_address, self.worker_urls())
+
+    def worker_urls(self) -> list[str]:
+        return [f"http://{replica.server_address}" for replica in self.replicas]
+
+    def _stop_router(self) -> None:
+        if self.router_process is not None and self.router_process.is_alive():
+            self.router_process.kill()
+            self.router_process.join(timeout=10)
 
     @staticmethod
     def _alive(replica) -> bool:
@@ -113,18 +182,10 @@ class RewardModelService:
 
     def stop(self) -> None:
         """Kill the servers, their workers and the router, and free their devices (idempotent)."""
-        from ray.util.placement_group import remove_placement_group
-
         self._stopped.set()
         for replica in self.replicas:
-            for actor in [*replica.servers, *replica.workers]:
-                kill_actor(actor)
-            if replica.resource_pool is not None:  # a GPU server's standalone pool (verl's)
-                for group in replica.resource_pool.pgs or []:
-                    remove_placement_group(group)
-        if self.router_process is not None and self.router_process.is_alive():
-            self.router_process.kill()
-            self.router_process.join(timeout=10)
+            free_replica(replica)
+        self._stop_router()
 
 
 def start_reward_model(config, timeout_s: float, max_restarts: int = 0) -> Optional[RewardModelService]:
@@ -134,7 +195,6 @@ def start_reward_model(config, timeout_s: float, max_restarts: int = 0) -> Optio
     rm = config.reward.reward_model
     if not rm.get("enable", False):
         return None
-    from verl.experimental.reward_loop.router.naive_router import launch_router_process
     from verl.workers.config import HFModelConfig
     from verl.workers.rollout.replica import get_rollout_replica_class
 
@@ -145,7 +205,10 @@ def start_reward_model(config, timeout_s: float, max_restarts: int = 0) -> Optio
     replicas = [replica_cls(replica_rank=rank, config=rm.rollout, model_config=model_config,
                             gpus_per_node=int(rm.get("n_gpus_per_node") or 1), is_reward_model=True)
                 for rank in range(reward_model_replica_count(config))]
-    service = RewardModelService(router_address="", replicas=replicas, max_restarts=max_restarts)
+    in_place = rm.rollout.name == CPU_ROLLOUT_NAME
+    service = RewardModelService(router_address="", replicas=replicas, max_restarts=max_restarts,
+                                 relaunch=relaunch_in_place if in_place else relaunch_standalone,
+                                 restart_moves_it=not in_place)
 
     async def start_all():
         await asyncio.gather(*(replica.init_standalone() for replica in replicas))
@@ -158,11 +221,7 @@ def start_reward_model(config, timeout_s: float, max_restarts: int = 0) -> Optio
     except BaseException:
         service.stop()
         raise
-    service.router_address, service.router_process = launch_router_process(
-        [f"http://{replica.server_address}" for replica in replicas])
-    if max_restarts and rm.rollout.name == CPU_ROLLOUT_NAME:
+    service.router_address, service.router_process = launch_router(None, service.worker_urls())
+    if max_restarts:
         service.watch()
-    elif max_restarts:
-        logger.warning("reward model on %s: a lost server is not restarted (its requests fail, which "
-                       "reward.on_error handles)", rm.rollout.name)
     return service
