@@ -235,7 +235,7 @@ def check_reward_model_path(config: DictConfig) -> None:
     key, path = "reward.reward_model.model_path", rm.get("model_path")
     if not path or not os.path.exists(str(path)):
         raise FileNotFoundError(f"{key}={path!r}: no such file or directory")
-    reward_model_backend(config)
+    reward_model_backend(config)  # AsyncConfigError where its backend cannot run on trainer.device
     if on_devices_of_its_own(config):
         return
     why = check_reward_model(str(path), bool(config.actor_rollout_ref.model.get("trust_remote_code", False)))

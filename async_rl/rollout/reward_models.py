@@ -38,8 +38,6 @@ from async_rl.rollout.verl_replicas import replica_world_size
 logger = logging.getLogger(__name__)
 PING_TIMEOUT_S = 10.0  # a server that does not answer its address within this long is lost
 WATCH_PERIOD_S = 1.0
-
-
 BACKEND_KEY = "reward.reward_model.rollout.name"
 
 
@@ -71,7 +69,7 @@ def prepare_reward_model_config(config) -> None:
 def reward_model_replica_count(config) -> int:
     """Replicas verl's RewardModelManager would start for `config` (at least 1)."""
     rm, trainer = config.reward.reward_model, config.trainer
-    if rm.get("enable_resource_pool", False) or on_devices_of_its_own(config):
+    if rm.get("enable_resource_pool", False):  # required on a GPU server (async_rl/core/verl_keys.py)
         devices = int(rm.n_gpus_per_node) * int(rm.nnodes)
     else:
         devices = int(trainer.n_gpus_per_node) * int(trainer.nnodes)
@@ -205,10 +203,10 @@ def start_reward_model(config, timeout_s: float, max_restarts: int = 0) -> Optio
     replicas = [replica_cls(replica_rank=rank, config=rm.rollout, model_config=model_config,
                             gpus_per_node=int(rm.get("n_gpus_per_node") or 1), is_reward_model=True)
                 for rank in range(reward_model_replica_count(config))]
-    in_place = rm.rollout.name == CPU_ROLLOUT_NAME
+    own_devices = on_devices_of_its_own(config)
     service = RewardModelService(router_address="", replicas=replicas, max_restarts=max_restarts,
-                                 relaunch=relaunch_in_place if in_place else relaunch_standalone,
-                                 restart_moves_it=not in_place)
+                                 relaunch=relaunch_standalone if own_devices else relaunch_in_place,
+                                 restart_moves_it=own_devices)
 
     async def start_all():
         await asyncio.gather(*(replica.init_standalone() for replica in replicas))

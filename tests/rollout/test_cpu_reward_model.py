@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import urllib.request
 from pathlib import Path
 
@@ -58,6 +59,20 @@ def verl_recipe_score(demo_dir, prompt_ids, response_ids) -> float:
                                          add_generation_prompt=False, tokenize=False)
     with torch.no_grad():
         return float(model(input_ids=torch.tensor([tokenizer(text)["input_ids"]])).logits[0, -1])
+
+
+def kill_and_wait(server, timeout_s: float = 30.0) -> None:
+    """ray.kill returns before the actor is gone: wait until it answers no more (a row sent sooner may be
+    scored by the dying server)."""
+    ray.kill(server)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(server.get_server_address.remote(), timeout=5)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the killed server still answers after {timeout_s:g} s")
 
 
 @pytest.fixture
@@ -124,7 +139,7 @@ def test_a_lost_reward_model_is_named_within_the_timeout(demo_dir, ray_cluster):
     service = start_reward_model(config, timeout_s=120, max_restarts=0)
     try:
         for replica in service.replicas:
-            ray.kill(replica.servers[0])
+            kill_and_wait(replica.servers[0])
         row = one_row([1, 2], [3], {"raw_prompt": RAW_PROMPT, "data_source": "d", "reward_model": {"ground_truth": "1"}})
         scores, failures = asyncio.run(score_in_a_loop(config, service.router_address, [row], 5))
     finally:
@@ -141,7 +156,7 @@ def test_a_lost_reward_model_server_is_started_again_on_its_address(demo_dir, ra
     try:
         replica = service.replicas[0]
         address = replica.server_address
-        ray.kill(replica.servers[0])
+        kill_and_wait(replica.servers[0])
         tokenizer = AutoTokenizer.from_pretrained(demo_dir / "model")
         prompt, response = prompt_ids(tokenizer), tokenizer("1234")["input_ids"]
         row = one_row(prompt, response, {"raw_prompt": RAW_PROMPT, "data_source": "d",

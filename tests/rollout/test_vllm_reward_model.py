@@ -14,7 +14,8 @@ from transformers import AutoTokenizer
 from async_rl.core.reward_loop_scoring import one_row
 from async_rl.rollout.reward_models import prepare_reward_model_config, start_reward_model
 from async_rl.run_config import ray_init_kwargs
-from test_cpu_reward_model import RAW_PROMPT, config_for, prompt_ids, score_in_a_loop, verl_recipe_score
+from test_cpu_reward_model import (RAW_PROMPT, config_for, kill_and_wait, prompt_ids, score_in_a_loop,
+                                   verl_recipe_score)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -43,7 +44,7 @@ def test_a_lost_vllm_reward_model_is_started_again_and_the_router_follows_it(dem
 
             replica, router = service.replicas[0], service.router_address
             address = replica.server_address
-            ray.kill(replica.servers[0])
+            kill_and_wait(replica.servers[0])
             after, failures = asyncio.run(score_in_a_loop(config, service.router_address, [row], 240))
             assert failures == [] and service.restarts == [1]
             assert replica.server_address != address and service.router_address == router  # moved; the router followed
