@@ -291,6 +291,13 @@ def bottleneck(row: dict) -> str | None:
     return None if cause is None else f"bottleneck: {cause}"
 
 
+def plot_title(task: str, response_length: int, systems: list) -> str:
+    """The picture's title: the workload, and verl's trainers only where a curve is theirs."""
+    workload = (f"copy-digits, responses up to {response_length} tokens" if task == "copy"
+                else "lookup agent, 2-4 turns")
+    return f"{workload}: {'verl vs async pipeline' if any(s.startswith('verl') for s in systems) else 'async pipeline'}"
+
+
 def plot(curves: dict, path: str, target: float, title: str) -> None:
     import matplotlib
 
@@ -496,9 +503,7 @@ def main(argv=None) -> list[dict]:
     if args.png and importlib.util.find_spec("matplotlib") is None:
         print("plot: not drawn (matplotlib is not installed in this venv)")
     elif args.png:
-        workload = (f"copy-digits, responses up to {args.response_length} tokens" if args.task == "copy"
-                    else "lookup agent, 2-4 turns")
-        plot(curves, args.png, target, f"{workload}: verl vs async pipeline")
+        plot(curves, args.png, target, plot_title(args.task, args.response_length, list(curves)))
         print(f"plot: {args.png}")
     if args.json:
         keys = ("system", "seed", "generate_ahead_steps", "wall_s_per_sample", "time_to_target_s", "steps",

@@ -133,3 +133,8 @@ def test_a_run_stops_at_its_first_validation_at_the_target_with_its_whole_proces
             os.kill(child, 0)
             __import__("time").sleep(0.1)
         raise AssertionError("the run's child process outlived the stop")
+
+
+def test_the_pictures_title_names_verl_only_where_a_curve_is_verls():
+    assert e2e.plot_title("lookup", 4, ["async-pipeline k=1 seed 0"]) == "lookup agent, 2-4 turns: async pipeline"
+    assert e2e.plot_title("copy", 4, ["verl-sync seed 0", "async-pipeline k=2 seed 0"]).endswith("verl vs async pipeline")
