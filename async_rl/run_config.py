@@ -29,6 +29,7 @@ from async_rl.rollout.agent_loops import absolute_agent_files, check_agent_loops
 from async_rl.rollout.cpu.reward_server import check_reward_model
 from async_rl.rollout.reward_models import (on_devices_of_its_own, prepare_reward_model_config, reward_model_backend,
                                             reward_model_devices)
+from async_rl.rollout.verl_replicas import replica_world_size
 from state_machines.base import StateMachine
 
 logger = logging.getLogger(__name__)
@@ -237,6 +238,11 @@ def check_reward_model_path(config: DictConfig) -> None:
         raise FileNotFoundError(f"{key}={path!r}: no such file or directory")
     reward_model_backend(config)  # AsyncConfigError where its backend cannot run on trainer.device
     if on_devices_of_its_own(config):
+        one_replica = replica_world_size(rm.rollout)
+        if reward_model_devices(config) < one_replica:
+            raise AsyncConfigError("reward.reward_model.n_gpus_per_node", rm.n_gpus_per_node,
+                                   f"with reward.reward_model.nnodes={rm.nnodes}, at least the {one_replica} devices "
+                                   "one reward-model replica spans (reward.reward_model.rollout tp x dp x pp)")
         return
     why = check_reward_model(str(path), bool(config.actor_rollout_ref.model.get("trust_remote_code", False)))
     if why is not None:

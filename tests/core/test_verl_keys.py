@@ -98,6 +98,9 @@ def test_a_reward_model_on_vllm_takes_devices_of_its_own_and_vllms_cpu_settings(
     try:
         run = read_run_config(compose_ppo(demo_overrides(demo_dir, extra=rm)))
         ray_init = ray_init_kwargs(run.config)
+        with pytest.raises(AsyncConfigError, match="reward.reward_model.n_gpus_per_node=2.*at least the 4 devices"):
+            read_run_config(compose_ppo(demo_overrides(demo_dir, extra={
+                **rm, "reward.reward_model.rollout.tensor_model_parallel_size": 4})))  # verl asserts at its start
     finally:
         register_rollout_backend(vllm)
     served = run.config.reward.reward_model.rollout
