@@ -23,11 +23,11 @@ import multiprocessing
 import socket
 import threading
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import ray
+from ray.util.placement_group import remove_placement_group
 from verl.experimental.reward_loop.router.naive_router import launch_router_process, run_router
 
 from async_rl.api.rollout import rollout_backend
@@ -78,8 +78,6 @@ def reward_model_replica_count(config) -> int:
 
 def free_replica(replica) -> None:
     """Kill a replica's servers and workers and free a GPU server's standalone pool (verl's)."""
-    from ray.util.placement_group import remove_placement_group
-
     for actor in [*replica.servers, *replica.workers]:
         kill_actor(actor)
     if replica.resource_pool is not None:
@@ -107,12 +105,13 @@ def launch_router(address: Optional[str], worker_urls: list[str], timeout_s: flo
     if address is None:
         return launch_router_process(worker_urls)
     host, port = address.rsplit(":", 1)
-    process = multiprocessing.Process(target=run_router, args=(host.strip("[]"), int(port), worker_urls), daemon=True)
+    host, port = host.strip("[]"), int(port)
+    process = multiprocessing.Process(target=run_router, args=(host, port, worker_urls), daemon=True)
     process.start()
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            socket.create_connection((host.strip("[]"), int(port)), timeout=1.0).close()
+            socket.create_connection((host, port), timeout=1.0).close()
             return address, process
         except OSError:
             if not process.is_alive() or time.monotonic() > deadline:
@@ -131,8 +130,7 @@ class RewardModelService:
     router_process: Any = None
     max_restarts: int = 0  # per replica
     restarts: list = field(default_factory=list)  # per replica, so far
-    relaunch: Callable[[Any, int], Awaitable[None]] = relaunch_in_place  # `relaunch(replica, attempt)`
-    restart_moves_it: bool = False  # a restarted server has a new address: the router starts again with it
+    standalone: bool = False  # GPU servers on devices of their own: restarted at a new address, the router following
     _stopped: threading.Event = field(default_factory=threading.Event)
 
     def watch(self) -> None:
@@ -150,8 +148,9 @@ class RewardModelService:
                 logger.warning("reward model replica %d lost: restart %d of %d (actor_rollout_ref.rollout.max_restarts)",
                                index, self.restarts[index], self.max_restarts)
                 try:
-                    asyncio.run(self.relaunch(replica, self.restarts[index]))
-                    if self.restart_moves_it:
+                    relaunch = relaunch_standalone if self.standalone else relaunch_in_place
+                    asyncio.run(relaunch(replica, self.restarts[index]))
+                    if self.standalone:
                         self._restart_router()
                 except Exception:  # noqa: BLE001 - the next round tries again, within the restarts left
                     logger.exception("reward model replica %d did not start again", index)
@@ -203,10 +202,8 @@ def start_reward_model(config, timeout_s: float, max_restarts: int = 0) -> Optio
     replicas = [replica_cls(replica_rank=rank, config=rm.rollout, model_config=model_config,
                             gpus_per_node=int(rm.get("n_gpus_per_node") or 1), is_reward_model=True)
                 for rank in range(reward_model_replica_count(config))]
-    own_devices = on_devices_of_its_own(config)
     service = RewardModelService(router_address="", replicas=replicas, max_restarts=max_restarts,
-                                 relaunch=relaunch_standalone if own_devices else relaunch_in_place,
-                                 restart_moves_it=own_devices)
+                                 standalone=on_devices_of_its_own(config))
 
     async def start_all():
         await asyncio.gather(*(replica.init_standalone() for replica in replicas))
