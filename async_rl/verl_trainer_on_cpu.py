@@ -7,7 +7,8 @@ through verl's own vLLM servers where vLLM's CPU build is installed (`verl_patch
 Ray starts, what the pipeline does for itself: the CPU platform and patches in the driver;
 logical CPUs and GPUs for Ray (verl's resource check counts GPUs; on CPU a "GPU" is one worker
 process); `VERL_PLATFORM=cpu` in every Ray worker, where the plugin applies the same patches
-and registers the backend at `import verl`. Every other verl command is left alone.
+and registers the backend, each when the verl module it concerns is imported
+(`verl_patches/post_import.py`). Every other verl command is left alone.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ import os
 from omegaconf import open_dict
 
 from async_rl.core.config import async_pipeline_enabled, strip_async_keys
+from async_rl.rollout.cpu.registration import register_cpu_rollout
 from verl_patches import vllm_cpu
 from verl_patches.cpu_patches import apply_cpu_worker_patches
 from verl_patches.cpu_reward_model import patch_disrm_on_cpu
+from verl_patches.post_import import when_imported
 
 # verl's own trainer on trainer.device=cpu: the rollouts it can use there, and whether each is installed
 ROLLOUTS_ON_CPU = {"cpu": lambda: True, "vllm": lambda: vllm_cpu.vllm_cpu_installed()}
@@ -75,10 +78,9 @@ def prepare(config) -> None:
 
 
 def set_up_worker_process() -> None:
-    """In a Ray worker of such a run (`VERL_PLATFORM=cpu`): the CPU patches and the backend."""
-    # imported here: it loads the CPU engine, which only CPU runs need (this module loads in every process)
-    from async_rl.rollout.cpu.replica import register_cpu_rollout
-
+    """In a Ray worker of such a run (`VERL_PLATFORM=cpu`): the CPU patches and the backend, each applied
+    when the module it patches is imported (a stage that never loads verl's engines or replicas never pays
+    for them)."""
     apply_cpu_worker_patches()
-    patch_disrm_on_cpu()
-    register_cpu_rollout()
+    when_imported("verl.experimental.reward_loop.reward_loop", lambda _module: patch_disrm_on_cpu())
+    when_imported("verl.workers.rollout.replica", lambda _module: register_cpu_rollout())

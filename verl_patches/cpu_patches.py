@@ -1,9 +1,9 @@
 """Small, named patches that let verl 0.9.1's FSDP2 workers run on CPU.
 
-Each is applied only inside the pipeline's own worker processes on a CPU run
-(`apply_cpu_worker_patches`), never at `import verl`: without
-`async_pipeline=True` verl is untouched. Each has a test that fails without it
-(tests/verl_patches/test_verl_patches.py).
+Each is applied only inside the worker processes of a CPU run (`apply_cpu_worker_patches`), when the
+module it patches is imported (`verl_patches/post_import.py`: a stage that never builds an engine never
+loads verl's engine modules); verl's own commands on GPUs are untouched. Each has a test that fails
+without it (tests/verl_patches/test_verl_patches.py).
 
 1. `gloo_process_group`: verl builds the backend string `cpu:gloo,cpu:gloo` on a
    CPU platform, which torch rejects; use plain `gloo`.
@@ -23,19 +23,25 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 
 from verl_patches.cpu_platform import make_cpu_platform_class
+from verl_patches.post_import import when_imported
 from verl_patches.ulysses_sdpa import patch_ulysses_sdpa
 
 _APPLIED: set[str] = set()
 
 
+# the modules of verl 0.9.1 that bind `initialize_global_process_group_ray` by name at their import
+GLOO_IMPORTERS = ("verl.workers.engine_workers", "verl.checkpoint_engine.base")
+
+
 def patch_gloo_process_group() -> None:
-    """Make `initialize_global_process_group_ray` use backend `gloo` on CPU."""
+    """Make `initialize_global_process_group_ray` use backend `gloo` on CPU (in verl.utils.distributed and in
+    the modules of GLOO_IMPORTERS already imported; those imported later take the patched name)."""
     if "gloo_process_group" in _APPLIED:
         return
     import verl.utils.distributed as dist_utils
-    import verl.workers.engine_workers as engine_workers
 
     original = dist_utils.initialize_global_process_group_ray
 
@@ -44,7 +50,9 @@ def patch_gloo_process_group() -> None:
         return original(timeout_second=timeout_second, backend=backend or "gloo")
 
     dist_utils.initialize_global_process_group_ray = initialize_with_gloo
-    engine_workers.initialize_global_process_group_ray = initialize_with_gloo
+    for name in GLOO_IMPORTERS:
+        if name in sys.modules:
+            sys.modules[name].initialize_global_process_group_ray = initialize_with_gloo
     _APPLIED.add("gloo_process_group")
 
 
@@ -105,11 +113,19 @@ def use_cpu_platform() -> None:
         set_platform(platform_cls())
 
 
+# each patch, and the module whose import applies it
+PATCHES_ON_IMPORT = {
+    "verl.utils.distributed": patch_gloo_process_group,
+    "verl.workers.engine.fsdp.transformer_impl": patch_unpinned_cpu_offload,
+    "verl.utils.model": patch_value_model_attention,
+    "transformers.modeling_utils": patch_ulysses_sdpa,
+}
+
+
 def apply_cpu_worker_patches() -> None:
-    """Apply every CPU patch; idempotent. Call in a worker process before verl builds engines."""
+    """The CPU platform now, and every patch once its module is imported (now where it already is);
+    idempotent. Call in a worker process before verl builds engines."""
     use_cpu_platform()
     set_engine_device_env()
-    patch_gloo_process_group()
-    patch_unpinned_cpu_offload()
-    patch_value_model_attention()
-    patch_ulysses_sdpa()
+    for module, patch in PATCHES_ON_IMPORT.items():
+        when_imported(module, lambda _module, patch=patch: patch())

@@ -31,7 +31,7 @@ from ray.util.placement_group import remove_placement_group
 from verl.experimental.reward_loop.router.naive_router import launch_router_process, run_router
 
 from async_rl.api.rollout import rollout_backend
-from async_rl.rollout.cpu.replica import CPU_ROLLOUT_NAME, register_cpu_rollout
+from async_rl.rollout.cpu.registration import CPU_ROLLOUT_NAME, register_cpu_rollout
 from async_rl.rollout.supervisor import kill_actor
 from async_rl.rollout.verl_replicas import replica_world_size
 

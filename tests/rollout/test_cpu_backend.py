@@ -7,7 +7,8 @@ import torch
 import transformers
 
 from async_rl.rollout.cpu.engine import ContinuousBatchingEngine
-from async_rl.rollout.cpu.replica import CPU_ROLLOUT_NAME, CPURolloutReplica, register_cpu_rollout
+from async_rl.rollout.cpu.registration import CPU_ROLLOUT_NAME, register_cpu_rollout
+from async_rl.rollout.cpu.replica import CPURolloutReplica
 from async_rl.rollout.cpu.server import CPURolloutServer
 
 TIMEOUT_S = 60

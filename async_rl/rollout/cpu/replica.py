@@ -1,8 +1,5 @@
-"""CPU rollout replica and its registration in verl's rollout replica registry.
-
-After :func:`register_cpu_rollout`, ``actor_rollout_ref.rollout.name=cpu`` makes verl's
-``get_rollout_replica_class`` (and thus ``LLMServerManager``) build :class:`CPURolloutReplica`,
-and verl's trainer ranks build the worker-side :class:`CPUServerAdapter`. Each replica is one
+"""CPU rollout replica, the class verl builds for ``actor_rollout_ref.rollout.name=cpu`` once the backend is
+registered (async_rl/rollout/cpu/registration.py). Each replica is one
 :class:`CPURolloutServer` Ray actor that asks Ray for logical CPUs only, never GPUs: standalone
 for this pipeline, hybrid for verl's own (synchronous) trainer, whose ranks send it weights.
 """
@@ -10,12 +7,10 @@ for this pipeline, hybrid for verl's own (synchronous) trainer, whose ranks send
 from __future__ import annotations
 
 import ray
-from verl.workers.rollout.replica import RolloutMode, RolloutReplica, RolloutReplicaRegistry
+from verl.workers.rollout.replica import RolloutMode, RolloutReplica
 
 from async_rl.rollout.cpu.reward_server import CPURewardModelServer
 from async_rl.rollout.cpu.server import CPURolloutServer
-
-CPU_ROLLOUT_NAME = "cpu"
 
 
 class CPURolloutReplica(RolloutReplica):
@@ -101,17 +96,3 @@ class CPURolloutReplica(RolloutReplica):
         self.name_suffix = f"_restart{attempt}"
         await self.launch_servers()
         return self._server_handle
-
-
-def _load_cpu_replica() -> type[RolloutReplica]:
-    return CPURolloutReplica
-
-
-def register_cpu_rollout() -> None:
-    """Register ``"cpu"`` in verl's two rollout registries (idempotent): the replica
-    (:class:`CPURolloutReplica`) and the trainer ranks' adapter (:class:`CPUServerAdapter`;
-    verl keeps that table as a module dict, `_ROLLOUT_REGISTRY`, with no register function)."""
-    from verl.workers.rollout import base as rollout_base
-
-    RolloutReplicaRegistry.register(CPU_ROLLOUT_NAME, _load_cpu_replica)
-    rollout_base._ROLLOUT_REGISTRY[(CPU_ROLLOUT_NAME, "async")] = "async_rl.rollout.cpu.adapter.CPUServerAdapter"
