@@ -82,5 +82,5 @@ def set_up_worker_process() -> None:
     when the module it patches is imported (a stage that never loads verl's engines or replicas never pays
     for them)."""
     apply_cpu_worker_patches()
-    when_imported("verl.experimental.reward_loop.reward_loop", lambda _module: patch_disrm_on_cpu())
-    when_imported("verl.workers.rollout.replica", lambda _module: register_cpu_rollout())
+    when_imported("verl.experimental.reward_loop.reward_loop", patch_disrm_on_cpu)
+    when_imported("verl.workers.rollout.replica", register_cpu_rollout)

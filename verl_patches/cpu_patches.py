@@ -128,4 +128,4 @@ def apply_cpu_worker_patches() -> None:
     use_cpu_platform()
     set_engine_device_env()
     for module, patch in PATCHES_ON_IMPORT.items():
-        when_imported(module, lambda _module, patch=patch: patch())
+        when_imported(module, patch)

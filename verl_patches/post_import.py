@@ -1,8 +1,8 @@
 """Run a patch when a module is imported, not before: `when_imported(name, patch)`.
 
-A CPU run's Ray workers patch verl at `import verl` (the plugin), but most of those processes (the
+The plugin sets up a CPU run's Ray workers at `import verl`, but most of those processes (the
 pipeline's stages) never load the modules patched, and importing them only to patch them costs each
-process about 2 s of CPU. `when_imported` calls `patch(module)` at once where the module is already
+process about 1 s of CPU. `when_imported` calls `patch()` at once where the module is already
 loaded, otherwise right after the module's own code has run, before the import that loaded it
 returns (so a `from module import name` elsewhere already sees the patched name). Each patch runs
 once per process.
@@ -16,7 +16,7 @@ import sys
 import threading
 from typing import Callable
 
-_PENDING: dict[str, list[Callable]] = {}
+_PENDING: dict[str, list[Callable[[], None]]] = {}
 _LOCK = threading.RLock()
 
 
@@ -35,7 +35,7 @@ class _PatchingLoader(importlib.abc.Loader):
         with _LOCK:
             patches = _PENDING.pop(module.__name__, [])
         for patch in patches:
-            patch(module)
+            patch()
 
 
 class _PostImportFinder(importlib.abc.MetaPathFinder):
@@ -58,16 +58,15 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
 _FINDER = _PostImportFinder()
 
 
-def when_imported(name: str, patch: Callable) -> None:
-    """Call `patch(module)` once `name` is imported in this process (now, where it already is)."""
+def when_imported(name: str, patch: Callable[[], None]) -> None:
+    """Call `patch()` once module `name` is imported in this process (now, where it already is)."""
     with _LOCK:
-        module = sys.modules.get(name)
-        if module is None:
+        if name not in sys.modules:
             _PENDING.setdefault(name, []).append(patch)
             if _FINDER not in sys.meta_path:
                 sys.meta_path.insert(0, _FINDER)
             return
-    patch(module)
+    patch()
 
 
 def pending() -> list[str]:

@@ -27,13 +27,13 @@ def test_a_patch_waits_for_its_module_and_runs_once(tmp_path, monkeypatch):
     (tmp_path / "late_module_user.py").write_text("seen = []\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     calls = []
-    when_imported("late_module", lambda module: calls.append(module.VALUE))
+    when_imported("late_module", lambda: calls.append(sys.modules["late_module"].VALUE))
     assert calls == [] and "late_module" in pending()
     import late_module
 
     assert calls == [1] and "late_module" not in pending()
     assert type(late_module.__loader__).__name__ == "SourceFileLoader"  # the module keeps its own loader
-    when_imported("late_module", lambda module: calls.append("again"))  # already loaded: at once
+    when_imported("late_module", lambda: calls.append("again"))  # already loaded: at once
     assert calls == [1, "again"]
 
 
@@ -42,8 +42,8 @@ def test_a_name_imported_from_the_module_afterwards_is_the_patched_one(tmp_path,
     (tmp_path / "patched_user.py").write_text("from patched_module import f\n")
     monkeypatch.syspath_prepend(str(tmp_path))
 
-    def patch(module):
-        module.f = lambda: "patched"
+    def patch():
+        sys.modules["patched_module"].f = lambda: "patched"
 
     when_imported("patched_module", patch)
     import patched_user
