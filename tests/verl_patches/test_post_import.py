@@ -4,6 +4,7 @@ imports them, yet patches and registers them when it does."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -13,8 +14,6 @@ from verl_patches.post_import import pending, when_imported
 
 def run_python(code: str, env_platform: bool = True) -> str:
     """`code` in a fresh interpreter (VERL_PLATFORM=cpu: a CPU run's Ray worker); returns its stdout."""
-    import os
-
     env = dict(os.environ, VERL_PLATFORM="cpu") if env_platform else dict(os.environ)
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
                           env=env, timeout=120)
@@ -23,8 +22,7 @@ def run_python(code: str, env_platform: bool = True) -> str:
 
 
 def test_a_patch_waits_for_its_module_and_runs_once(tmp_path, monkeypatch):
-    (tmp_path / "late_module.py").write_text("VALUE = 1\nfrom late_module_user import seen\n")
-    (tmp_path / "late_module_user.py").write_text("seen = []\n")
+    (tmp_path / "late_module.py").write_text("VALUE = 1\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     calls = []
     when_imported("late_module", lambda: calls.append(sys.modules["late_module"].VALUE))
