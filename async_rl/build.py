@@ -41,6 +41,7 @@ from state_machines.critic_train import CriticTrainStage
 from state_machines.dataloader import DataloaderStage
 from state_machines.dynamic_sampling import DynamicSamplingStage
 from state_machines.generate import GenerateStage
+from state_machines.host import HostedStage, StageHost
 from state_machines.logp import LogpStage
 from state_machines.param_update import ParamUpdateStage
 from state_machines.ref_logp import RefLogpStage
@@ -50,8 +51,12 @@ from state_machines.values import ValuesStage
 
 logger = logging.getLogger(__name__)
 
-SETUP_TIMEOUT_S = 300.0  # starting worker groups or replicas, loading a checkpoint, the first sync
+# starting worker groups or replicas, loading a checkpoint, the first sync (s). verl waits on these without a
+# limit; a vLLM replica's start has taken over 300 s on 2 cores under the test lanes' load, and a large
+# model's load takes minutes: the bound stops a hang, not a slow start
+SETUP_TIMEOUT_S = 600.0
 CALL_TIMEOUT_S = 120.0  # any other call on a stage
+STAGE_CONCURRENCY = 64  # calls a stage's actor runs at once (its loop, puts from upstream, the driver's)
 
 
 @dataclass
@@ -67,7 +72,9 @@ class BuiltPipeline:
     stage_nodes: dict = field(default_factory=dict)  # stage -> the Ray node id its actor is placed on
     replicas: list = field(default_factory=list)  # verl RolloutReplica objects, started
     reward_model: Optional[RewardModelService] = None  # the reward model's servers and router, if enabled
-    stages: dict[str, Any] = field(default_factory=dict)  # stage name -> Ray actor handle
+    stages: dict[str, Any] = field(default_factory=dict)  # stage name -> Ray actor handle or HostedStage
+    hosts: dict[str, Any] = field(default_factory=dict)  # node id -> the StageHost of that node's stages
+    adding: dict[str, Any] = field(default_factory=dict)  # hosted stage -> its `add` call, until built
     receivers: list = field(default_factory=list)  # WeightReceivers of the weight sync
     validator: Optional[Validator] = None
     resume_point: Optional[ResumePoint] = None
@@ -101,14 +108,47 @@ class BuiltPipeline:
             raise PipelinePreempted(self.stop.signum, None, where)
 
     def stage(self, stage_name: str, cls, *args, **kwargs):
-        """Start stage `stage_name` as a Ray actor on its node (logical CPUs: stages mostly wait)."""
-        actor_cls = ray.remote(cls).options(
-            name=f"async_rl_{stage_name}_{os.getpid()}", num_cpus=0, max_concurrency=64,
-            runtime_env={"env_vars": self.env_vars},
-            scheduling_strategy=NodeAffinitySchedulingStrategy(self.stage_nodes.get(stage_name, self.driver_node), False),
-        )
-        self.stages[stage_name] = actor_cls.remote(*args, **kwargs)
+        """Start stage `stage_name` on its node: in the node's StageHost (`trainer.stage_processes=per_node`)
+        or as a Ray actor of its own (`per_stage`). Logical CPUs: stages mostly wait."""
+        node = self.node_of(stage_name)
+        if self.run.async_cfg.stage_processes == "per_stage":
+            self.stages[stage_name] = self._actor(cls, stage_name, node, STAGE_CONCURRENCY).remote(*args, **kwargs)
+        else:
+            if node not in self.hosts:
+                on_node = [s for s in self.run.edges if self.node_of(s) == node]
+                self.hosts[node] = self._actor(StageHost, "+".join(on_node), node,
+                                               STAGE_CONCURRENCY * len(on_node)).remote(len(on_node))
+            self.adding[stage_name] = self.hosts[node].add.remote(stage_name, cls, args, kwargs)
+            self.stages[stage_name] = HostedStage(self.hosts[node], stage_name)
         return self.stages[stage_name]
+
+    def node_of(self, stage_name: str) -> str:
+        """The Ray node id stage `stage_name` runs on (the driver's unless placed beside its workers)."""
+        return self.stage_nodes.get(stage_name, self.driver_node)
+
+    def _actor(self, cls, label: str, node: str, concurrency: int):
+        return ray.remote(cls).options(
+            name=f"async_rl_{label}_{os.getpid()}", num_cpus=0, max_concurrency=concurrency,
+            runtime_env={"env_vars": self.env_vars}, scheduling_strategy=NodeAffinitySchedulingStrategy(node, False))
+
+    def wait_for_stages(self) -> None:
+        """Every hosted stage built (a host runs its calls in no set order); PipelineError naming a stage
+        whose constructor raised."""
+        adding, self.adding = self.adding, {}
+        self.wait(adding, SETUP_TIMEOUT_S, "start the stages")
+
+    def describe_processes(self) -> str:
+        """One log line: how many processes run the stages, and which stages each holds."""
+        mode = self.run.async_cfg.stage_processes
+        if mode == "per_stage":
+            return f"{len(self.stages)} ({mode}): {', '.join(self.stages)}"
+        groups = {node: [s for s, h in self.stages.items() if isinstance(h, HostedStage) and h.host is host]
+                  for node, host in self.hosts.items()}
+        return f"{len(groups)} ({mode}): " + "; ".join(f"{'+'.join(s)} on node {n[:8]}" for n, s in groups.items())
+
+    def actors(self) -> list:
+        """Every Ray actor running the run's stages (a host once)."""
+        return [*self.hosts.values(), *(h for h in self.stages.values() if not isinstance(h, HostedStage))]
 
 
 def place(built: BuiltPipeline) -> None:
@@ -197,6 +237,8 @@ def build_stages(built: BuiltPipeline) -> None:
     for spec in settings.user_stages:
         built.stage(spec.name, run.user_stages[spec.name], config=cfg, name=spec.name, **spec.kwargs)
 
+    built.wait_for_stages()
+    logger.warning("stage processes: %s", built.describe_processes())
     # engines start in parallel; each has its own timeout-bounded wait
     groups = ("actor_train", "logp", "ref_logp") + (("critic_train",) if run.critic else ())
     built.wait({n: built.stages[n].setup.remote() for n in groups}, SETUP_TIMEOUT_S, "start verl worker groups")
@@ -268,7 +310,7 @@ def shutdown(built: BuiltPipeline) -> None:
             ray.get(built.stages["actor_train"].close_weight_sender.remote(), timeout=CLOSE_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - a dead sender's files go at the next run's start
             logger.warning("the weight sync's shared-memory files were not unlinked; the next run removes them")
-    for actor in [*built.stages.values(), *(s for r in built.replicas for s in r.servers)]:
+    for actor in [*built.actors(), *(s for r in built.replicas for s in r.servers)]:
         kill_actor(actor)
     if built.reward_model is not None:
         built.reward_model.stop()

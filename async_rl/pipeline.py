@@ -14,8 +14,9 @@ checkpoint, up to `trainer.max_restarts` times.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
-from typing import Optional
+from typing import Optional, TypeVar
 
 import psutil
 import ray
@@ -30,11 +31,19 @@ from async_rl.run_config import RunConfig, ray_init_kwargs, read_run_config
 from async_rl.run_trace import start_trace, write_run_report, write_run_trace
 from async_rl.stop_signals import (PipelinePreempted, kill_ray_processes, ray_processes, sigterm_blocked,
                                    stop_signals_caught)
-from verl_patches.cpu_patches import set_engine_device_env, use_cpu_platform
+from verl_patches.cpu_patches import apply_cpu_driver_patches, set_engine_device_env, use_cpu_platform
+from verl_patches.tensordict_threads import patch_per_thread_device_recorder
 
 logger = logging.getLogger(__name__)
 
 RAY_EXIT_WAIT_S = 5.0  # after ray.shutdown and the SIGKILL of what is left, the wait until all are gone
+# ray.init gives up when its new node has not registered within 30 s (hard-coded in ray._private.node), which
+# a loaded machine exceeds (CI, 2026-11-28: a run's own Ray on 2 cores beside two other test lanes): the start
+# is tried again, what the failed one started killed first. Ray raises a bare Exception, told by its text.
+RAY_START_ATTEMPTS = 3
+RAY_START_TIMED_OUT = "timed out during startup"
+
+T = TypeVar("T")
 
 
 def run_pipeline(run: RunConfig, tracking=None, restarts: int = 0,
@@ -126,15 +135,50 @@ def run_async_pipeline(config, task_runner_class=None) -> None:
 def start_ray(config: DictConfig) -> tuple[bool, dict]:
     """Ray for the run: joins the one this process already started, else starts one
     (`ray_init_kwargs`). Returns (whether it started Ray, the env vars every process of the run gets)."""
+    patch_per_thread_device_recorder()  # the driver calls worker groups from threads too (checkpoints)
     if str(config.trainer.device) == "cpu":
         use_cpu_platform()
         set_engine_device_env()
+        apply_cpu_driver_patches()
     kwargs = ray_init_kwargs(config)
+    env_vars = kwargs["runtime_env"]["env_vars"]
+    if "LOG_LEVEL" in env_vars:  # the driver too: it imports vLLM's API server when it starts a reward model on
+        os.environ.setdefault("LOG_LEVEL", env_vars["LOG_LEVEL"])  # vLLM, which would silence its warnings
     owns = not ray.is_initialized()
     if owns:
-        with sigterm_blocked():  # Ray's processes and all they start ignore a scheduler's SIGTERM (stop_signals)
+        init_ray(kwargs)
+    return owns, env_vars
+
+
+def init_ray(kwargs: dict, attempts: int = RAY_START_ATTEMPTS) -> None:
+    """`ray.init(**kwargs)` with SIGTERM blocked (Ray's processes and all they start ignore a scheduler's
+    SIGTERM: stop_signals), started again when Ray's node did not start in time (`retry_ray_start`)."""
+
+    def start() -> None:
+        with sigterm_blocked():
             ray.init(**kwargs)
-    return owns, kwargs["runtime_env"]["env_vars"]
+
+    retry_ray_start(start, attempts)
+
+
+def retry_ray_start(start: Callable[[], T], attempts: int = RAY_START_ATTEMPTS) -> T:
+    """`start()`, a start of Ray in this process (`ray.init`, a test's `Cluster`). When Ray's node did not
+    start in time, the processes that start left are killed and `start()` runs again, `attempts` times in
+    all; any other error is raised at once."""
+    for attempt in range(1, attempts):
+        before = {child.pid for child in psutil.Process().children(recursive=True)}
+        try:
+            return start()
+        except Exception as exc:
+            if RAY_START_TIMED_OUT not in str(exc):
+                raise
+            left = [child for child in psutil.Process().children(recursive=True) if child.pid not in before]
+            print(f"async_rl: Ray's node did not start in time ({exc}); killed the {len(left)} processes it left, "
+                  f"starting Ray again (attempt {attempt + 1} of {attempts})", flush=True)
+            kill_ray_processes(left)
+            psutil.wait_procs(left, timeout=RAY_EXIT_WAIT_S)
+            ray.shutdown()
+    return start()  # the last attempt: any error is raised
 
 
 def stop_ray(processes: Optional[list] = None) -> None:

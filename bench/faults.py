@@ -7,7 +7,8 @@ subprocess in its own session. At a random step (from `--seed`) the bench inject
 - `rollout_server_sigkill`: SIGKILL of one rollout server (the replica is restarted in place);
 - `rollout_server_hang`: SIGSTOP of one rollout server (killed after `request_timeout_s`, restarted);
 - `train_rank_sigkill`: SIGKILL of the train rank (the pipeline restarts from the newest checkpoint);
-- `reward_actor_sigkill`: SIGKILL of the reward stage's actor (same);
+- `reward_actor_sigkill`: SIGKILL of the reward stage's actor (same; this run has a process per stage,
+  `trainer.stage_processes=per_stage`, so that it kills the reward stage alone);
 - `driver_sigterm`: SIGTERM of the driver (it saves a checkpoint and exits; the bench runs the
   command again and it resumes);
 - `group_sigterm`: SIGTERM to every process of the run, as a scheduler stops a job (the same; the
@@ -209,6 +210,8 @@ def run_one(fault: str, demo: Path, workdir: Path, steps: int, inject_step: int,
              "+trainer.max_restarts": 2,
              "+reward.on_error": "zero", "+reward.async_timeout_s": REWARD_TIMEOUT_S,
              "+actor_rollout_ref.rollout.request_timeout_s": REQUEST_TIMEOUT_S}
+    if fault == "reward_actor_sigkill":  # the reward stage in a process of its own (the default shares one)
+        extra["+trainer.stage_processes"] = "per_stage"
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *demo_overrides(demo, extra=extra)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     start = time.monotonic()

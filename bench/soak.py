@@ -2,7 +2,7 @@
 
 Runs the demo's verl command with the flag (`DIR/overrides.txt`, `--steps` steps, validation
 every 100) as a subprocess and samples, every `--every-s` seconds, the RSS (MiB) of the driver
-and of each process under it (Ray's stage actors `ray::<Stage>`, worker groups, rollout server,
+and of each process under it (the stages' `ray::StageHost`, worker groups, rollout server,
 raylet, GCS), with the newest logged step. Prints, per process, its RSS at the end of warm-up
 (`--warmup-steps`), at the end and the growth; the goal is growth < 5% for every process.
 Samples land in `--json` for plotting.
@@ -30,13 +30,14 @@ GOAL_GROWTH = 0.05  # after warm-up, no process grows by more than this fraction
 
 
 def process_name(proc) -> str:
-    """A stable label: Ray's process title (`ray::ActorTrainStage`), else the program's name."""
+    """A stable label: Ray's process title without the method running now (`ray::StageHost.call` ->
+    `ray::StageHost`), else the program's name."""
     try:
         cmd = proc.cmdline()
     except Exception:  # noqa: BLE001 - the process may be gone
         return "?"
     if cmd and cmd[0].startswith("ray::"):
-        return cmd[0]
+        return cmd[0].split(".", 1)[0]
     exe = Path(cmd[0]).name if cmd else proc.name()
     if exe.startswith("python") and len(cmd) > 2 and cmd[1] == "-m":
         return f"python -m {cmd[2]}"

@@ -31,6 +31,7 @@ from abc import ABC, abstractmethod
 from typing import Any, Optional
 
 from async_rl.core.trace import TraceRecorder
+from verl_patches.tensordict_threads import patch_per_thread_device_recorder
 
 
 class _EndOfStream:
@@ -135,6 +136,7 @@ class StateMachine(ABC):
     def __init__(self, name: str, inbox_size: int = 2, max_inflight: int = 1):
         if inbox_size < 1 or max_inflight < 1:
             raise ValueError(f"stage '{name}': inbox_size and max_inflight must be >= 1")
+        patch_per_thread_device_recorder()  # a stage's worker-group calls run in threads, several at once
         self.name = name
         self.inbox_size = inbox_size
         self.max_inflight = max_inflight

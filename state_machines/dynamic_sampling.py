@@ -32,6 +32,7 @@ from async_rl.core.messages import ScoredBatch, TrainingBatch, resolve
 from async_rl.core.scoring import groups_with_distinct_rewards
 from async_rl.core.staleness import oldest_versions
 from state_machines.base import END_OF_STREAM, StateMachine
+from state_machines.reward import REMAX_BASELINE_METRIC
 
 
 @dataclass
@@ -138,12 +139,15 @@ class DynamicSamplingStage(StateMachine):
             "async/dynamic_sampling/pending_groups": float(len(self.pending)),
             "async/faults/reward_errors": self._reward_errors,
         }
+        baselines = None if chosen[0].baselines is None else torch.cat([g.baselines for g in chosen])
+        if baselines is not None:  # ReMax: the trained prompts' greedy scores (the reward stage's metric, per batch)
+            metrics[REMAX_BASELINE_METRIC] = float(baselines.mean())
         scored = ScoredBatch(
             index=self.step,
             scores=torch.cat([g.scores for g in chosen]),
             uids=np.asarray(batch.non_tensor_batch["uid"]),
             metrics=metrics,
-            baselines=None if chosen[0].baselines is None else torch.cat([g.baselines for g in chosen]),
+            baselines=baselines,
         )
         ref = ray.put(batch) if ray.is_initialized() else batch
         start = min(int(v) for v in batch.non_tensor_batch["start_version"])

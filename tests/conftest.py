@@ -16,6 +16,21 @@ import ray
 from async_rl.stop_signals import session_processes
 from lineage import compose_ppo, dumped_step_inputs, expected_step_inputs, read_jsonl  # noqa: F401 - tests import them from here
 
+# Every Ray the tests start (their own, verl's, the shared clusters) skips Ray's prestart of one idle
+# Python worker per logical CPU when the first driver connects: 1.7-2.6 s of CPU each on these 2 cores,
+# for workers the runs' actors never use (their processes start on demand).
+os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
+# Ray's log monitor looks for new worker log files 10 times a second, a glob and a stat of every file of the
+# session: with 600 files (a suite's cluster collects hundreds), 8.9% of a core against 2.7% looking once a
+# second (Ray's LogMonitor run for 15 s on 600 empty worker log files, each way, on this 2-core machine). A
+# new worker's output reaches the driver up to a second later; nothing is lost.
+os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
+os.environ.setdefault("LOG_NAME_UPDATE_INTERVAL_S", "1")
+
+# A hang guard for one Ray call in a test, not a performance bound: a new actor's first answer includes its
+# process start and imports, which took over 60 s in CI's run of three lanes on 2 cores (the CPU saturated).
+RAY_CALL_GUARD_S = 300
+
 
 @pytest.fixture(scope="session")
 def demo_dir(tmp_path_factory) -> Path:
@@ -33,10 +48,12 @@ def start_cluster(**system_config):
     from ray._common.utils import reset_ray_address
     from ray.cluster_utils import Cluster
 
+    from async_rl.pipeline import retry_ray_start
+
     args = {"num_cpus": 32, "num_gpus": 8, "include_dashboard": False, "object_store_memory": 2 << 30}
     if system_config:
         args["_system_config"] = system_config
-    cluster = Cluster(initialize_head=True, head_node_args=args)
+    cluster = retry_ray_start(lambda: Cluster(initialize_head=True, head_node_args=args))  # Ray's 30 s, on a loaded machine
     reset_ray_address()  # Cluster advertises itself to every later `ray.init()` on this machine
     return cluster
 
@@ -95,7 +112,7 @@ def run_verl(demo_dir: Path, extra, workdir: Path, timeout_s: float = 600, criti
         cmd.append(f"+ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH={metrics_path}")
     proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
-    proc.started_at = time.time()
+    watch_session(proc)
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -133,13 +150,35 @@ def run_pipeline_reading_digests(demo_dir: Path, extra: dict, workdir: Path, env
                                  imports: tuple = ()) -> tuple[subprocess.CompletedProcess, dict | None]:
     """The pipeline on the demo (`run_pipeline`), then `weight_digests` of every weight
     holder; returns the process and {"digests": holder -> name -> digest, "steps": the step metrics}."""
-    out = workdir / "result.json"
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "VERL_FILE_LOGGER_PATH": str(workdir / "metrics.jsonl"),
            **(env or {})}
-    proc = subprocess.run([sys.executable, "-c", DIGESTS_SCRIPT, str(demo_dir), str(out), json.dumps(extra),
-                           json.dumps(list(imports))],
+    proc = subprocess.run(digests_command(demo_dir, extra, workdir, imports),
                           cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout_s)
-    return proc, (json.loads(out.read_text()) if out.exists() else None)
+    return proc, read_digests(workdir)
+
+
+def digests_command(demo_dir: Path, extra: dict, workdir: Path, imports: tuple = ()) -> list[str]:
+    """DIGESTS_SCRIPT's command line, its result written to `workdir`/result.json (`read_digests`)."""
+    return [sys.executable, "-c", DIGESTS_SCRIPT, str(demo_dir), str(workdir / "result.json"), json.dumps(extra),
+            json.dumps(list(imports))]
+
+
+def start_pipeline_reading_digests(demo_dir: Path, extra: dict, workdir: Path) -> subprocess.Popen:
+    """`run_pipeline_reading_digests` started in its own session, as `start_verl` starts verl's command (its
+    output in metrics.jsonl.log, its Ray its own); once it has exited, `read_digests(workdir)` reads its result."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "VERL_FILE_LOGGER_PATH": str(workdir / "metrics.jsonl")}
+    env.pop("RAY_ADDRESS", None)
+    log = open(workdir / "metrics.jsonl.log", "w")
+    proc = subprocess.Popen(digests_command(demo_dir, extra, workdir), cwd=workdir, env=env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    watch_session(proc)
+    return proc
+
+
+def read_digests(workdir: Path) -> dict | None:
+    """What `start_pipeline_reading_digests` wrote (as `run_pipeline_reading_digests` returns it), None if nothing."""
+    out = workdir / "result.json"
+    return json.loads(out.read_text()) if out.exists() else None
 
 
 def step_rows(rows: list[dict]) -> dict[int, dict]:
@@ -172,7 +211,7 @@ def start_verl(demo_dir: Path, extra, workdir: Path, metrics_name: str = "metric
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides]
     log = open(workdir / f"{metrics_name}.log", "w")
     proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    proc.started_at = time.time()
+    watch_session(proc)
     return proc
 
 
@@ -190,6 +229,24 @@ def wait_until(predicate, proc, what: str, timeout_s: float = 400):
         time.sleep(0.2)
 
 
+def watch_session(proc: subprocess.Popen) -> subprocess.Popen:
+    """Marks `proc` (a run started in its own session) with `started_at` and `seen_pids`, every pid of its
+    session seen while it runs (polled every 0.5 s from a thread), so that `assert_nothing_left` blames on
+    the run only the shared-memory files its own processes made: the other lanes' runs on the machine
+    make theirs too, and a SIGKILLed one leaves them."""
+    import threading
+
+    proc.started_at, proc.seen_pids = time.time(), set()
+
+    def watch():
+        while pids := session_processes(proc.pid):
+            proc.seen_pids.update(pids)
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, daemon=True, name=f"watch-{proc.pid}").start()
+    return proc
+
+
 def assert_nothing_left(proc: subprocess.Popen, when: str, within_s: float = 15.0) -> None:
     """No process of `proc`'s session (the driver, Ray's, every actor and what they forked) is alive
     `within_s` after `proc` exited, and no weight-sync shared-memory file of its processes remains."""
@@ -201,9 +258,12 @@ def assert_nothing_left(proc: subprocess.Popen, when: str, within_s: float = 15.
     left = subprocess.run(["ps", "-o", "pid=,ppid=,args=", "-s", str(proc.pid)], capture_output=True, text=True).stdout
     assert not session_processes(proc.pid), f"processes left {when}:\n{left}"
     started = getattr(proc, "started_at", 0.0)  # start_verl's: files of earlier runs are not this run's
+    seen = getattr(proc, "seen_pids", None)  # the run's processes (watch_session): not another lane's run's
+    creator = lambda f: f[len(PREFIX):].split("-")[0]  # noqa: E731 - the creator's pid follows the prefix
     files = [f for f in os.listdir(SHM_DIR) if f.startswith(PREFIX)
-             and os.path.getmtime(os.path.join(SHM_DIR, f)) >= started  # the creator's pid follows the prefix
-             and not os.path.exists(f"/proc/{f[len(PREFIX):].split('-')[0]}")]
+             and os.path.getmtime(os.path.join(SHM_DIR, f)) >= started
+             and not os.path.exists(f"/proc/{creator(f)}")
+             and (seen is None or (creator(f).isdigit() and int(creator(f)) in seen))]
     assert not files, f"shared-memory files left {when}: {files}"
 
 

@@ -3,7 +3,7 @@
 Each is applied only inside the worker processes of a CPU run (`apply_cpu_worker_patches`), when the
 module it patches is imported (`verl_patches/post_import.py`: a stage that never builds an engine never
 loads verl's engine modules); verl's own commands on GPUs are untouched. Each has a test that fails
-without it (tests/verl_patches/test_verl_patches.py).
+without it (tests/verl_patches/test_verl_patches.py; 5-7 in their own test modules).
 
 1. `gloo_process_group`: verl builds the backend string `cpu:gloo,cpu:gloo` on a
    CPU platform, which torch rejects; use plain `gloo`.
@@ -11,12 +11,19 @@ without it (tests/verl_patches/test_verl_patches.py).
    `CPUOffloadPolicy(pin_memory=True)`; pinning needs an accelerator.
 3. `engine_device`: verl registers its FSDP engine for cuda/npu only; the env var
    `VERL_ENGINE_DEVICE=cuda` selects that (device-agnostic) engine class.
-5. `ulysses_sdpa` (verl_patches/ulysses_sdpa.py): verl's Ulysses sequence parallelism patches
-   flash-attention's forward only; the same all-to-all around transformers' sdpa attention.
 4. `value_model_attention`: verl's critic loads its value model with
    `attn_implementation="flash_attention_2"` hard-coded (`verl.utils.model.load_valuehead_model`),
    which needs CUDA; load it with the attention the critic's config asks for
    (`critic.model.override_config.attn_implementation`), sdpa by default.
+5. `ulysses_sdpa` (verl_patches/ulysses_sdpa.py): verl's Ulysses sequence parallelism patches
+   flash-attention's forward only; the same all-to-all around transformers' sdpa attention.
+6. `packed_sdpa` (verl_patches/packed_sdpa.py): on a packed (padding-removed) micro-batch, sdpa attends
+   within each sample, as flash-attention's varlen kernel does, instead of over the whole packed sequence.
+7. `row_block_logprobs` (verl_patches/row_block_logprobs.py): verl's CPU log-probs of labels loop over
+   packed tokens one at a time; the same values a block of rows at a time.
+8. `master_port` (verl_patches/master_port.py): a worker group's rendezvous port below the kernel's
+   ephemeral range, so that no outgoing connection takes it before rank 0 binds it (also in the
+   driver of a CPU run: `apply_cpu_driver_patches`).
 """
 
 from __future__ import annotations
@@ -26,7 +33,10 @@ import os
 import sys
 
 from verl_patches.cpu_platform import make_cpu_platform_class
+from verl_patches.master_port import patch_master_port
+from verl_patches.packed_sdpa import patch_packed_sdpa
 from verl_patches.post_import import when_imported
+from verl_patches.row_block_logprobs import patch_row_block_logprobs
 from verl_patches.ulysses_sdpa import patch_ulysses_sdpa
 
 _APPLIED: set[str] = set()
@@ -98,6 +108,12 @@ def patch_value_model_attention() -> None:
     _APPLIED.add("value_model_attention")
 
 
+def patch_sdpa_attention() -> None:
+    """Both sdpa wrappers, the packed one inside: Ulysses gathers a rank's slice of the sequence first."""
+    patch_packed_sdpa()
+    patch_ulysses_sdpa()
+
+
 def set_engine_device_env() -> None:
     """Select verl's FSDP engine class (registered for cuda/npu) on CPU."""
     os.environ.setdefault("VERL_ENGINE_DEVICE", "cuda")
@@ -113,12 +129,18 @@ def use_cpu_platform() -> None:
         set_platform(platform_cls())
 
 
-# each patch, and the module whose import applies it
+# the patches that the process building verl's worker groups needs (the driver of a CPU run)
+DRIVER_PATCHES_ON_IMPORT = {"verl.single_controller.ray.base": patch_master_port}
+
+# each patch, and the module whose import applies it (a worker of a CPU run builds worker groups too: verl's
+# TaskRunner)
 PATCHES_ON_IMPORT = {
     "verl.utils.distributed": patch_gloo_process_group,
     "verl.workers.engine.fsdp.transformer_impl": patch_unpinned_cpu_offload,
     "verl.utils.model": patch_value_model_attention,
-    "transformers.modeling_utils": patch_ulysses_sdpa,
+    "transformers.modeling_utils": patch_sdpa_attention,
+    "verl.utils.torch_functional": patch_row_block_logprobs,
+    **DRIVER_PATCHES_ON_IMPORT,
 }
 
 
@@ -128,4 +150,11 @@ def apply_cpu_worker_patches() -> None:
     use_cpu_platform()
     set_engine_device_env()
     for module, patch in PATCHES_ON_IMPORT.items():
+        when_imported(module, patch)
+
+
+def apply_cpu_driver_patches() -> None:
+    """In the process that builds verl's worker groups of a CPU run: each of DRIVER_PATCHES_ON_IMPORT once
+    its module is imported."""
+    for module, patch in DRIVER_PATCHES_ON_IMPORT.items():
         when_imported(module, patch)

@@ -30,6 +30,7 @@ PROXIMAL_LOGP_WORKERS = ("train", "logp")
 PREDUCE_BUCKET_KEY = "actor_rollout_ref.rollout.param_update_preduce_bucket_size_mb"
 CONSUME_BUCKET_KEY = "actor_rollout_ref.rollout.param_update_consume_bucket_size_mb"
 MB = 1 << 20  # the bucket sizes' unit
+STAGE_PROCESSES = ("per_node", "per_stage")  # the stages of a node share one Ray actor process, or not
 REWARD_ON_ERROR = ("stop", "zero")  # a raising / hanging reward function: fail the run, or score 0 and count
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,10 @@ def _as_choice(key: str, value, choices: tuple[str, ...]) -> str:
 
 def _as_reward_on_error(key: str, value) -> str:
     return _as_choice(key, value, REWARD_ON_ERROR)
+
+
+def _as_stage_processes(key: str, value) -> str:
+    return _as_choice(key, value, STAGE_PROCESSES)
 
 
 def _as_proximal_workers(key: str, value) -> str:
@@ -161,6 +166,9 @@ KEYS = (
     Key("trainer.stop_deadline_s", "stop_deadline_s", 25.0, _as_positive_number, "> 0",
         "SIGTERM/SIGINT to the job: last step saved, every process gone within this "
         "([docs](docs/operations.md))", "`25`"),
+    Key("trainer.stage_processes", "stage_processes", "per_node", _as_stage_processes, "`per_node` or `per_stage`",
+        "a node's stages share one Ray actor process, or each has its own "
+        "([docs](docs/architecture.md#stage-processes))"),
     Key("reward.async_timeout_s", "reward_timeout_s", 60.0, _as_positive_number, "> 0",
         "one batch's reward scoring may take this long; a hanging reward function fails the run, named", "`60`"),
     Key("trainer.max_restarts", "max_restarts", 0, _as_count, "int >= 0",
@@ -210,6 +218,7 @@ class AsyncPipelineConfig:
     generate_ahead_steps: int = _DEFAULTS["generate_ahead_steps"]
     stall_timeout_s: float = _DEFAULTS["stall_timeout_s"]
     stop_deadline_s: float = _DEFAULTS["stop_deadline_s"]  # first stop signal -> process exit
+    stage_processes: str = _DEFAULTS["stage_processes"]  # per_node: one StageHost per node
     trace_path: Optional[str] = _DEFAULTS["trace_path"]  # the timeline's folder (None: no timeline)
     reward_timeout_s: float = _DEFAULTS["reward_timeout_s"]
     reward_on_error: str = _DEFAULTS["reward_on_error"]

@@ -40,7 +40,8 @@ class ReplicaSupervisor:
         relaunch: `async relaunch(index, attempt) -> new handle` (a fresh server on the replica's resources).
         feed_weights: `async feed_weights(index, handle) -> version` (the newest weights, loaded).
         kill: `kill(handle)`, used on a server that stopped answering (default: `ray.kill`).
-        restart_timeout_s: a restart (start + weights) may take this long (s).
+        restart_timeout_s: a restart (start + weights) may take this long (s); a restart is a start, so the
+            default is the run's setup bound (async_rl/build.py `SETUP_TIMEOUT_S`).
         trace: the timeline's recorder (the generate stage's): per replica, its serving periods (track
             `replica <i>`), losses and restarts.
     """
@@ -52,7 +53,7 @@ class ReplicaSupervisor:
         relaunch: Optional[Callable[[int, int], Awaitable[Any]]] = None,
         feed_weights: Optional[Callable[[int, Any], Awaitable[int]]] = None,
         kill: Optional[Callable[[Any], None]] = None,
-        restart_timeout_s: float = 300.0,
+        restart_timeout_s: float = 600.0,
         trace: Optional[TraceRecorder] = None,
     ):
         if not handles:

@@ -29,6 +29,7 @@ from param_update.sender import BucketSender, live_storage_addresses
 from param_update.staging import WeightStaging
 from verl_patches.cpu_patches import apply_cpu_worker_patches
 from verl_patches.deferred_checkpoint_write import hold_optimizer_step
+from verl_patches.tensordict_threads import patch_per_thread_device_recorder
 
 WEIGHTS_GROUP = "weights"  # Ray concurrency group of the staging calls
 CHECKPOINT_GROUP = "checkpoint"  # waits for a checkpoint's background write, beside training
@@ -41,6 +42,7 @@ class PipelineWorker(ActorRolloutRefWorker):
     def __init__(self, config, role: str, on_cpu: bool = False, **kwargs):
         if on_cpu:
             apply_cpu_worker_patches()
+        patch_per_thread_device_recorder()  # its concurrency groups' calls run beside the default group's
         super().__init__(config, role, **kwargs)
         self._bucket_sender = None
         self._staging = None

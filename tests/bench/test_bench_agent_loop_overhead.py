@@ -3,18 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
-BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "agent_loop_overhead.py")
+from bench_script import run_bench
 
 
 def test_agent_loop_overhead_prints_and_writes_json(tmp_path):
     out = tmp_path / "overhead.json"
-    proc = subprocess.run([sys.executable, BENCH, "--prompts", "4", "--n", "2", "--batches", "2", "--json", str(out)],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    proc = run_bench("agent_loop_overhead.py", ["--prompts", "4", "--n", "2", "--batches", "2", "--json", out], tmp_path)
     assert "command: python bench/agent_loop_overhead.py --prompts 4 --n 2" in proc.stdout
     result = json.loads(out.read_text())
     assert result["samples_per_batch"] == 8

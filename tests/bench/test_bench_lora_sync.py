@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
+
+from bench_script import run_bench
 
 
 def test_bench_prints_the_adapters_and_the_models_sync(tmp_path):
     out = tmp_path / "rows.json"
-    bench = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "lora_sync.py")
-    proc = subprocess.run([sys.executable, bench, "--sizes", "2M", "--rank", "8", "--syncs", "2", "--json", str(out)],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path, env={**os.environ, "RAY_ADDRESS": ""})
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    proc = run_bench("lora_sync.py", ["--sizes", "2M", "--rank", "8", "--syncs", "2", "--json", out], tmp_path,
+                     env={**os.environ, "RAY_ADDRESS": ""})
     assert "command: python" in proc.stdout and "lora bytes" in proc.stdout
     (row,) = json.loads(out.read_text())
     assert row["size"] == "2M" and row["rank"] == 8

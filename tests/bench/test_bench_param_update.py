@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
+
+from bench_script import run_bench
 
 
 KEYS = {"size", "params", "pipeline_total_s", "pipeline_blocked_s", "naive_total_s", "naive_blocked_s", "raw_copy_s",
@@ -14,10 +14,7 @@ KEYS = {"size", "params", "pipeline_total_s", "pipeline_blocked_s", "naive_total
 
 def test_bench_prints_table_and_json(tmp_path):
     out = tmp_path / "rows.json"
-    bench = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "param_update.py")
-    proc = subprocess.run([sys.executable, bench, "--sizes", "2M", "--json", str(out)], capture_output=True, text=True,
-                          timeout=600, cwd=tmp_path)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    proc = run_bench("param_update.py", ["--sizes", "2M", "--json", out], tmp_path)
     assert "command: " in proc.stdout and "blocked ratio" in proc.stdout
     (row,) = json.loads(out.read_text())
     assert KEYS <= set(row) and row["size"] == "2M" and row["params"] > 1_000_000

@@ -3,18 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
-BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "plan_sim.py")
+from bench_script import run_bench
 
 
 def test_plan_sim_prints_and_writes_table_json_and_png(tmp_path):
     out = tmp_path / "results" / "sim"
-    proc = subprocess.run([sys.executable, BENCH, "--gpus", "8,16,64", "--out", str(out)], capture_output=True,
-                          text=True, timeout=300, cwd=tmp_path)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    proc = run_bench("plan_sim.py", ["--gpus", "8,16,64", "--out", out], tmp_path, timeout_s=300)
     lines = proc.stdout.splitlines()
     assert lines[0].split() == ["gpus", "async_s", "sync_s", "speedup", "bubble", "devices", "override"]
     table = [line.split() for line in lines[1:4]]

@@ -3,21 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 from bench import param_update as bench_param_update
-
-BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "store_floor.py")
+from bench_script import run_bench
 
 
 def test_store_floor_prints_and_writes_json(tmp_path):
     out = tmp_path / "floor.json"
     args = ["--put-mb", "16", "--cache-mb", "4", "--rotate-mb", "32", "--model", "2M", "--store-mb", "256",
             "--repeats", "2", "--json", str(out)]
-    proc = subprocess.run([sys.executable, BENCH, *args], capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    proc = run_bench("store_floor.py", args, tmp_path)
     assert "command: " in proc.stdout and "store_floor.py --put-mb 16" in proc.stdout
     result = json.loads(out.read_text())
     scaling, cache, layout, stores = (result[k] for k in ("put_scaling", "cache", "layout", "store_type"))

@@ -27,6 +27,7 @@ DECOUPLED = "algorithm.decoupled_ppo"
 CAP = "algorithm.behav_imp_weight_cap"
 PARTIAL = "actor_rollout_ref.rollout.partial_rollout"
 PROXIMAL = "algorithm.proximal_logp_workers"
+STAGE_PROCESSES = "trainer.stage_processes"
 REQUEST_TIMEOUT = "actor_rollout_ref.rollout.request_timeout_s"
 TOOL_TIMEOUT = "actor_rollout_ref.rollout.multi_turn.tool_timeout_s"
 STOP_DEADLINE = "trainer.stop_deadline_s"
@@ -99,8 +100,9 @@ def test_the_key_table_is_the_one_source_of_defaults_and_of_the_readme():
 def test_config_keys_listed():
     assert set(CONFIG_KEYS) == set(BOOL_KEYS + POSITIVE_KEYS + (RATIOS, AHEAD, CAP, PROXIMAL, "reward.on_error",
                                                                 "trainer.max_restarts", "trainer.async_stages",
-                                                                REPLICA_RESTARTS, TOOL_POOL_SIZE, TRACE_PATH))
-    assert len(CONFIG_KEYS) == 21
+                                                                REPLICA_RESTARTS, TOOL_POOL_SIZE, TRACE_PATH,
+                                                                STAGE_PROCESSES))
+    assert len(CONFIG_KEYS) == 22
 
 
 def test_every_key_is_read():
@@ -122,9 +124,11 @@ def test_every_key_is_read():
                 PROXIMAL: "logp",
                 TOOL_TIMEOUT: 7,
                 TOOL_POOL_SIZE: 3,
+                STAGE_PROCESSES: "per_stage",
             }
         )
     )
+    assert c.stage_processes == "per_stage" and read_async_config(cfg({})).stage_processes == "per_node"
     assert c.decoupled_ppo is False and c.partial_rollout is False and c.proximal_logp_workers == "logp"
     assert c.behav_imp_weight_cap == 2.0 and isinstance(c.behav_imp_weight_cap, float)
     assert c.enabled is True and c.enable_dual_buffer is False
@@ -221,6 +225,12 @@ def test_bad_behaviour_weight_cap_rejected(value):
 def test_bad_proximal_logp_workers_rejected(value):
     msg = str(rejected(PROXIMAL, value))
     assert f"{PROXIMAL}={value!r}" in msg and "train or logp" in msg
+
+
+@pytest.mark.parametrize("value", ["per_process", "", None, 1])
+def test_bad_stage_processes_rejected(value):
+    msg = str(rejected(STAGE_PROCESSES, value))
+    assert f"{STAGE_PROCESSES}={value!r}" in msg and "per_node or per_stage" in msg
 
 
 @pytest.mark.parametrize("setting", ["rollout_is: sequence", "rollout_rs: token_k1", "bypass_mode: true"])

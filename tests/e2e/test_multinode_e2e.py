@@ -1,7 +1,7 @@
 """The demo on a 3-node local Ray cluster (`ray.cluster_utils.Cluster`): a head for the driver and
 two job nodes of 2 devices each. `use_nodes_ratios=[0.5,0.5,0.5,0.5]` must put train and ref_logp
 on one job node (sharing its devices) and both rollout replicas on the other, and every stage
-actor beside its workers; a placement the cluster cannot hold fails at start, naming the nodes."""
+beside its workers, the stages of a node in one process (`trainer.stage_processes=per_node`); a placement the cluster cannot hold fails at start, naming the nodes."""
 
 from __future__ import annotations
 
@@ -62,7 +62,9 @@ def test_stages_and_workers_run_where_use_nodes_ratios_places_them(cluster, demo
     (serve_node,) = set(servers.values())
     assert set(ref.values()) == {train_node}  # shared devices: same node as train
     assert {train_node, serve_node} == job_nodes  # two different job nodes, the head holds neither
-    stages = {name.split("_", 2)[2].rsplit("_", 1)[0]: node for name, node in _named(nodes, "async_rl_").items()}
+    hosts = _named(nodes, "async_rl_")  # async_rl_<stage>+<stage>..._<driver pid>: one process per node
+    assert sorted(hosts.values()) == sorted([head, train_node, serve_node]), hosts
+    stages = {stage: node for name, node in hosts.items() for stage in name.split("_", 2)[2].rsplit("_", 1)[0].split("+")}
     assert {s: stages[s] for s in ("actor_train", "param_update", "ref_logp")} == dict.fromkeys(
         ("actor_train", "param_update", "ref_logp"), train_node)
     assert stages["generate"] == serve_node

@@ -30,19 +30,60 @@ def _short_run(k: int, steps: int) -> dict:
     }
 
 
-# naive PPO, with verl's KL penalty in the reward (which brings the ref_logp stage in)
+# naive PPO, with verl's KL penalty in the reward (which brings the ref_logp stage in); this run also has
+# each stage in a process of its own (the default hosts a node's stages in one)
 NAIVE_PPO_KL = {"+algorithm.decoupled_ppo": False, "algorithm.rollout_correction.bypass_mode": True,
-                "algorithm.use_kl_in_reward": True}
+                "algorithm.use_kl_in_reward": True, "+trainer.stage_processes": "per_stage"}
+STAGES = "dataloader, generate, rollout, reward, logp, ref_logp, param_update, actor_train"
 KL_LOSS = {"actor_rollout_ref.actor.use_kl_loss": True}  # verl's KL loss against the ref_logp stage's log-probs
+# ReMax (verl 0.9.1's own trainer fails at step 1: no baseline)
+REMAX = {"algorithm.adv_estimator": "remax"}
+# verl's DAPO dynamic sampling key: training batches of groups whose rewards differ (a dynamic_sampling stage)
+DYNAMIC_SAMPLING = {"algorithm.filter_groups.enable": True, "algorithm.filter_groups.max_num_gen_batches": 10}
+# verl's examples/rollout_correction/run_with_rollout_corr.sh, in verl 0.9.1's keys and on the demo's model,
+# data and sizes: RLOO, gamma 1, self-normalised sequence-level IS with threshold 2; the script's pure-IS
+# bypass mode (verl's bypass-mode loss) is refused (tests/core/test_verl_keys.py), so it is left out here
+ROLLOUT_CORRECTION_EXAMPLE = {
+    "algorithm.adv_estimator": "rloo", "algorithm.gamma": 1.0,
+    "algorithm.rollout_correction.rollout_is": "sequence", "algorithm.rollout_correction.rollout_is_threshold": 2.0,
+    "algorithm.rollout_correction.rollout_is_batch_normalize": True,
+    "actor_rollout_ref.rollout.calculate_log_probs": True,
+}
 
 
-@pytest.mark.parametrize("k,steps,extra", [(1, 4, {}), (3, 6, KL_LOSS), (3, 4, NAIVE_PPO_KL)],
-                         ids=["k1", "k3-kl-loss", "k3-naive-kl"])
+# Each run also carries settings that do not touch the staleness bound, so that one run shows both: k1 the
+# user's own rollout correction with dynamic sampling, k3-kl-loss ReMax (not with dynamic sampling, whose
+# training batches carry the dynamic_sampling stage's metrics instead of the reward stage's).
+@pytest.mark.parametrize("k,steps,extra", [(1, 4, {**ROLLOUT_CORRECTION_EXAMPLE, **DYNAMIC_SAMPLING}),
+                                           (3, 6, {**KL_LOSS, **REMAX}), (3, 4, NAIVE_PPO_KL)],
+                         ids=["k1-own-rollout-correction-dynamic-sampling", "k3-kl-loss-remax", "k3-naive-kl"])
 def test_pipeline_trains_with_bounded_staleness(demo_dir, tmp_path, ray_address, k, steps, extra):
+    """Every step trains on samples at most k - 1 versions old (k = 1: on-policy), pi_prox the pre-update
+    version under decoupled PPO, the behaviour policy under naive PPO; and, in the same runs:
+    `algorithm.filter_groups.enable=True` fills every training batch with groups whose rewards differ, drawn
+    from as many generated batches as it takes; the user's own `algorithm.rollout_correction` trains as set;
+    `algorithm.adv_estimator=remax` trains against one greedy sample per prompt, generated and scored beside
+    the n sampled ones, never trained on, each sample's advantage its score less its prompt's greedy score
+    (the copy task scores in [0, 1])."""
+    from async_rl.demo.task import GROUP_SIZE, TRAIN_BATCH_SIZE
+
     code, out, rows = run_verl(demo_dir, {**_short_run(k, steps), **extra}, tmp_path, ray_address=ray_address)
     naive = extra is NAIVE_PPO_KL
+    kl_loss = KL_LOSS.items() <= extra.items()
+    remax = REMAX.items() <= extra.items()
+    dynamic = DYNAMIC_SAMPLING.items() <= extra.items()
+    own_correction = ROLLOUT_CORRECTION_EXAMPLE.items() <= extra.items()
     assert code == 0, out[-4000:]
-    by_step = every_step_with(rows, steps, REQUIRED_STEP_KEYS)
+    stages = STAGES.replace("reward, ", "reward, dynamic_sampling, ") if dynamic else STAGES
+    processes = f"8 (per_stage): {stages}" if naive else f"1 (per_node): {stages.replace(', ', '+')} on node"
+    assert f"stage processes: {processes}" in out
+    if own_correction:
+        assert "verl's rollout correction as set, not AReaL's decoupled PPO" in out
+    required = (*REQUIRED_STEP_KEYS, *(["async/remax/baseline_score/mean"] if remax else []),
+                # verl logs the normalising factor only with rollout_is_batch_normalize=True, which decoupled
+                # PPO leaves off
+                *(["rollout_corr/rollout_is_batch_norm_factor"] if own_correction else []))
+    by_step = every_step_with(rows, steps, required)
     for step, metrics in by_step.items():
         assert metrics["async/param_version"] == step
         assert 0.0 <= metrics["critic/score/mean"] <= 1.0
@@ -50,7 +91,7 @@ def test_pipeline_trains_with_bounded_staleness(demo_dir, tmp_path, ray_address,
         hist = [metrics.get(f"async/staleness/hist_{s}", 0.0) for s in range(k)]
         assert abs(sum(hist) - 1.0) < 1e-6, hist  # every sample in a bucket 0..eta
         assert 1 <= metrics["async/partial/max_versions_spanned"] <= k  # a sample spans at most eta + 1 versions
-        assert ("actor/kl_loss" in metrics) == (extra is KL_LOSS)
+        assert ("actor/kl_loss" in metrics) == kl_loss
         if naive:  # naive PPO: pi_old is the behaviour policy; nothing recomputed, no weights
             assert metrics["async/logp_version"] == -1 and "rollout_corr/rollout_is_mean" not in metrics
             assert "timing_s/old_log_prob" not in metrics
@@ -62,6 +103,17 @@ def test_pipeline_trains_with_bounded_staleness(demo_dir, tmp_path, ray_address,
             assert metrics["async/logp_version"] == step - 1
             assert "rollout_corr/rollout_is_mean" in metrics
             assert metrics["timing_s/old_log_prob"] > 0  # computed on the train ranks (the default)
+        if dynamic:  # every training batch full of groups whose rewards differ, pi_prox still pre-update
+            assert metrics["async/dynamic_sampling/gen_batches"] >= 1
+            assert metrics["async/trained_rows"] == TRAIN_BATCH_SIZE * GROUP_SIZE  # full, not filtered down
+            assert metrics["async/staleness/max"] <= 1 and metrics["async/logp_version"] == step - 1
+            assert "async/dynamic_sampling/busy_ratio" in metrics
+        if own_correction:
+            assert metrics["rollout_corr/rollout_is_batch_norm_factor"] > 0, (step, metrics)
+        if remax:
+            assert 0.0 <= metrics["async/remax/baseline_score/mean"] <= 1.0
+            assert metrics["async/trained_rows"] == TRAIN_BATCH_SIZE * GROUP_SIZE  # the greedy samples are not trained
+            assert -1.0 <= metrics["critic/advantages/min"] <= metrics["critic/advantages/max"] <= 1.0, metrics
     if k == 1:
         assert all(m["async/staleness/max"] == 0 for m in by_step.values())
         # on-policy: pi_prox (train ranks, FSDP2) is the policy that sampled (CPU backend); after the
@@ -72,40 +124,6 @@ def test_pipeline_trains_with_bounded_staleness(demo_dir, tmp_path, ray_address,
     vals = val_rows(rows)
     assert 0 in vals and steps in vals, sorted(vals)
     assert "val-core/async_rl/copy_digits/reward/mean@1" in vals[steps]
-
-
-def test_dynamic_sampling_from_verls_filter_groups_key(demo_dir, tmp_path, ray_address):
-    """`algorithm.filter_groups.enable=True`: every training batch is full of groups whose rewards differ,
-    drawn from as many generated batches as it takes, pi_prox still from the pre-update version."""
-    from async_rl.demo.task import GROUP_SIZE, TRAIN_BATCH_SIZE
-
-    extra = {**_short_run(2, 3), "trainer.test_freq": -1, "trainer.val_before_train": False,
-             "algorithm.filter_groups.enable": True, "algorithm.filter_groups.max_num_gen_batches": 10}
-    code, out, rows = run_verl(demo_dir, extra, tmp_path, ray_address=ray_address)
-    assert code == 0, out[-4000:]
-    by_step = step_rows(rows)
-    assert sorted(by_step) == [1, 2, 3]
-    for step, metrics in by_step.items():
-        assert metrics["async/dynamic_sampling/gen_batches"] >= 1
-        assert metrics["async/trained_rows"] == TRAIN_BATCH_SIZE * GROUP_SIZE  # full, not filtered down
-        assert metrics["async/staleness/max"] <= 1 and metrics["async/logp_version"] == step - 1
-        assert "async/dynamic_sampling/busy_ratio" in metrics
-
-
-def test_remax_trains_against_each_prompts_greedy_sample(demo_dir, tmp_path, ray_address):
-    """`algorithm.adv_estimator=remax` (verl 0.9.1's own trainer fails at step 1: no baseline): one greedy
-    sample per prompt is generated and scored beside the n sampled ones, never trained on; each sample's
-    advantage is its score less its prompt's greedy score (the copy task scores in [0, 1])."""
-    from async_rl.demo.task import GROUP_SIZE, TRAIN_BATCH_SIZE
-
-    extra = {**_short_run(2, 3), "trainer.test_freq": -1, "trainer.val_before_train": False,
-             "algorithm.adv_estimator": "remax"}
-    code, out, rows = run_verl(demo_dir, extra, tmp_path, ray_address=ray_address)
-    assert code == 0, out[-4000:]
-    for step, metrics in every_step_with(rows, 3, ["async/remax/baseline_score/mean"]).items():
-        assert 0.0 <= metrics["async/remax/baseline_score/mean"] <= 1.0
-        assert metrics["async/trained_rows"] == TRAIN_BATCH_SIZE * GROUP_SIZE  # the greedy samples are not trained
-        assert -1.0 <= metrics["critic/advantages/min"] <= metrics["critic/advantages/max"] <= 1.0, metrics
 
 
 def test_val_only_validates_and_trains_nothing(demo_dir, tmp_path, ray_address):
@@ -121,28 +139,6 @@ def test_bad_config_value_fails_before_ray(demo_dir, tmp_path):
     assert "trainer.use_nodes_ratios=[0.5, 0.5, 1.5]" in out
     assert "allowed" in out
     assert "Started a local Ray instance" not in out
-
-
-# verl's examples/rollout_correction/run_with_rollout_corr.sh, in verl 0.9.1's keys and on the demo's model,
-# data and sizes: RLOO, gamma 1, self-normalised sequence-level IS with threshold 2; the script's pure-IS
-# bypass mode (verl's bypass-mode loss) is refused (tests/core/test_verl_keys.py), so it is left out here
-ROLLOUT_CORRECTION_EXAMPLE = {
-    "algorithm.adv_estimator": "rloo", "algorithm.gamma": 1.0,
-    "algorithm.rollout_correction.rollout_is": "sequence", "algorithm.rollout_correction.rollout_is_threshold": 2.0,
-    "algorithm.rollout_correction.rollout_is_batch_normalize": True,
-    "actor_rollout_ref.rollout.calculate_log_probs": True,
-}
-
-
-def test_the_users_own_rollout_correction_trains_as_set(demo_dir, tmp_path, ray_address):
-    extra = {**ROLLOUT_CORRECTION_EXAMPLE, "trainer.total_training_steps": 2, "trainer.test_freq": -1,
-             "trainer.val_before_train": False}
-    code, out, rows = run_verl(demo_dir, extra, tmp_path, timeout_s=400, ray_address=ray_address)
-    assert code == 0, out[-4000:]
-    assert "verl's rollout correction as set, not AReaL's decoupled PPO" in out
-    # verl logs the normalising factor only with rollout_is_batch_normalize=True, which decoupled PPO leaves off
-    for step, metrics in every_step_with(rows, 2, ["rollout_corr/rollout_is_batch_norm_factor"]).items():
-        assert metrics["rollout_corr/rollout_is_batch_norm_factor"] > 0, (step, metrics)
 
 
 def test_an_estimator_the_pipeline_cannot_run_is_refused_before_ray(demo_dir, tmp_path):

@@ -4,19 +4,31 @@ no gap (the restart loop itself: tests/driver/test_pipeline_restarts.py)."""
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
 
 from bench import faults
-from conftest import run_verl, step_rows
+from conftest import (assert_nothing_left, dumped_step_inputs, expected_step_inputs, read_jsonl, start_verl,
+                      step_rows, wait_until)
+
+
+def restarted_from(out: str, n: int, of: int) -> int:
+    """The step of the checkpoint that restart `n` of `of` started from, read from its log line."""
+    head = f"async_rl: restart {n} of {of} (trainer.max_restarts) from"
+    assert head in out, f"no {head!r} in the log"
+    return int(out.split(head, 1)[1].split()[0].rstrip("/").rsplit("global_step_", 1)[1])
 
 
 @pytest.mark.slow
-def test_a_stage_failure_mid_run_costs_one_checkpoint(demo_dir, tmp_path, ray_address):
-    """The reward function raises once, right after step 2's checkpoint is committed; the driver restarts
-    the pipeline from it and the run ends at step 6, logging the restart."""
-    ckpt = tmp_path / "ckpt"
+def test_a_raising_reward_then_a_sigkilled_train_rank_each_cost_one_checkpoint_and_no_sample(demo_dir, tmp_path):
+    """Two stage failures in one run with `trainer.max_restarts=2`: the reward function raises once right
+    after the first checkpoint, then, once the restarted run has trained a step, the train rank (the demo's
+    only verl worker process) is SIGKILLed. Each restarts the pipeline from the newest checkpoint, logged
+    with its cause; the run ends at its last step with every step logged, each step's prompts trained once
+    in the final lineage, each failed attempt's timeline and report kept, and nothing of the run left."""
+    ckpt, dumps, trace = tmp_path / "ckpt", tmp_path / "dumps", tmp_path / "trace"
     raised = tmp_path / "raised_once"
     reward = tmp_path / "reward_raising_once.py"
     reward.write_text(
@@ -28,46 +40,21 @@ def test_a_stage_failure_mid_run_costs_one_checkpoint(demo_dir, tmp_path, ray_ad
         "        raise RuntimeError('injected reward failure')\n"
         "    return demo_score(data_source, solution_str, ground_truth, extra_info)\n"
     )
-    extra = {"trainer.total_training_steps": 6, "trainer.save_freq": 2, "trainer.default_local_dir": str(ckpt),
-             "trainer.test_freq": -1, "trainer.val_before_train": False, "+trainer.max_restarts": 1,
-             "reward.custom_reward_function.path": str(reward), "+trainer.async_trace_path": str(tmp_path / "trace")}
-    code, out, rows = run_verl(demo_dir, extra, tmp_path, timeout_s=900, ray_address=ray_address)
-    assert code == 0, out[-4000:]
-    assert raised.exists()
-    assert "async_rl: restart 1 of 1 (trainer.max_restarts) from" in out and "injected reward failure" in out
-    restarted_from = int(out.split("async_rl: restart 1 of 1 (trainer.max_restarts) from")[1].split()[0]
-                         .rstrip("/").rsplit("global_step_", 1)[1])
-    assert restarted_from >= 2
-    steps = [r["step"] for r in rows if "training/global_step" in r["data"]]
-    assert steps[-1] == 6 and sorted(set(steps)) == list(range(1, 7))
-    assert step_rows(rows)[6]["async/faults/pipeline_restarts"] == 1.0  # logged by the restarted run
-    assert Path(ckpt / "global_step_6").is_dir()
-    # each attempt's timeline and report: the failed one's kept beside the restarted run's
-    assert sorted(p.name for p in (tmp_path / "trace").iterdir()) == [
-        "report.html", "report_attempt0.html", "trace.json", "trace_attempt0.json"]
-
-
-@pytest.mark.slow
-def test_a_train_rank_sigkilled_mid_run_costs_one_checkpoint_and_no_sample(demo_dir, tmp_path):
-    """SIGKILL of the train rank (the demo's only verl worker process) after step 3: the run stops naming
-    the stage, restarts from the newest checkpoint, and its lineage trains every step's prompts once;
-    every step is logged (the ones finished before the kill included)."""
-    import signal
-    import time
-
-    from conftest import assert_nothing_left, dumped_step_inputs, expected_step_inputs, read_jsonl, start_verl
-
-    ckpt, dumps = tmp_path / "ckpt", tmp_path / "dumps"
     steps = 8
     extra = {"trainer.total_training_steps": steps, "trainer.save_freq": 2, "trainer.default_local_dir": str(ckpt),
-             "trainer.test_freq": -1, "trainer.val_before_train": False, "+trainer.max_restarts": 1,
+             "trainer.test_freq": -1, "trainer.val_before_train": False, "+trainer.max_restarts": 2,
+             "reward.custom_reward_function.path": str(reward), "+trainer.async_trace_path": str(trace),
              "trainer.rollout_data_dir": str(dumps)}
+    log, metrics = tmp_path / "metrics.jsonl.log", tmp_path / "metrics.jsonl"
     proc = start_verl(demo_dir, extra, tmp_path)
     try:
-        deadline = time.monotonic() + 400
-        while max(step_rows(read_jsonl(tmp_path / "metrics.jsonl")), default=0) < 3:
-            assert proc.poll() is None and time.monotonic() < deadline, "the run did not reach step 3"
-            time.sleep(0.2)
+        # the first fault: the reward raises once the first checkpoint is committed
+        wait_until(lambda: "async_rl: restart 1 of 2 (trainer.max_restarts) from" in log.read_text(), proc,
+                   "the first restart (the raising reward)", timeout_s=600)
+        # the second: once the restarted run has logged a step, SIGKILL of the train rank
+        wait_until(lambda: any(r["data"].get("async/faults/pipeline_restarts") == 1.0
+                               for r in read_jsonl(metrics) if "training/global_step" in r["data"]), proc,
+                   "a step of the restarted run", timeout_s=400)
         ranks = faults.titled_processes(proc.pid, "ray::PipelineWorker")
         assert len(ranks) == 1
         ranks[0].send_signal(signal.SIGKILL)
@@ -75,9 +62,26 @@ def test_a_train_rank_sigkilled_mid_run_costs_one_checkpoint_and_no_sample(demo_
     finally:
         if proc.poll() is None:
             proc.kill()
-    out = (tmp_path / "metrics.jsonl.log").read_text()
-    assert "async_rl: restart 1 of 1 (trainer.max_restarts) from" in out and "stage 'actor_train' failed" in out
-    assert_nothing_left(proc, "after a stage crash, a restart and the run's end")
-    logged = [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl") if "training/global_step" in r["data"]]
-    assert sorted(set(logged)) == list(range(1, steps + 1))
+    out = log.read_text()
+    assert_nothing_left(proc, "after a raising reward, a stage crash, two restarts and the run's end")
+    assert raised.exists()
+    # the first restart: the reward's failure, from the first checkpoint or a later one
+    first_from = restarted_from(out, 1, 2)
+    assert first_from >= 2 and "injected reward failure" in out
+    # the second: the train rank's, named, from a checkpoint no older than the first restart's
+    second_from = restarted_from(out, 2, 2)
+    after_first = out.split("async_rl: restart 1 of 2 (trainer.max_restarts) from", 1)[1]
+    assert "stage 'actor_train' failed" in after_first
+    assert second_from >= first_from
+    rows = read_jsonl(metrics)
+    logged = [r["step"] for r in rows if "training/global_step" in r["data"]]
+    assert logged[-1] == steps and sorted(set(logged)) == list(range(1, steps + 1))
+    restarts_logged = [r["data"].get("async/faults/pipeline_restarts") for r in rows if "training/global_step" in r["data"]]
+    assert 1.0 in restarts_logged  # logged by the run restarted once
+    assert step_rows(rows)[steps]["async/faults/pipeline_restarts"] == 2.0  # by the run restarted twice
+    assert Path(ckpt / f"global_step_{steps}").is_dir()
     assert dumped_step_inputs(dumps) == expected_step_inputs(demo_dir, steps)
+    # each attempt's timeline and report: the two failed ones' kept beside the last run's
+    assert sorted(p.name for p in trace.iterdir()) == [
+        "report.html", "report_attempt0.html", "report_attempt1.html",
+        "trace.json", "trace_attempt0.json", "trace_attempt1.json"]

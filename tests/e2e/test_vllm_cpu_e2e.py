@@ -5,7 +5,8 @@ Flag off: verl's synchronous trainer with `rollout.name=vllm` on CPU, through ve
 vLLM returns equal the trainer's recomputed ones within fp32 noise at every step, which holds
 only if every new version reached vLLM (one step of training moves them by ~1e-3). The same check
 holds for verl's own async trainer, `fully_async_policy`, its weights sent by the `async_rl`
-checkpoint-engine backend. A reward model served by vLLM scores what the pipeline trains."""
+checkpoint-engine backend. A reward model served by vLLM scores what the pipeline trains, and a lost
+reward-model server is started again at a new address, verl's router following it."""
 
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ from conftest import (
     expected_step_inputs,
     assert_nothing_left,
     kill_session,
+    read_digests,
     read_jsonl,
-    run_pipeline_reading_digests,
     run_verl,
+    start_pipeline_reading_digests,
     start_verl,
     step_rows,
     val_rows,
@@ -43,19 +45,19 @@ def test_verls_sync_trainer_runs_vllm_on_cpu_and_every_version_reaches_it(demo_d
         # one trainer rank, one vLLM replica, one agent-loop worker: what 2 cores hold
         "trainer.n_gpus_per_node": 1,
         "actor_rollout_ref.rollout.agent.num_workers": 1,
-        "trainer.total_training_steps": 3,
+        "trainer.total_training_steps": 2,
         "trainer.val_before_train": False,
-        "trainer.test_freq": 3,
+        "trainer.test_freq": 2,
         "trainer.save_freq": -1,
     }
     code, out, rows = run_verl(demo_dir, extra, tmp_path, timeout_s=900, ray_address=ray_address)
     assert code == 0, out[-4000:]
     assert "vLLM on CPU: actor_rollout_ref.rollout.free_cache_engine=False" in out  # the overrides, said
-    by_step = every_step_with(rows, 3, ["rollout_corr/log_ppl_abs_diff", "training/rollout_probs_diff_max"])
+    by_step = every_step_with(rows, 2, ["rollout_corr/log_ppl_abs_diff", "training/rollout_probs_diff_max"])
     for step, metrics in by_step.items():
         assert metrics["rollout_corr/log_ppl_abs_diff"] < FP32_NOISE, (step, metrics["rollout_corr/log_ppl_abs_diff"])
         assert metrics["training/rollout_probs_diff_max"] < FP32_NOISE, step
-    assert 3 in val_rows(rows)  # validation through vLLM too
+    assert 2 in val_rows(rows)  # validation through vLLM too
 
 
 PIPELINE = {
@@ -63,30 +65,6 @@ PIPELINE = {
     "trainer.val_before_train": False,
     "trainer.save_freq": -1,
 }
-
-
-def test_pipeline_on_vllm_on_policy_every_version_reaches_vllm(demo_dir, tmp_path, ray_address):
-    """k=1: each step trains on responses of the newest version, and vLLM's log-probs equal the
-    trainer's within fp32 noise at every step: every version reached vLLM (through the `async_rl`
-    checkpoint-engine backend), version 0 included (verl's servers start on dummy weights). After
-    training, the weights vLLM computes with are the trainer's, bit for bit."""
-    extra = {**PIPELINE, "+trainer.generate_ahead_steps": 1, "trainer.total_training_steps": 3, "trainer.test_freq": 3,
-             f"+ray_kwargs.ray_init.runtime_env.env_vars.{ALLOW_PICKLE_ENV}": "1"}  # in the servers' environment
-    proc, result = run_pipeline_reading_digests(demo_dir, extra, tmp_path, env={"RAY_ADDRESS": ray_address})
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    rows = read_jsonl(tmp_path / "metrics.jsonl")
-    by_step = every_step_with(rows, 3, ["rollout_corr/log_ppl_abs_diff", "async/staleness/max"])
-    for step, metrics in by_step.items():
-        assert metrics["async/staleness/max"] == 0, step
-        assert metrics["rollout_corr/log_ppl_abs_diff"] < FP32_NOISE, (step, metrics["rollout_corr/log_ppl_abs_diff"])
-    assert 3 in val_rows(rows)  # validation through vLLM
-    digests = result["digests"]
-    assert set(digests) == {"actor_train", "rollout_replica_0"}
-    trainer, served = digests["actor_train"], digests["rollout_replica_0"]
-    assert any(".q_proj." in name for name in served)  # vLLM's fused qkv_proj, split back to the trainer's names
-    # every tensor vLLM serves is the trainer's; the trainer's lm_head is the tied embedding vLLM holds once
-    assert served == {name: d for name, d in trainer.items() if name != "lm_head.weight"}
-    assert trainer.get("lm_head.weight", trainer["model.embed_tokens.weight"]) == trainer["model.embed_tokens.weight"]
 
 
 def test_pipeline_on_vllm_serves_each_version_of_a_lora_adapter(demo_dir, tmp_path, ray_address):
@@ -115,27 +93,112 @@ def test_pipeline_on_vllm_serves_each_version_of_a_lora_adapter(demo_dir, tmp_pa
     assert 3 in val_rows(rows)  # validation through vLLM with the adapter
 
 
-def test_pipeline_scores_with_a_reward_model_served_by_vllm(demo_dir, tmp_path, ray_address):
+RESTART_GUARD_S = 480  # reward.async_timeout_s: a hang guard; in CI's three lanes on 2 cores a vLLM reward-model
+# restart took 220 s (vLLM's imports and engine start, then verl's router started again). verl's client gives a
+# row 16 tries, about 330 s of backoff in all.
+
+
+def listening_ports(process) -> set[int]:
+    """The TCP ports `process` (a psutil.Process) listens on (none once it is gone)."""
+    import psutil
+
+    try:
+        return {c.laddr.port for c in process.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN}
+    except psutil.NoSuchProcess:
+        return set()
+
+
+def router_processes(driver_pid: int) -> list:
+    """verl's reward-model router: a `multiprocessing.Process` of the driver (the pipeline runs there), so a
+    child with the driver's command line (fork; spawn: `--multiprocessing-fork`) that listens."""
+    import psutil
+
+    driver = psutil.Process(driver_pid)
+    found = []
+    for child in driver.children():
+        try:
+            cmdline = child.cmdline()
+        except psutil.NoSuchProcess:
+            continue
+        if (cmdline == driver.cmdline() or "--multiprocessing-fork" in cmdline) and listening_ports(child):
+            found.append(child)
+    return found
+
+
+def test_pipeline_scores_with_a_reward_model_served_by_vllm_a_killed_server_too(demo_dir, tmp_path, monkeypatch):
     """`reward.reward_model.rollout.name=vllm` (verl's keys, fp32) on a device of its own
     (`enable_resource_pool`, 1 x 1), the policy on the CPU backend: the reward stage and validation
     score through verl's reward loop and vLLM's /classify; every dumped score is the reward model's
-    forward, recomputed here by hand."""
+    forward, recomputed here by hand. The reward model's vLLM server is SIGKILLed with
+    `rollout.max_restarts=1` once validation at step 0 is logged, as training starts: it starts again at a
+    new address, verl's router starts again on its own address with it, rows sent meanwhile are retried by
+    verl's client within `reward.async_timeout_s`, and the run ends with no reward error and nothing of it
+    left. (One run for both: a vLLM start costs about 2.5 core-minutes on 2 cores.)"""
     from test_reward_model_e2e import plain_response_text, reward_model_keys, scored_by_hand
 
-    dump = tmp_path / "dump"
+    dump, val_dump = tmp_path / "dump", tmp_path / "val_dump"
     extra = {**reward_model_keys(demo_dir, dump, None), "reward.reward_model.rollout.name": "vllm",
              "reward.reward_model.rollout.dtype": "float32", "reward.reward_model.rollout.enforce_eager": True,
              "reward.reward_model.enable_resource_pool": True, "reward.reward_model.n_gpus_per_node": 1,
-             "reward.reward_model.nnodes": 1}
-    code, out, rows = run_verl(demo_dir, extra, tmp_path, timeout_s=900, ray_address=ray_address)
-    assert code == 0, out[-4000:]
-    steps = every_step_with(rows, 2, ["critic/score/mean", "async/faults/reward_errors"])
+             "reward.reward_model.nnodes": 1,
+             "+actor_rollout_ref.rollout.max_restarts": 1,  # the reward model's replicas' limit too
+             "+reward.async_timeout_s": RESTART_GUARD_S, "trainer.validation_data_dir": str(val_dump)}
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)  # a Ray of its own: every process of the run in its session
+    metrics, log_path = tmp_path / "metrics.jsonl", tmp_path / "metrics.jsonl.log"
+    proc = start_verl(demo_dir, extra, tmp_path)
+    try:
+        # the stages start once validation at step 0 is logged: every training row is scored after the kill
+        wait_until(lambda: val_rows(read_jsonl(metrics)), proc, "validation at step 0", timeout_s=600)
+        # the policy is on the CPU backend: the run's one vLLM server is the reward model's
+        servers = faults.titled_processes(proc.pid, "ray::vLLMHttpServer")
+        assert len(servers) == 1, [s.cmdline() for s in servers]
+        routers = router_processes(proc.pid)
+        assert len(routers) == 1, [r.cmdline() for r in routers]
+        killed, old_ports = servers[0].pid, listening_ports(servers[0])
+        router, router_ports = routers[0].pid, listening_ports(routers[0])
+        assert old_ports and router_ports, (old_ports, router_ports)
+        trained_before = step_rows(read_jsonl(metrics))
+        servers[0].send_signal(signal.SIGKILL)
+        # verl's router is started again once the new server is up: on the old router's address
+        wait_until(lambda: [r for r in router_processes(proc.pid) if r.pid != router
+                            and listening_ports(r) == router_ports],
+                   proc, "verl's router started again on its address", timeout_s=RESTART_GUARD_S)
+        new = [s for s in faults.titled_processes(proc.pid, "ray::vLLMHttpServer") if s.pid != killed]
+        assert len(new) == 1, [s.cmdline() for s in new]
+        new_ports = listening_ports(new[0])
+        assert new_ports and new_ports.isdisjoint(old_ports), (old_ports, new_ports)  # a new address
+        proc.wait(timeout=900)
+    finally:
+        if proc.poll() is None:
+            kill_session(proc)
+    log = log_path.read_text()
+    assert proc.returncode == 0, log[-4000:]
+    # vLLM's engine processes and verl's router too
+    assert_nothing_left(proc, "after the run's end (the reward model's vLLM server killed and restarted)")
+    assert "reward model replica 0 lost: restart 1 of 1" in log
+    assert "did not start again" not in log
+    # rows sent during the restart (it takes vLLM's start, tens of seconds; step 1's come within seconds of
+    # the kill): the old router, its one server gone, failed them; verl's client sent them again until the
+    # new router answered (no reward error below)
+    assert "Failed to complete async request to classify" in log
+    rows = read_jsonl(metrics)
+    steps = every_step_with(rows, 2, ["critic/score/mean", "async/faults/reward_errors",
+                                      "async/faults/replica_restarts"])
+    assert trained_before == {}
     assert all(metrics["async/faults/reward_errors"] == 0 for metrics in steps.values())
+    # the policy's replica was not restarted: the server killed was the reward model's
+    assert all(metrics["async/faults/replica_restarts"] == 0 for metrics in steps.values())
     assert sorted(val_rows(rows)) == [0, 2]
     pairs = scored_by_hand(demo_dir, dump, plain_response_text)
     assert len(pairs) >= 64, len(pairs)
     assert len({round(d, 6) for d, _ in pairs}) > 10  # the model's scores, not a constant
     for dumped, by_hand in pairs:
+        assert dumped == pytest.approx(by_hand, abs=1e-4)
+    # validation's scores too, step 2's from the restarted server
+    assert sorted(path.name for path in val_dump.glob("*.jsonl")) == ["0.jsonl", "2.jsonl"]
+    val_pairs = scored_by_hand(demo_dir, val_dump, plain_response_text)
+    assert val_pairs, "no validation row to recompute"
+    for dumped, by_hand in val_pairs:
         assert dumped == pytest.approx(by_hand, abs=1e-4)
 
 
@@ -165,7 +228,7 @@ def test_pipeline_on_vllm_runs_ahead_within_the_bound_and_loads_during_generatio
 def test_pipeline_on_vllm_without_partial_rollout_waits_for_running_requests(demo_dir, tmp_path, ray_address):
     """partial_rollout=False: a load parks new requests and waits for the running ones, so no response
     spans two versions, while generation still runs ahead within the bound."""
-    k, steps = 3, 4
+    k, steps = 3, 3
     extra = {**PIPELINE, "+trainer.generate_ahead_steps": k, "trainer.total_training_steps": steps,
              "trainer.test_freq": -1, "+actor_rollout_ref.rollout.partial_rollout": False}
     code, out, rows = run_verl(demo_dir, extra, tmp_path, timeout_s=900, ray_address=ray_address)
@@ -176,25 +239,29 @@ def test_pipeline_on_vllm_without_partial_rollout_waits_for_running_requests(dem
         assert metrics["async/staleness/max"] <= k - 1, step
 
 
-def test_pipeline_on_vllm_restarts_a_killed_server_with_the_newest_weights(demo_dir, tmp_path):
-    """verl's vLLM replica SIGKILLed mid-run with `rollout.max_restarts=1`: its workers and server start
-    again on the same devices, load the newest version before serving (verl's servers start on dummy
-    weights), and the run ends with every step trained once on the prompts an unfaulted run trains.
-    k=1: vLLM's log-probs equal the trainer's at every step after the restart too."""
+def test_pipeline_on_vllm_on_policy_every_version_reaches_vllm_a_killed_server_too(demo_dir, tmp_path):
+    """k=1: each step trains on responses of the newest version, and vLLM's log-probs equal the trainer's
+    within fp32 noise at every step: every version reached vLLM (through the `async_rl` checkpoint-engine
+    backend), version 0 included (verl's servers start on dummy weights). verl's vLLM replica is SIGKILLed
+    mid-run with `rollout.max_restarts=1`: its workers and server start again on the same devices, load the
+    newest version before serving, and the run ends with every step trained once on the prompts an unfaulted
+    run trains. After training, the weights the restarted vLLM computes with are the trainer's, bit for bit.
+    (One run for both: a vLLM run's start costs about 2.5 core-minutes on 2 cores.)"""
     steps = 6
     dumps = tmp_path / "dumps"
     extra = {**PIPELINE, "+trainer.generate_ahead_steps": 1, "trainer.total_training_steps": steps,
-             "trainer.test_freq": -1, "trainer.rollout_data_dir": str(dumps),
-             "+actor_rollout_ref.rollout.max_restarts": 1}
+             "trainer.test_freq": steps, "trainer.rollout_data_dir": str(dumps),
+             "+actor_rollout_ref.rollout.max_restarts": 1,
+             f"+ray_kwargs.ray_init.runtime_env.env_vars.{ALLOW_PICKLE_ENV}": "1"}  # in the servers' environment
     metrics, log_path = tmp_path / "metrics.jsonl", tmp_path / "metrics.jsonl.log"
-    proc = start_verl(demo_dir, extra, tmp_path)
+    proc = start_pipeline_reading_digests(demo_dir, extra, tmp_path)
     try:
         wait_until(lambda: len(step_rows(read_jsonl(metrics))) >= 2, proc, "step 2", timeout_s=600)
         servers = faults.titled_processes(proc.pid, "ray::vLLMHttpServer")
         assert len(servers) == 1, [s.cmdline() for s in servers]
         killed = servers[0].pid
+        trained_before = step_rows(read_jsonl(metrics))
         servers[0].send_signal(signal.SIGKILL)
-        killed_after = max(step_rows(read_jsonl(metrics)))
         wait_until(lambda: [s for s in faults.titled_processes(proc.pid, "ray::vLLMHttpServer") if s.pid != killed],
                    proc, "a new vLLM server process", timeout_s=600)
         proc.wait(timeout=900)
@@ -205,15 +272,26 @@ def test_pipeline_on_vllm_restarts_a_killed_server_with_the_newest_weights(demo_
     assert proc.returncode == 0, log[-4000:]
     # vLLM's engine processes too
     assert_nothing_left(proc, "after the run's end (a vLLM server killed and restarted)")
-    by_step = every_step_with(read_jsonl(metrics), steps, ["rollout_corr/log_ppl_abs_diff", "async/faults/replica_restarts"])
+    rows = read_jsonl(metrics)
+    by_step = every_step_with(rows, steps, ["rollout_corr/log_ppl_abs_diff", "async/staleness/max",
+                                            "async/faults/replica_restarts"])
     assert killed_after < steps
     assert by_step[steps]["async/faults/replica_restarts"] == 1.0
     assert by_step[1]["async/faults/replica_restarts"] == 0.0
     # the supervisor's warnings reach the log (LOG_LEVEL: vLLM's server import would silence them)
     assert "lost (ActorDiedError" in log and "back (restart 1)" in log
     for step, m in by_step.items():  # the restarted server served the trainer's newest weights, not dummy ones
+        assert m["async/staleness/max"] == 0, step
         assert m["rollout_corr/log_ppl_abs_diff"] < FP32_NOISE, (step, m["rollout_corr/log_ppl_abs_diff"])
+    assert steps in val_rows(rows)  # validation through vLLM
     assert dumped_step_inputs(dumps) == expected_step_inputs(demo_dir, steps)
+    digests = read_digests(tmp_path)["digests"]
+    assert set(digests) == {"actor_train", "rollout_replica_0"}
+    trainer, served = digests["actor_train"], digests["rollout_replica_0"]
+    assert any(".q_proj." in name for name in served)  # vLLM's fused qkv_proj, split back to the trainer's names
+    # every tensor vLLM serves is the trainer's; the trainer's lm_head is the tied embedding vLLM holds once
+    assert served == {name: d for name, d in trainer.items() if name != "lm_head.weight"}
+    assert trainer.get("lm_head.weight", trainer["model.embed_tokens.weight"]) == trainer["model.embed_tokens.weight"]
 
 
 def test_verls_fully_async_policy_runs_on_cpu_with_the_async_rl_checkpoint_engine(demo_dir, tmp_path):

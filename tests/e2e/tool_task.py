@@ -71,7 +71,7 @@ def conversation(tokenizer, question: str) -> tuple[list[int], list[int]]:
     return tokens, mask
 
 
-def build(root: Path, steps: int = 400, seed: int = 0) -> dict:
+def build(root: Path, steps: int = 250, seed: int = 0) -> dict:
     """Write the model, data, tool and reward under `root`; returns their paths and the final SFT loss."""
     root.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
@@ -83,7 +83,8 @@ def build(root: Path, steps: int = 400, seed: int = 0) -> dict:
     model = Qwen2ForCausalLM(config).float()
     model.generation_config = GenerationConfig(bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
                                                pad_token_id=tokenizer.pad_token_id)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    # 3e-3: at 1e-2 the loss oscillated around 0.1-0.3 with transformers 5.10 (measured: 0.005 by step 200 at 3e-3)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     samples = [conversation(tokenizer, q) for q in QUESTIONS]
     loss = torch.tensor(0.0)
     for _ in range(steps):

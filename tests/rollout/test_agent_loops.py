@@ -34,11 +34,17 @@ def two_turn_path(monkeypatch):
     sys.modules.pop("two_turn_loop", None)
 
 
+def extends_one_of(prompt: list, others: list) -> bool:
+    """`prompt` is a strict extension of one of `others` (token lists): a later turn of its trajectory."""
+    return any(len(other) < len(prompt) and prompt[:len(other)] == other for other in others)
+
+
 def versioned_server() -> ScriptedServer:
     """Answers turn t of each trajectory with TURNS[t] under weight version 3 + t (a weight load between
-    the turns)."""
+    the turns). A second turn's prompt extends an earlier call's prompt on this server; a first turn's
+    extends none, whichever trajectories (the same prompt's samples too) the server got and in what order."""
     def answer(kwargs, calls):
-        turn = sum(1 for c in calls if c["prompt_ids"][:5] == kwargs["prompt_ids"][:5]) % 2
+        turn = int(extends_one_of(kwargs["prompt_ids"], [c["prompt_ids"] for c in calls]))
         return TURNS[turn], 3 + turn, "completed"
 
     return ScriptedServer(answer)
@@ -100,7 +106,7 @@ def test_a_users_multi_turn_loop_reaches_the_trainer_token_for_token(demo_dir, m
         assert sample.non_tensor["turns_interrupted"] == 0
     for server in servers:  # each trajectory's second turn: its prompt + the engine's tokens + env, on the same server
         prompts = [c["prompt_ids"] for c in server.calls]
-        firsts = [p for p in prompts if not any(len(q) < len(p) and p[:len(q)] == q for q in prompts)]
+        firsts = [p for p in prompts if not extends_one_of(p, prompts)]
         assert len(firsts) == 2 and sorted(map(tuple, prompts)) == sorted(
             [tuple(p) for p in firsts] + [tuple(p + TURNS[0] + env) for p in firsts])
 

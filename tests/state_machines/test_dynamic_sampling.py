@@ -137,3 +137,5 @@ def test_remax_baselines_follow_their_groups_into_the_training_batch():
     out = run(stage, first, second)[1]
     assert list(out.batch_ref.non_tensor_batch["uid"]) == ["b0g1", "b0g1", "b1g0", "b1g0"]
     assert out.scored.baselines.tolist() == pytest.approx([0.2, 0.2, 0.7, 0.7])
+    # the reward stage's metric, of the prompts this batch trains (b0g0's 0.9 filtered out)
+    assert out.scored.metrics["async/remax/baseline_score/mean"] == pytest.approx(0.45)

@@ -12,6 +12,7 @@ import time
 import pytest
 import ray
 
+from conftest import RAY_CALL_GUARD_S
 from state_machines.base import END_OF_STREAM, BusyTimer, StageError, StateMachine
 
 HANG_S = 10  # generous limit that only a hang reaches
@@ -208,19 +209,20 @@ def test_backpressure_bounds_how_far_the_source_runs_ahead(inbox_size):
 
 
 def test_without_backpressure_the_source_runs_ahead():
-    """Control for the test above: a big inbox lets the source finish before the sink
-    has taken a handful of items, so the lead measure is able to see a runaway source."""
+    """Control for the test above: a big inbox lets the source run far ahead of the slow sink (at least
+    half the stream, where backpressure holds it within inbox_size + 1), so the lead measure is able to see
+    a runaway source."""
     n = 25
     src = Source(n)
     leads = []
-    sink = Sink(delay=0.01, inbox_size=1000, on_item=lambda k: leads.append(src.emitted - k))
+    sink = Sink(delay=0.05, inbox_size=1000, on_item=lambda k: leads.append(src.emitted - k))
     chain(src, sink)
 
     async def main():
         await asyncio.gather(src.run(), sink.run())
 
     run(main())
-    assert max(leads) >= n - 2
+    assert max(leads) >= n // 2
 
 
 def test_put_waits_while_inbox_full():
@@ -729,24 +731,24 @@ def test_ray_actors_end_to_end(ray_cluster):
     RaySource, RaySink = _ray_stage_classes()
     src = ray.remote(num_cpus=0)(RaySource).remote("ray-src", 20)
     sink = ray.remote(num_cpus=0)(RaySink).remote("ray-sink")
-    ray.get([src.connect.remote([sink], 0), sink.connect.remote([], 1)], timeout=60)
+    ray.get([src.connect.remote([sink], 0), sink.connect.remote([], 1)], timeout=RAY_CALL_GUARD_S)
     sink_ref = sink.run.remote()
     src_ref = src.run.remote()
-    s_src, s_sink = ray.get([src_ref, sink_ref], timeout=60)
+    s_src, s_sink = ray.get([src_ref, sink_ref], timeout=RAY_CALL_GUARD_S)
     assert s_src["name"] == "ray-src" and s_src["items"] == 20
     assert s_sink["name"] == "ray-sink" and s_sink["items"] == 20
-    assert ray.get(sink.items.remote(), timeout=30) == [2 * i for i in range(20)]
+    assert ray.get(sink.items.remote(), timeout=RAY_CALL_GUARD_S) == [2 * i for i in range(20)]
 
 
 def test_ray_stage_error_surfaces_with_stage_name(ray_cluster):
     RaySource, RaySink = _ray_stage_classes()
     src = ray.remote(num_cpus=0)(RaySource).remote("ray-src2", 20)
     sink = ray.remote(num_cpus=0)(RaySink).remote("ray-failing-sink", fail_on=4)
-    ray.get([src.connect.remote([sink], 0), sink.connect.remote([], 1)], timeout=60)
+    ray.get([src.connect.remote([sink], 0), sink.connect.remote([], 1)], timeout=RAY_CALL_GUARD_S)
     sink_ref = sink.run.remote()
     src.run.remote()  # blocks on the dead stage's full inbox; killed below
     with pytest.raises(Exception) as info:
-        ray.get(sink_ref, timeout=30)
+        ray.get(sink_ref, timeout=RAY_CALL_GUARD_S)
     assert not isinstance(info.value, ray.exceptions.GetTimeoutError)
     assert isinstance(info.value, ray.exceptions.RayTaskError)
     assert isinstance(info.value, StageError)  # RayTaskError keeps the cause's type
@@ -754,7 +756,7 @@ def test_ray_stage_error_surfaces_with_stage_name(ray_cluster):
     assert isinstance(cause, StageError) and cause.stage == "ray-failing-sink"
     assert str(cause).startswith("stage 'ray-failing-sink' failed in process_data: ValueError: bad item 4")
     assert "ray-failing-sink" in str(info.value) and "ValueError: bad item 4" in str(info.value)
-    assert ray.get(sink.items.remote(), timeout=30) == [0, 2, 4, 6]
+    assert ray.get(sink.items.remote(), timeout=RAY_CALL_GUARD_S) == [0, 2, 4, 6]
     ray.kill(src)
     ray.kill(sink)
 
@@ -767,13 +769,13 @@ def test_a_dead_stage_is_named_not_the_neighbour_that_could_not_reach_it(ray_clu
     RaySource, RaySink = _ray_stage_classes()
     src = ray.remote(num_cpus=0)(RaySource).remote("ray-src3", 10**6)
     sink = ray.remote(num_cpus=0)(RaySink).remote("ray-dying-sink")
-    ray.get([src.connect.remote([sink], 0), sink.connect.remote([], 1)], timeout=60)
+    ray.get([src.connect.remote([sink], 0), sink.connect.remote([], 1)], timeout=RAY_CALL_GUARD_S)
     src_ref, sink_ref = src.run.remote(), sink.run.remote()
     runs = {src_ref: "source", sink_ref: "sink"}
     time.sleep(0.5)
     ray.kill(sink, no_restart=True)
     with pytest.raises(ray.exceptions.RayError) as info:  # the source's send to the dead sink fails
-        ray.get(src_ref, timeout=30)
+        ray.get(src_ref, timeout=RAY_CALL_GUARD_S)
     assert not isinstance(info.value, ray.exceptions.RayActorError)  # the source itself is alive
     stage, cause = blame_stage(runs, src_ref, info.value, [sink_ref])
     assert stage == "sink" and isinstance(cause, ray.exceptions.RayActorError)

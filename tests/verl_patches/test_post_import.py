@@ -70,11 +70,13 @@ def test_a_cpu_workers_import_verl_loads_no_engine_yet_patches_it_when_loaded():
         print("unpinned:", fsdp_impl.CPUOffloadPolicy(pin_memory=True).pin_memory)
         print("disrm:", getattr(RewardLoopWorker.compute_score_disrm, "_async_rl_cpu_reward_model", False))
         print("sdpa:", getattr(ALL_ATTENTION_FUNCTIONS["sdpa"], "_async_rl_ulysses_sdpa", False))
+        print("packed sdpa:", getattr(ALL_ATTENTION_FUNCTIONS["sdpa"], "_async_rl_packed_sdpa", False))
         print("adapter:", _ROLLOUT_REGISTRY[("cpu", "async")])
         print("replica:", get_rollout_replica_class("cpu").__name__)
     """)
     assert "loaded at import verl: []" in out
-    for line in ("gloo: True", "unpinned: False", "disrm: True", "sdpa: True", "replica: CPURolloutReplica",
+    for line in ("gloo: True", "unpinned: False", "disrm: True", "sdpa: True", "packed sdpa: True",
+                 "replica: CPURolloutReplica",
                  "adapter: async_rl.rollout.cpu.adapter.CPUServerAdapter"):
         assert line in out, out
 
