@@ -28,6 +28,7 @@ from async_rl.core.errors import PipelineError
 from async_rl.core.messages import NewWeights
 from async_rl.core.prompts import model_tokenizer
 from async_rl.core.stage_graph import upstream_counts
+from async_rl.core.timeouts import CALL_TIMEOUT_S, SETUP_TIMEOUT_S
 from async_rl.rollout.reward_models import RewardModelService, start_reward_model
 from async_rl.rollout.supervisor import kill_actor
 from async_rl.rollout.verl_replicas import launch_rollout_replicas, make_rollout_replicas
@@ -51,11 +52,6 @@ from state_machines.values import ValuesStage
 
 logger = logging.getLogger(__name__)
 
-# starting worker groups or replicas, loading a checkpoint, the first sync (s). verl waits on these without a
-# limit; a vLLM replica's start has taken over 300 s on 2 cores under the test lanes' load, and a large
-# model's load takes minutes: the bound stops a hang, not a slow start
-SETUP_TIMEOUT_S = 600.0
-CALL_TIMEOUT_S = 120.0  # any other call on a stage
 STAGE_CONCURRENCY = 64  # calls a stage's actor runs at once (its loop, puts from upstream, the driver's)
 
 

@@ -11,7 +11,8 @@ import time
 import ray
 from tqdm import tqdm
 
-from async_rl.build import CALL_TIMEOUT_S, SETUP_TIMEOUT_S, BuiltPipeline
+from async_rl.build import BuiltPipeline
+from async_rl.core.timeouts import CALL_TIMEOUT_S, SETUP_TIMEOUT_S
 from async_rl.core.errors import PipelineError
 from async_rl.stop_signals import TEARDOWN_RESERVE_S, PipelinePreempted
 

@@ -12,7 +12,8 @@ from typing import Optional
 
 import ray
 
-from async_rl.build import CALL_TIMEOUT_S, BuiltPipeline
+from async_rl.build import BuiltPipeline
+from async_rl.core.timeouts import CALL_TIMEOUT_S
 from async_rl.core.trace import TRACE_FILE, clock_offset, same_clock, write_trace
 from async_rl.report import REPORT_FILE, ReportError, write_report
 

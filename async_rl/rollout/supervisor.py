@@ -19,6 +19,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, Optional
 
+from async_rl.core.timeouts import SETUP_TIMEOUT_S
 from async_rl.core.trace import BusyPeriods, TraceRecorder
 
 logger = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ class ReplicaSupervisor:
         feed_weights: `async feed_weights(index, handle) -> version` (the newest weights, loaded).
         kill: `kill(handle)`, used on a server that stopped answering (default: `ray.kill`).
         restart_timeout_s: a restart (start + weights) may take this long (s); a restart is a start, so the
-            default is the run's setup bound (async_rl/build.py `SETUP_TIMEOUT_S`).
+            default is the run's setup bound (async_rl/core/timeouts.py).
         trace: the timeline's recorder (the generate stage's): per replica, its serving periods (track
             `replica <i>`), losses and restarts.
     """
@@ -53,7 +54,7 @@ class ReplicaSupervisor:
         relaunch: Optional[Callable[[int, int], Awaitable[Any]]] = None,
         feed_weights: Optional[Callable[[int, Any], Awaitable[int]]] = None,
         kill: Optional[Callable[[Any], None]] = None,
-        restart_timeout_s: float = 600.0,
+        restart_timeout_s: float = SETUP_TIMEOUT_S,
         trace: Optional[TraceRecorder] = None,
     ):
         if not handles:

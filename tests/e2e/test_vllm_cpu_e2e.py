@@ -260,8 +260,8 @@ def test_pipeline_on_vllm_on_policy_every_version_reaches_vllm_a_killed_server_t
         servers = faults.titled_processes(proc.pid, "ray::vLLMHttpServer")
         assert len(servers) == 1, [s.cmdline() for s in servers]
         killed = servers[0].pid
-        trained_before = step_rows(read_jsonl(metrics))
         servers[0].send_signal(signal.SIGKILL)
+        killed_after = max(step_rows(read_jsonl(metrics)))
         wait_until(lambda: [s for s in faults.titled_processes(proc.pid, "ray::vLLMHttpServer") if s.pid != killed],
                    proc, "a new vLLM server process", timeout_s=600)
         proc.wait(timeout=900)
