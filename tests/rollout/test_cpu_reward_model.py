@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 import ray
 import torch
@@ -20,13 +22,12 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from async_rl.core.reward_loop_scoring import RewardLoopScorer, one_row
 from async_rl.rollout.cpu.reward_server import check_reward_model
 from async_rl.rollout.reward_models import reward_model_replica_count, start_reward_model
+from conftest import RAY_CALL_GUARD_S
 
 RAW_PROMPT = [{"role": "user", "content": "1234"}]
 
 
 def config_for(demo_dir, extra: dict):
-    import os
-
     import verl
 
     from async_rl.demo import demo_overrides
@@ -62,19 +63,20 @@ def verl_recipe_score(demo_dir, prompt_ids, response_ids) -> float:
 
 
 def kill_and_wait(server, timeout_s: float = 120.0) -> None:
-    """ray.kill returns before the actor is gone: wait until Ray says it died (a row sent sooner may be
-    scored by the dying server; a call that merely times out, on a loaded machine, proves nothing)."""
+    """ray.kill returns before the actor is gone, and Ray marks it dead before its process exits (a row
+    sent meanwhile may be scored by the dying server, on a loaded machine for seconds): wait until its
+    process is gone."""
+    pid = ray.get(server.__ray_call__.remote(lambda _server: os.getpid()), timeout=RAY_CALL_GUARD_S)
     ray.kill(server)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            ray.get(server.get_server_address.remote(), timeout=5)
-        except ray.exceptions.RayActorError:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return
+        except psutil.NoSuchProcess:
             return
-        except ray.exceptions.GetTimeoutError:
-            continue
         time.sleep(0.1)
-    raise AssertionError(f"the killed server still answers after {timeout_s:g} s")
+    raise AssertionError(f"the killed server's process {pid} is still there after {timeout_s:g} s")
 
 
 @pytest.fixture
