@@ -12,8 +12,8 @@ import ray
 from tqdm import tqdm
 
 from async_rl.build import BuiltPipeline
-from async_rl.core.timeouts import CALL_TIMEOUT_S, SETUP_TIMEOUT_S
 from async_rl.core.errors import PipelineError
+from async_rl.core.timeouts import CALL_TIMEOUT_S, SETUP_TIMEOUT_S
 from async_rl.stop_signals import TEARDOWN_RESERVE_S, PipelinePreempted
 
 FAILURE_READ_TIMEOUT_S = 10.0  # after a stage failed, reading the steps finished before it may take this long
