@@ -1,4 +1,6 @@
-"""bench/e2e.py's summary: the numbers the side-by-side table reports, from metric rows."""
+"""bench/e2e.py: the numbers the side-by-side table reports, from metric rows; a run past its bound is kept."""
+
+import os
 
 import pytest
 
@@ -138,3 +140,27 @@ def test_a_run_stops_at_its_first_validation_at_the_target_with_its_whole_proces
 def test_the_pictures_title_names_verl_only_where_a_curve_is_verls():
     assert e2e.plot_title("lookup", 4, ["async-pipeline k=1 seed 0"]) == "lookup agent, 2-4 turns: async pipeline"
     assert e2e.plot_title("copy", 4, ["verl-sync seed 0", "async-pipeline k=2 seed 0"]).endswith("verl vs async pipeline")
+
+
+FAKE_TRAINER = '''
+import json, os, time
+open(os.path.join(os.path.dirname(os.environ["VERL_FILE_LOGGER_PATH"]), "pid"), "w").write(str(os.getpid()))
+with open(os.environ["VERL_FILE_LOGGER_PATH"], "a") as f:
+    for step in (1, 2):
+        f.write(json.dumps({"step": step, "data": {"timing_s/step": 0.5}}) + "\\n")
+time.sleep(600)
+'''
+
+
+def test_a_run_past_its_bound_is_stopped_and_its_rows_kept(tmp_path, monkeypatch, capsys):
+    """A run still going at --timeout-s (a system that does not reach the target in it) is ended like a
+    scheduler ends a job, and the steps it logged are summarized rather than lost in an error."""
+    (tmp_path / "fake_trainer.py").write_text(FAKE_TRAINER)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    metrics = tmp_path / "metrics.jsonl"
+    rows = e2e.run_system("slow system", tmp_path, tmp_path, metrics, {}, timeout_s=3.0, main="fake_trainer")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert "slow system: stopped at --timeout-s 3 s" in capsys.readouterr().out
+    pid = int((tmp_path / "pid").read_text())
+    with pytest.raises(ProcessLookupError):  # ended, and reaped by run_system
+        os.kill(pid, 0)

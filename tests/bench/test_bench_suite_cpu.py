@@ -1,0 +1,19 @@
+"""bench/suite_cpu.py: a command's CPU by kind of process, from samples of every process."""
+
+import json
+
+from bench_script import run_bench
+
+SPIN = "import time\nend = time.process_time() + 1.5\nwhile time.process_time() < end: pass\ntime.sleep(0.5)"
+
+
+def test_a_childs_cpu_is_counted_under_its_label(tmp_path):
+    out = tmp_path / "cpu.json"
+    proc = run_bench("suite_cpu.py", ["--every-s", "0.2", "--json", out, "--", "python3", "-c", SPIN], tmp_path,
+                     timeout_s=120)
+    result = json.loads(out.read_text())
+    rows = {r["label"]: r for r in result["labels"]}  # soak.process_name: python3 -> "python"
+    assert rows["python -c"]["processes"] == 1, rows
+    assert 1.3 <= rows["python -c"]["cpu_s"] <= 2.5, rows  # its 1.5 s of spinning, seen by a sample after it
+    assert result["exit"] == 0 and result["busy_cpu_s"] >= 1.3
+    assert "python -c" in proc.stdout and "command: python bench/suite_cpu.py" in proc.stdout
