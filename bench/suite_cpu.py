@@ -2,7 +2,7 @@
 every process on the machine every `--every-s` seconds.
 
 Per process started after the command: its label (Ray's process title without the method, `ray::StageHost`;
-`python -m <module>`; the program's name), its CPU seconds (user + system) at its last sample and its
+`python -m <module>`, `python <script>` past Python's options; the program's name), its CPU seconds (user + system) at its last sample and its
 life (s, first to last sample). Printed per label: processes, CPU-s in all, CPU-s per process, share of
 the machine's busy CPU over the run (`/proc/stat`); then the run's wall, its busy CPU against what the
 cores could give, and how much of it the samples saw (a process's CPU after its last sample, and
@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 # bench/param_update.py would shadow the `param_update` package: drop this folder from the path
 sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
@@ -28,6 +29,26 @@ from bench.command import command_line  # noqa: E402
 from bench.soak import process_name  # noqa: E402
 
 IDLE = "ray::IDLE"  # a pooled Ray worker before it runs anything: labelled by what it becomes
+PYTHON_OPTIONS_WITH_VALUE = ("-W", "-X", "-Q")
+
+
+def label_of(proc) -> str:
+    """`bench/soak.py`'s label, with Python's options skipped (`python -u .../log_monitor.py` ->
+    `python log_monitor.py`, Ray's own services)."""
+    try:
+        cmd = proc.cmdline()
+    except Exception:  # noqa: BLE001 - the process may be gone
+        return "?"
+    if not cmd or not Path(cmd[0]).name.startswith("python"):
+        return process_name(proc)
+    args, i = cmd[1:], 0
+    while i < len(args) and args[i].startswith("-") and args[i] not in ("-m", "-c"):
+        i += 2 if args[i] in PYTHON_OPTIONS_WITH_VALUE else 1
+    if i >= len(args):
+        return "python"
+    if args[i] == "-m":
+        return f"python -m {args[i + 1]}" if i + 1 < len(args) else "python -m"
+    return "python -c" if args[i] == "-c" else f"python {Path(args[i]).name}"
 
 
 @dataclass
@@ -49,7 +70,7 @@ def sample(seen: dict[tuple[int, float], Seen], since: float, now: float) -> Non
             if created < since:
                 continue
             times = proc.cpu_times()
-            label = process_name(proc)
+            label = label_of(proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
         key = (proc.pid, created)

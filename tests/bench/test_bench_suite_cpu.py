@@ -9,10 +9,10 @@ SPIN = "import time\nend = time.process_time() + 1.5\nwhile time.process_time() 
 
 def test_a_childs_cpu_is_counted_under_its_label(tmp_path):
     out = tmp_path / "cpu.json"
-    proc = run_bench("suite_cpu.py", ["--every-s", "0.2", "--json", out, "--", "python3", "-c", SPIN], tmp_path,
+    proc = run_bench("suite_cpu.py", ["--every-s", "0.2", "--json", out, "--", "python3", "-u", "-c", SPIN], tmp_path,
                      timeout_s=120)
     result = json.loads(out.read_text())
-    rows = {r["label"]: r for r in result["labels"]}  # soak.process_name: python3 -> "python"
+    rows = {r["label"]: r for r in result["labels"]}  # python3 -> "python", its options skipped
     assert rows["python -c"]["processes"] == 1, rows
     assert 1.3 <= rows["python -c"]["cpu_s"] <= 2.5, rows  # its 1.5 s of spinning, seen by a sample after it
     assert result["exit"] == 0 and result["busy_cpu_s"] >= 1.3
