@@ -404,7 +404,8 @@ def main(argv=None) -> list[dict]:
                         help=f"the validation reward every run is timed to (default {TARGET}); fix it before the runs")
     parser.add_argument("--json")
     parser.add_argument("--png", default="bench/results/e2e.png")
-    parser.add_argument("--timeout-s", type=float, default=3600, help="most seconds a run takes (wall); a run still going then is stopped and summarized with its steps so far")
+    parser.add_argument("--timeout-s", type=float, default=3600,
+                        help="most seconds a run takes (wall); one still going then is stopped, its steps so far kept")
     parser.add_argument("--metrics-dir", help="keep each run's metric JSONL here (default: a temporary folder)")
     parser.add_argument("--summarize-only", action="store_true",
                         help="no runs: summarize the JSONL files already in --metrics-dir")

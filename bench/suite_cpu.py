@@ -61,13 +61,14 @@ class Seen:
 
 
 def sample(seen: dict[tuple[int, float], Seen], since: float, now: float) -> None:
-    """Update `seen` (keyed by pid and start time) with every process created after `since` (epoch s)."""
+    """Update `seen` (keyed by pid and start time) with every process created after `since` (epoch s), this
+    one excepted."""
     import psutil
 
     for proc in psutil.process_iter(["create_time"]):
         try:
             created = proc.info["create_time"]
-            if created < since:
+            if created < since or proc.pid == os.getpid():
                 continue
             times = proc.cpu_times()
             label = label_of(proc)
