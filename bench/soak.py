@@ -29,9 +29,13 @@ from bench.command import command_line  # noqa: E402
 GOAL_GROWTH = 0.05  # after warm-up, no process grows by more than this fraction
 
 
+PYTHON_OPTIONS_WITH_VALUE = ("-W", "-X", "-Q")
+
+
 def process_name(proc) -> str:
     """A stable label: Ray's process title without the method running now (`ray::StageHost.call` ->
-    `ray::StageHost`), else the program's name."""
+    `ray::StageHost`); for Python, what it runs past its options (`python -m <module>`, `python -c`,
+    `python <script>`: `python -u .../log_monitor.py` -> `python log_monitor.py`); else the program's name."""
     try:
         cmd = proc.cmdline()
     except Exception:  # noqa: BLE001 - the process may be gone
@@ -39,11 +43,16 @@ def process_name(proc) -> str:
     if cmd and cmd[0].startswith("ray::"):
         return cmd[0].split(".", 1)[0]
     exe = Path(cmd[0]).name if cmd else proc.name()
-    if exe.startswith("python") and len(cmd) > 2 and cmd[1] == "-m":
-        return f"python -m {cmd[2]}"
-    if exe.startswith("python") and len(cmd) > 1:
-        return f"python {Path(cmd[1]).name}"
-    return exe
+    if not exe.startswith("python"):
+        return exe
+    args, i = cmd[1:], 0
+    while i < len(args) and args[i].startswith("-") and args[i] not in ("-m", "-c"):
+        i += 2 if args[i] in PYTHON_OPTIONS_WITH_VALUE else 1
+    if i >= len(args):
+        return "python"
+    if args[i] == "-m":
+        return f"python -m {args[i + 1]}" if i + 1 < len(args) else "python -m"
+    return "python -c" if args[i] == "-c" else f"python {Path(args[i]).name}"
 
 
 def sample_tree(root_pid: int) -> dict[str, float]:

@@ -20,7 +20,6 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 # bench/param_update.py would shadow the `param_update` package: drop this folder from the path
 sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
@@ -29,26 +28,6 @@ from bench.command import command_line  # noqa: E402
 from bench.soak import process_name  # noqa: E402
 
 IDLE = "ray::IDLE"  # a pooled Ray worker before it runs anything: labelled by what it becomes
-PYTHON_OPTIONS_WITH_VALUE = ("-W", "-X", "-Q")
-
-
-def label_of(proc) -> str:
-    """`bench/soak.py`'s label, with Python's options skipped (`python -u .../log_monitor.py` ->
-    `python log_monitor.py`, Ray's own services)."""
-    try:
-        cmd = proc.cmdline()
-    except Exception:  # noqa: BLE001 - the process may be gone
-        return "?"
-    if not cmd or not Path(cmd[0]).name.startswith("python"):
-        return process_name(proc)
-    args, i = cmd[1:], 0
-    while i < len(args) and args[i].startswith("-") and args[i] not in ("-m", "-c"):
-        i += 2 if args[i] in PYTHON_OPTIONS_WITH_VALUE else 1
-    if i >= len(args):
-        return "python"
-    if args[i] == "-m":
-        return f"python -m {args[i + 1]}" if i + 1 < len(args) else "python -m"
-    return "python -c" if args[i] == "-c" else f"python {Path(args[i]).name}"
 
 
 @dataclass
@@ -71,7 +50,7 @@ def sample(seen: dict[tuple[int, float], Seen], since: float, now: float) -> Non
             if created < since or proc.pid == os.getpid():
                 continue
             times = proc.cpu_times()
-            label = label_of(proc)
+            label = process_name(proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
         key = (proc.pid, created)
@@ -98,10 +77,12 @@ def by_label(seen: dict, busy_s: float) -> list[dict]:
     groups: dict[str, list[Seen]] = {}
     for entry in seen.values():
         groups.setdefault(entry.label, []).append(entry)
-    rows = [{"label": label, "processes": len(es), "cpu_s": sum(e.cpu_s for e in es),
-             "cpu_s_per_process": sum(e.cpu_s for e in es) / len(es),
-             "share": sum(e.cpu_s for e in es) / busy_s if busy_s else 0.0,
-             "mean_life_s": sum(e.last_s - e.first_s for e in es) / len(es)} for label, es in groups.items()]
+    rows = []
+    for label, es in groups.items():
+        cpu_s = sum(e.cpu_s for e in es)
+        rows.append({"label": label, "processes": len(es), "cpu_s": cpu_s, "cpu_s_per_process": cpu_s / len(es),
+                     "share": cpu_s / busy_s if busy_s else 0.0,
+                     "mean_life_s": sum(e.last_s - e.first_s for e in es) / len(es)})
     return sorted(rows, key=lambda r: -r["cpu_s"])
 
 
