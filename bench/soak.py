@@ -27,9 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from bench.command import command_line  # noqa: E402
 
 GOAL_GROWTH = 0.05  # after warm-up, no process grows by more than this fraction
-
-
-PYTHON_OPTIONS_WITH_VALUE = ("-W", "-X", "-Q")
+PYTHON_OPTIONS_WITH_VALUE = ("-W", "-X")  # Python 3's options that take the next word as their value
 
 
 def process_name(proc) -> str:
