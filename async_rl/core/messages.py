@@ -13,7 +13,10 @@ responses right-padded to `max_response_length`, `input_ids = prompts ++ respons
 `attention_mask`, `position_ids` and `response_mask` (1 on the model's tokens; 0 on padding and
 on the tool/environment tokens of a multi-turn trajectory); the rollout's log-probs and the policy
 version of each response token ride along as `rollout_log_probs` and `token_versions` (-1 on
-padding and on tool/environment tokens).
+padding and on tool/environment tokens). A multimodal sample (a vision-language model with
+multimodal RoPE, e.g. Qwen2-VL) also carries verl's `multi_modal_inputs` among its non-tensor
+columns and its three RoPE rows; its batch's `position_ids` are then verl's (bs, 4, seq_len): the
+text positions, then the three RoPE rows.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ TOOL_POOL_WAIT = "tool_pool_wait_s"  # non-tensor column: seconds a trajectory's
 # non-tensor columns: seconds an agent-loop trajectory spent generating and in tool calls (verl's
 # AgentLoopMetrics), logged as verl's `agent_loop/<name>/{min,max,mean}`
 AGENT_LOOP_TIMINGS = {"generate_sequences": "agent_loop_generate_s", "tool_calls": "agent_loop_tool_calls_s"}
+MULTI_MODAL_INPUTS = "multi_modal_inputs"  # non-tensor column (verl's): a row's processor outputs for the model's
+# forward (pixel_values, image_grid_thw, ...), which the engines read beside input_ids
+ROPE_ROWS = 3  # multimodal RoPE's rows (temporal, height, width), verl's position_ids rows 1-3
 
 
 @dataclass
@@ -58,6 +64,8 @@ class Sample:
     non_tensor: dict[str, Any] = field(default_factory=dict)  # data_source, reward_model, ...
     score: float | None = None  # filled by the reward stage
     response_mask: list[int] | None = None  # 1: a model token, 0: a tool/environment token (None: all 1)
+    # multimodal RoPE: ROPE_ROWS rows of positions over prompt_ids + response_ids (None: text positions only)
+    rope_position_ids: list[list[int]] | None = None
 
 
 def build_batch(samples: list[Sample], max_prompt_length: int, max_response_length: int, pad_token_id: int) -> DataProto:
@@ -86,6 +94,11 @@ def build_batch(samples: list[Sample], max_prompt_length: int, max_response_leng
             token_versions[i, : len(r)] = torch.tensor(s.token_versions[: len(r)])
     attention_mask = torch.cat([prompt_mask, response_attention], dim=1)
     position_ids = torch.clamp(torch.cumsum(attention_mask, dim=1) - 1, min=0)
+    with_rope = [s.rope_position_ids is not None for s in samples]
+    if any(with_rope):
+        if not all(with_rope):
+            raise ValueError("a batch mixes samples with multimodal RoPE positions and samples without")
+        position_ids = _with_rope_rows(samples, position_ids, max_prompt_length, max_response_length)
     tensors = {
         "prompts": prompts,
         "responses": responses,
@@ -100,6 +113,23 @@ def build_batch(samples: list[Sample], max_prompt_length: int, max_response_leng
     non_tensors = {k: object_column([s.non_tensor.get(k) for s in samples]) for k in keys}
     non_tensors["uid"] = object_column([s.uid for s in samples])
     return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors)
+
+
+def _with_rope_rows(samples: list[Sample], text_positions: torch.Tensor, max_prompt_length: int,
+                    max_response_length: int) -> torch.Tensor:
+    """(n, 1 + ROPE_ROWS, prompt + response width): `text_positions` (n, width), then each sample's RoPE rows
+    laid out as its tokens are (truncated the same way); 1 under padding, as transformers' `get_rope_index`."""
+    rope = torch.ones((len(samples), ROPE_ROWS, text_positions.shape[1]), dtype=torch.long)
+    for i, s in enumerate(samples):
+        rows = torch.tensor(s.rope_position_ids, dtype=torch.long)
+        if rows.shape != (ROPE_ROWS, len(s.prompt_ids) + len(s.response_ids)):
+            raise ValueError(f"sample {s.uid}: RoPE rows of shape {tuple(rows.shape)} for "
+                             f"{len(s.prompt_ids)} prompt and {len(s.response_ids)} response tokens")
+        p = min(len(s.prompt_ids), max_prompt_length)
+        r = min(len(s.response_ids), max_response_length)
+        rope[i, :, max_prompt_length - p : max_prompt_length] = rows[:, len(s.prompt_ids) - p : len(s.prompt_ids)]
+        rope[i, :, max_prompt_length : max_prompt_length + r] = rows[:, len(s.prompt_ids) : len(s.prompt_ids) + r]
+    return torch.cat([text_positions.unsqueeze(1), rope], dim=1)
 
 
 def response_lengths(batch) -> torch.Tensor:

@@ -344,8 +344,11 @@ def samples_from_agent_output(output, start_version: int) -> list[Sample]:
     """One Sample per row of verl's agent-loop output (unpadded: the prompt's tokens, the response's
     tokens with `response_mask` 1 on model tokens, 0 on tool/environment tokens). Each model token gets
     the version recorded for it (a loop marking more model tokens than were generated: the last recorded
-    version on the rest; none recorded: `start_version`); tool tokens get -1, like padding."""
+    version on the rest; none recorded: `start_version`); tool tokens get -1, like padding. A multimodal
+    model's rows keep verl's `multi_modal_inputs` and their multimodal RoPE rows (`position_ids` rows 1-3)
+    over their tokens."""
     batch, columns = output.batch, output.non_tensor_batch
+    rope = batch["position_ids"] if batch["position_ids"].dim() == 3 else None  # (bs, 1 + ROPE_ROWS, seq_len)
     timings = output.meta_info.get("metrics") or []
     prompt_width = batch["prompts"].shape[1]
     samples = []
@@ -370,7 +373,8 @@ def samples_from_agent_output(output, start_version: int) -> list[Sample]:
         non_tensor["start_version"] = start_version
         for name, column in AGENT_LOOP_TIMINGS.items():  # verl's per-trajectory AgentLoopMetrics, seconds
             non_tensor[column] = float(timings[i].get(name, 0.0)) if i < len(timings) else 0.0
+        rope_rows = rope[i, 1:, mask.bool()].tolist() if rope is not None else None
         samples.append(Sample(uid=str(columns["uid"][i]), prompt_ids=prompt_ids, response_ids=response_ids,
                               rollout_log_probs=log_probs, token_versions=versions, non_tensor=non_tensor,
-                              response_mask=[int(m) for m in model_tokens]))
+                              response_mask=[int(m) for m in model_tokens], rope_position_ids=rope_rows))
     return samples

@@ -13,14 +13,19 @@ from verl import DataProto
 from verl.utils import tensordict_utils as tu
 from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
 
+from async_rl.core.messages import MULTI_MODAL_INPUTS
+
 # Tensors the engines need; the rest of the batch stays with the stage.
 _ENGINE_KEYS = ("input_ids", "attention_mask", "position_ids", "response_mask", "prompts", "responses")
 _TRAIN_KEYS = _ENGINE_KEYS + ("old_log_probs", "ref_log_prob", "advantages", "rollout_log_probs", "rollout_is_weights")
 
 
 def _to_no_padding(batch: DataProto, keys: tuple[str, ...]):
+    """`keys` of the batch (those present) and, for a multimodal model, its `multi_modal_inputs`, in verl's
+    no-padding layout."""
     present = [k for k in keys if k in batch.batch.keys()]
-    td = batch.select(batch_keys=present, non_tensor_batch_keys=[]).to_tensordict()
+    non_tensor = [MULTI_MODAL_INPUTS] if MULTI_MODAL_INPUTS in batch.non_tensor_batch else []
+    td = batch.select(batch_keys=present, non_tensor_batch_keys=non_tensor).to_tensordict()
     return left_right_2_no_padding(td)
 
 

@@ -1,0 +1,84 @@
+"""A tiny vision-language model for tests: Qwen2-VL (multimodal RoPE) over the demo's tokenizer.
+
+`save_vl_model(dir)` writes what a Hugging Face model directory holds: the model (random init, float32,
+a 1-block vision tower, 2 text layers), the tokenizer with Qwen2-VL's vision tokens and a chat template
+that places them, and the image processor (an image resized to about 56 x 56 pixels, its sides multiples
+of 28: a square one is 16 patches of 14, 4 image tokens). No
+processor config: transformers builds Qwen2-VL's processor with a video processor, which needs
+torchvision, and this machine's torchvision wheel is a CUDA build that does not import against the CPU
+torch (docs/agent_loops.md).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from async_rl.demo.tokenizer import IM_END_TOKEN, SEPARATOR, build_tokenizer
+
+VISION_START, IMAGE_PAD, VISION_END, VIDEO_PAD = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"
+IMAGE_SIDE = 56  # pixels: the image processor resizes every image to about IMAGE_SIDE ** 2 pixels
+PATCH, MERGE = 14, 2  # pixels per patch side; patches merged per image token side
+
+# the demo's chat template, with an image part rendered as Qwen2-VL's vision tokens
+VL_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['content'] is string -%}{{ message['content'] }}{%- else -%}"
+    "{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'image' -%}" + VISION_START + IMAGE_PAD + VISION_END +
+    "{%- elif part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{%- if message['role'] == 'assistant' -%}{{ eos_token }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}" + SEPARATOR + "{%- endif -%}"
+)
+
+
+def build_vl_tokenizer():
+    """The demo tokenizer plus Qwen2-VL's vision tokens, with `VL_CHAT_TEMPLATE`."""
+    tokenizer = build_tokenizer(model_max_length=256, chat_template=VL_CHAT_TEMPLATE)
+    tokenizer.add_special_tokens({"additional_special_tokens": [IM_END_TOKEN, VISION_START, IMAGE_PAD, VISION_END,
+                                                                VIDEO_PAD]})
+    return tokenizer
+
+
+def build_image_processor():
+    """Qwen2-VL's image processor, every image resized to about IMAGE_SIDE ** 2 pixels (aspect ratio kept)."""
+    from transformers import Qwen2VLImageProcessor
+
+    pixels = IMAGE_SIDE * IMAGE_SIDE
+    return Qwen2VLImageProcessor(min_pixels=pixels, max_pixels=pixels, patch_size=PATCH, merge_size=MERGE,
+                                 temporal_patch_size=2)
+
+
+def build_vl_model(tokenizer, seed: int = 0):
+    """Random-init tiny Qwen2VLForConditionalGeneration in float32 (head dim 32: RoPE sections 4 + 6 + 6)."""
+    import torch
+    from transformers import GenerationConfig, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    token = tokenizer.convert_tokens_to_ids
+    config = Qwen2VLConfig(
+        text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=len(tokenizer), max_position_embeddings=256,
+                         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+                         rope_parameters={"rope_type": "default", "mrope_section": [4, 6, 6], "rope_theta": 10000.0}),
+        vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=1, mlp_ratio=2, patch_size=PATCH,
+                           spatial_merge_size=MERGE, temporal_patch_size=2, in_channels=3),
+        image_token_id=token(IMAGE_PAD), video_token_id=token(VIDEO_PAD), vision_start_token_id=token(VISION_START),
+        vision_end_token_id=token(VISION_END), tie_word_embeddings=True, dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(config).to(torch.float32)
+    model.generation_config = GenerationConfig(bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+                                               pad_token_id=tokenizer.pad_token_id)
+    return model
+
+
+def save_vl_model(directory: str | Path, seed: int = 0) -> Path:
+    """Write the model, its tokenizer and its image processor to `directory`; returns it."""
+    directory = Path(directory)
+    tokenizer = build_vl_tokenizer()
+    build_vl_model(tokenizer, seed).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    build_image_processor().save_pretrained(directory)
+    return directory
