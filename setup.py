@@ -24,6 +24,8 @@ INSTALL_REQUIRES = [
     "tqdm",
     # verl's default (V1) trainer imports it (verl's `verl-core` extra): the baseline on CPU
     "TransferQueue>=0.1.10",
+    # verl's dataset and agent loops read a row's images with it (image prompts)
+    "qwen-vl-utils",
 ]
 
 setup(

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from verl.trainer.ppo.utils import need_reference_policy
 
 import async_rl.rollout.backends  # noqa: F401 - registers the built-in rollout backends
-from async_rl.api.rollout import RolloutBackend, rollout_backend
+from async_rl.api.rollout import RolloutBackend, registered_backends, rollout_backend
 from async_rl.checkpoints import CheckpointConfig, read_checkpoint_config
 from async_rl.core.config import AsyncPipelineConfig, critic_enabled, read_async_config, strip_async_keys
 from async_rl.core.data_checks import agent_names_in, check_rl_files
@@ -196,13 +196,39 @@ def check_files(config: DictConfig) -> None:
             if not path or (not path.startswith(("hdfs://", "s3://")) and not os.path.exists(path)):
                 raise FileNotFoundError(f"{key}={path!r}: no such file or directory")
     prompt_key = str(config.data.get("prompt_key", "prompt"))
-    media = tuple(str(config.data.get(k)) for k in ("image_key", "video_key", "audio_key") if config.data.get(k))
+    columns = set()
     for key in ("data.train_files", "data.val_files"):
-        check_rl_files(OmegaConf.select(config, key), prompt_key, key, media)
+        columns |= check_rl_files(OmegaConf.select(config, key), prompt_key, key, refused_media(config))
+    check_image_rows(config, columns)
     if int(config.trainer.get("total_training_steps") or 0) <= 0 and int(config.trainer.total_epochs) <= 0:
         raise ValueError("set trainer.total_training_steps or trainer.total_epochs to a positive number")
     check_reward_model_path(config)
     check_sequence_parallel(config)
+
+
+def refused_media(config: DictConfig) -> dict[str, str]:
+    """The data columns of verl's `data.{image,video,audio}_key` this run cannot serve -> why: videos and audio
+    always, images unless the rollout backend takes them (`RolloutBackend.serves_images`)."""
+    refused = {str(config.data.get(key)): "the async pipeline runs text and image prompts only (no video or audio)"
+               for key in ("video_key", "audio_key") if config.data.get(key)}
+    backend = rollout_backend(str(config.actor_rollout_ref.rollout.name))
+    if config.data.get("image_key") and not backend.serves_images:
+        refused[str(config.data.image_key)] = (
+            f"actor_rollout_ref.rollout.name={backend.name} takes no images under the pipeline (untested here); "
+            "the backends that do: " + ", ".join(sorted(b.name for b in registered_backends() if b.serves_images)))
+    return refused
+
+
+REMOVE_PADDING_KEY = "actor_rollout_ref.model.use_remove_padding"
+
+
+def check_image_rows(config: DictConfig, columns: set) -> None:
+    """On CPU, image rows need `use_remove_padding=False`: verl's packed path for multimodal RoPE calls
+    flash-attention (`NameError: _flash_use_top_left_mask`)."""
+    has_images = config.data.get("image_key") and str(config.data.image_key) in columns
+    if has_images and str(config.trainer.device) == "cpu" and config.actor_rollout_ref.model.get("use_remove_padding"):
+        raise AsyncConfigError(REMOVE_PADDING_KEY, True, f"False with image rows ({config.data.image_key!r}) on "
+                               "trainer.device=cpu: verl's packed path for multimodal RoPE needs flash-attention")
 
 
 # (Ulysses size key, the model it splits): verl reads the actor's for the ref too (interpolated)

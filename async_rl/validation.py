@@ -11,7 +11,7 @@ import asyncio
 import numpy as np
 
 from async_rl.core.generation_dumps import GenerationDumps
-from async_rl.core.prompts import load_prompt_dataset, tokenize_row
+from async_rl.core.prompts import load_prompt_dataset, model_processor, tokenize_row
 from async_rl.core.reward_loop_scoring import RewardLoopScorer, one_row
 from async_rl.core.scoring import ResponseToScore, RewardFunctionError, load_score_fn, score_each_zeroing_failures
 
@@ -33,7 +33,8 @@ class Validator:
         self.config = config
         self.reward_timeout_s, self.reward_on_error = reward_timeout_s, reward_on_error
         self.tokenizer = tokenizer
-        dataset = load_prompt_dataset(config.data.val_files, config.data, tokenizer, is_train=False)
+        dataset = load_prompt_dataset(config.data.val_files, config.data, tokenizer, is_train=False,
+                                      processor=model_processor(config))
         max_len = int(config.data.max_prompt_length)
         truncation, prompt_key = str(config.data.get("truncation", "error")), str(config.data.get("prompt_key", "prompt"))
         self.rows = [tokenize_row(dataset[i], tokenizer, max_len, truncation, config.data.val_files, prompt_key)

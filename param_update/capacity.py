@@ -7,17 +7,18 @@ import torch
 
 import param_update.transports  # noqa: F401 - registers the built-in transports
 from async_rl.api.weights import link_of, transport_class
+from async_rl.core.model_class import auto_model_class
 from param_update.buckets import check_bucket_sizes
 
 
 def model_weight_bytes(model_path: str) -> int:
     """Bytes of one full copy of the model's weights (float32 unless the config says otherwise),
     from its config alone: the model is built on the meta device, tied weights counted once."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = auto_model_class(config).from_config(config)
     tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
     return sum(t.numel() * t.element_size() for t in tensors.values())
 

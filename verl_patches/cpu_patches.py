@@ -24,9 +24,10 @@ without it (tests/verl_patches/test_verl_patches.py; 5-7 in their own test modul
 8. `master_port` (verl_patches/master_port.py): a worker group's rendezvous port below the kernel's
    ephemeral range, so that no outgoing connection takes it before rank 0 binds it (also in the
    driver of a CPU run: `apply_cpu_driver_patches`).
-9. `processors_without_torchvision` (verl_patches/processors_without_torchvision.py): a vision-language
-   model's processor loads without torchvision (images only), instead of verl taking the model for a
-   text-only one (also in the driver, which loads the data set's processor).
+9. `vision_without_torchvision` (verl_patches/vision_without_torchvision.py): verl's image path where
+   torchvision does not import: a vision-language model's processor loads (images only) instead of verl
+   taking the model for a text-only one, and `qwen_vl_utils` reads images (also in the driver, which
+   loads the data set).
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ from verl_patches.cpu_platform import make_cpu_platform_class
 from verl_patches.master_port import patch_master_port
 from verl_patches.packed_sdpa import patch_packed_sdpa
 from verl_patches.post_import import when_imported
-from verl_patches.processors_without_torchvision import patch_processors_without_torchvision
+from verl_patches.vision_without_torchvision import (patch_processors_without_torchvision,
+                                                     patch_qwen_vl_utils_without_torchvision)
 from verl_patches.row_block_logprobs import patch_row_block_logprobs
 from verl_patches.ulysses_sdpa import patch_ulysses_sdpa
 
@@ -136,7 +138,8 @@ def use_cpu_platform() -> None:
 # the patches that the process building verl's worker groups needs (the driver of a CPU run; it also loads
 # the data set's processor)
 DRIVER_PATCHES_ON_IMPORT = {"verl.single_controller.ray.base": patch_master_port,
-                            "transformers.processing_utils": patch_processors_without_torchvision}
+                            "transformers.processing_utils": patch_processors_without_torchvision,
+                            "verl.utils.dataset.rl_dataset": patch_qwen_vl_utils_without_torchvision}
 
 # each patch, and the module whose import applies it (a worker of a CPU run builds worker groups too: verl's
 # TaskRunner)

@@ -60,6 +60,8 @@ class RolloutBackend:
         reward model's `reward.reward_model.rollout`) for `trainer.device`, in place.
     ray_env: environment variables every Ray process of the run needs, from the config.
     logical_gpus_on_cpu: on trainer.device=cpu its replicas ask Ray for (logical) GPUs.
+    serves_images: its servers take a prompt's images (`image_data`), so rows with images (verl's
+        `data.image_key` column) can run; else such data is refused at start.
     replica_class: verl `RolloutReplica` class to register in verl's registry under `name` (None:
         verl has it).
     """
@@ -79,6 +81,7 @@ class RolloutBackend:
     prepare_server_config: Callable[[Any, str], None] = _nothing
     ray_env: Callable[[Any], dict] = _no_env
     logical_gpus_on_cpu: bool = False
+    serves_images: bool = False
     replica_class: Optional[type] = None
 
 
@@ -96,6 +99,11 @@ def register_rollout_backend(backend: RolloutBackend) -> RolloutBackend:
         RolloutReplicaRegistry.register(backend.name, lambda: replica_class)
     _BACKENDS[backend.name] = backend
     return backend
+
+
+def registered_backends() -> list[RolloutBackend]:
+    """Every registered backend, in registration order."""
+    return list(_BACKENDS.values())
 
 
 def rollout_backend(name: str, device: Optional[str] = None, key: str = NAME_KEY) -> RolloutBackend:

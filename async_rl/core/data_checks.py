@@ -11,6 +11,7 @@ says; with `truncation=error` the pipeline refuses it instead, naming the file a
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Optional
 
 
 class BadDataError(ValueError):
@@ -51,25 +52,27 @@ def _empty_prompt_rows(column):
 
 
 def check_rl_files(files, prompt_key: str = "prompt", label: str = "data.train_files",
-                   media_keys: tuple = ()) -> None:
+                   refused_media: Optional[dict] = None) -> set:
     """Raise BadDataError naming the file and row of the first unusable row, or a file with a column of
-    `media_keys` (verl's data.image_key / video_key / audio_key: multimodal rows, which the pipeline does not
-    run); remote paths are skipped. Vectorised over each file's two columns (about 0.1 s per 100k rows).
+    `refused_media` (column -> why: verl's data.image_key / video_key / audio_key, multimodal rows the run
+    cannot serve); remote paths are skipped. Returns the columns the files have. Vectorised over each
+    file's two columns (about 0.1 s per 100k rows).
     """
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
+    columns: set = set()
     for path in _as_list(files):
         if path.startswith(("hdfs://", "s3://")) or not path.endswith(".parquet"):
             continue
         names = pq.read_schema(path).names
+        columns.update(names)
         for column in (prompt_key, "reward_model"):
             if column not in names:
                 raise BadDataError(f"{label}: {path} has no {column!r} column (columns: {names})")
-        media = [c for c in media_keys if c in names]
+        media = [column for column in (refused_media or {}) if column in names]
         if media:
-            raise BadDataError(f"{label}: {path} has multimodal columns {media}: the async pipeline runs text "
-                               "prompts only (its dataset and server client take no images, videos or audio)")
+            raise BadDataError(f"{label}: {path} has the multimodal column {media[0]!r}: {refused_media[media[0]]}")
         table = pq.read_table(path, columns=[prompt_key, "reward_model"])
         row = _first(_empty_prompt_rows(table.column(prompt_key)))
         if row is not None:
@@ -84,6 +87,7 @@ def check_rl_files(files, prompt_key: str = "prompt", label: str = "data.train_f
                 f"{label}: {path} row {row}: 'reward_model' is {reward_model[row].as_py()!r}; verl's reward "
                 "managers read reward_model['ground_truth']"
             )
+    return columns
 
 
 def agent_names_in(files) -> frozenset:

@@ -24,12 +24,27 @@ def model_tokenizer(config):
     return omega_conf_to_dataclass(config.actor_rollout_ref.model, dataclass_type=HFModelConfig).tokenizer
 
 
-def load_prompt_dataset(data_files, data_config, tokenizer, is_train: bool):
-    """verl's RL dataset for `data_files` (parquet paths), capped at verl's `{train,val}_max_samples`."""
+def model_processor(config):
+    """verl's processor of a vision-language model (its HFModelConfig's, as verl's trainer loads it); None for
+    a model without a vision tower (read from its config, without loading the processor)."""
+    from transformers import AutoConfig
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config import HFModelConfig
+
+    model = config.actor_rollout_ref.model
+    model_config = AutoConfig.from_pretrained(str(model.path), trust_remote_code=bool(model.get("trust_remote_code")))
+    if getattr(model_config, "vision_config", None) is None:
+        return None
+    return omega_conf_to_dataclass(model, dataclass_type=HFModelConfig).processor
+
+
+def load_prompt_dataset(data_files, data_config, tokenizer, is_train: bool, processor=None):
+    """verl's RL dataset for `data_files` (parquet paths), capped at verl's `{train,val}_max_samples`;
+    `processor`: a vision-language model's (`model_processor`), which verl's dataset needs for image rows."""
     from verl.trainer.ppo.utils import create_rl_dataset
 
     max_samples = data_config.get("train_max_samples" if is_train else "val_max_samples", -1)
-    return create_rl_dataset(data_files, data_config, tokenizer, None, is_train=is_train,
+    return create_rl_dataset(data_files, data_config, tokenizer, processor, is_train=is_train,
                              max_samples=-1 if max_samples is None else max_samples)
 
 

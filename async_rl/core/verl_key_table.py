@@ -110,8 +110,11 @@ VERL_KEYS = (
            "dynamic sampling draws more batches until a step's batch is full"),
     KeyRow("data.val_batch_size", R, "validation sends the whole set to the replicas at once"),
     KeyRow("data.validation_shuffle", N, "the order validation runs in; its scores' means do not depend on it"),
-    *(KeyRow(f"data.{k}", P, "a data file with this column is refused at start: text prompts only "
-             "(async_rl/core/data_checks.py)") for k in ("image_key", "video_key", "audio_key")),
+    KeyRow("data.image_key", P, "the images of a row, through verl's dataset and agent loops to the rollout "
+           "servers and the engines' multi_modal_inputs; refused at start on a backend that takes no images "
+           "(async_rl/run_config.py refused_media)"),
+    *(KeyRow(f"data.{k}", P, "a data file with this column is refused at start: text and image prompts only "
+             "(async_rl/run_config.py refused_media)") for k in ("video_key", "audio_key")),
     KeyRow("data.reward_fn_key", N, "verl 0.9.1's reward managers read data_source, as the reward stage does"),
     KeyRow("data.tokenizer", N, "nothing in verl 0.9.1 reads it"),
     KeyRow("data.return_raw_input_ids", N, "nothing in verl 0.9.1 reads it"),

@@ -105,8 +105,8 @@ class PipelineLLMClient(LLMServerClient):
 
     async def generate(self, request_id, *, prompt_ids, sampling_params, image_data=None, video_data=None,
                        audio_data=None, mm_processor_kwargs=None, **kwargs: Any) -> TokenOutput:
-        if image_data or video_data or audio_data:
-            raise NotImplementedError("the pipeline's agent-loop client is text-only (got image, video or audio data)")
+        if video_data or audio_data:
+            raise NotImplementedError("the pipeline's agent-loop client takes images only (got video or audio data)")
         prompt_ids = [int(t) for t in prompt_ids]
         params = {k: v for k, v in dict(sampling_params).items() if k not in ("max_new_tokens", "max_tokens")}
         limit = sampling_params.get("max_tokens", sampling_params.get("max_new_tokens"))
@@ -122,7 +122,7 @@ class PipelineLLMClient(LLMServerClient):
                 "trained as one trajectory; make each turn extend the last")
         served = self.served_version()
         out = await generate_resumable(self.servers, self._replica_for(str(request_id)), prompt_ids, params,
-                                       self.request_timeout_s, served)
+                                       self.request_timeout_s, served, image_data=image_data or None)
         if record is not None:
             record.sequence = prompt_ids + list(out.token_ids)
             record.versions += out.token_versions
@@ -324,6 +324,8 @@ def prompt_rows(batch_non_tensor: list[dict], uids: list[str], n: int, start_ver
     each prompt's row once more, sampled greedily (verl's `__do_sample__` column)."""
     from verl import DataProto
 
+    for row in batch_non_tensor:
+        decode_images(row.get("raw_prompt"))
     rows = [{**row, "uid": uid} for row, uid in zip(batch_non_tensor, uids) for _ in range(n)]
     if greedy_baselines:
         rows = [{**row, DO_SAMPLE: True} for row in rows]
@@ -333,6 +335,17 @@ def prompt_rows(batch_non_tensor: list[dict], uids: list[str], n: int, start_ver
     proto = DataProto.from_dict(non_tensors=columns)
     proto.meta_info["global_steps"] = start_version
     return proto
+
+
+def decode_images(messages) -> None:
+    """Decode now every PIL image in `messages` (a row's `raw_prompt`): PIL decodes a file's pixels at first
+    use, and the n trajectories of a row read its one image object from verl's threads at once."""
+    for message in messages if messages is not None else ():
+        content = message.get("content") if isinstance(message, dict) else None
+        for part in content if isinstance(content, (list, tuple, np.ndarray)) else ():
+            image = part.get("image") if isinstance(part, dict) else None
+            if hasattr(image, "load"):
+                image.load()
 
 
 def _python_scalar(value):

@@ -7,15 +7,19 @@ from __future__ import annotations
 import asyncio
 import uuid
 from dataclasses import dataclass
+from typing import Optional
 
 from async_rl.core.errors import is_lost_server_error
 from async_rl.rollout.supervisor import REQUEST_TIMEOUT_KEY, ReplicaSupervisor
 
 
-async def generate_one(server, prompt_ids: list[int], sampling_params: dict, timeout_s: float):
-    """One request through verl's server interface; returns its TokenOutput."""
+async def generate_one(server, prompt_ids: list[int], sampling_params: dict, timeout_s: float,
+                       image_data: Optional[list] = None):
+    """One request through verl's server interface (`image_data`: the prompt's images); returns its TokenOutput."""
     request_id = uuid.uuid4().hex
-    ref = server.generate.remote(prompt_ids=prompt_ids, sampling_params=dict(sampling_params), request_id=request_id)
+    images = {"image_data": image_data} if image_data else {}
+    ref = server.generate.remote(prompt_ids=prompt_ids, sampling_params=dict(sampling_params), request_id=request_id,
+                                 **images)
     return await asyncio.wait_for(ref, timeout=timeout_s)
 
 
@@ -32,14 +36,15 @@ class Response:
 
 async def generate_resumable(
     servers: ReplicaSupervisor, preferred: int, prompt_ids: list[int], sampling_params: dict, timeout_s: float,
-    served_version: int, max_segments: int = 64,
+    served_version: int, max_segments: int = 64, image_data: Optional[list] = None,
 ) -> Response:
     """Generate on replica `preferred` (or a surviving one), resubmitting prompt + tokens so far
     whenever a segment ends early: the server aborted the request (verl's GPU servers abort
     in-flight requests around a weight load) or the server was lost (its process gone, or no
     answer within `timeout_s`, s; `servers` restarts it and the request goes to a survivor).
     Tokens, behaviour log-probs and the version of each token are kept; the resubmission gets
-    the remaining token budget and its KV cache is recomputed under the served weights."""
+    the remaining token budget and its KV cache is recomputed under the served weights (with the prompt's
+    images, `image_data`, each time)."""
     budget = int(sampling_params["max_tokens"])
     tokens: list[int] = []
     log_probs: list[float] = []
@@ -50,7 +55,7 @@ async def generate_resumable(
         params = {**sampling_params, "max_tokens": budget - len(tokens)}
         try:
             with servers.serving(index) as periods:
-                out = await generate_one(server, list(prompt_ids) + tokens, params, timeout_s)
+                out = await generate_one(server, list(prompt_ids) + tokens, params, timeout_s, image_data)
                 if out.stop_reason == "aborted":
                     periods.note("interrupted")  # by a weight load
         except Exception as exc:  # noqa: BLE001 - only a lost server is survived

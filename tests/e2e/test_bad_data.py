@@ -53,13 +53,44 @@ def test_an_empty_prompt_is_named(demo_dir, tmp_path):
         check_rl_files(write(rows, tmp_path / "no_messages.parquet"))
 
 
-def test_multimodal_rows_are_refused_at_start_naming_the_column(demo_dir, tmp_path):
+def test_multimodal_rows_a_run_cannot_serve_are_refused_at_start_naming_the_column(demo_dir, tmp_path):
+    from omegaconf import OmegaConf
+
+    from async_rl.run_config import refused_media
+
     rows = demo_rows(demo_dir, 8)
     rows["images"] = [[b"png"]] * len(rows)
     path = write(rows, tmp_path / "with_images.parquet")
-    check_rl_files(path)  # without the media keys: text rows pass
-    with pytest.raises(BadDataError, match=rf"{path} has multimodal columns \['images'\]"):
-        check_rl_files(path, media_keys=("images", "videos", "audios"))
+    assert "images" in check_rl_files(path)  # nothing refused: the rows pass, their columns come back
+    data = {"image_key": "images", "video_key": "videos", "audio_key": None}
+    on_cpu = refused_media(OmegaConf.create({"data": data, "actor_rollout_ref": {"rollout": {"name": "cpu"}}}))
+    assert set(on_cpu) == {"videos"}  # the CPU backend serves images
+    check_rl_files(path, refused_media=on_cpu)
+    on_vllm = refused_media(OmegaConf.create({"data": data, "actor_rollout_ref": {"rollout": {"name": "vllm"}}}))
+    with pytest.raises(BadDataError, match=rf"{path} has the multimodal column 'images': "
+                                           r"actor_rollout_ref.rollout.name=vllm takes no images .* the backends that do: cpu"):
+        check_rl_files(path, refused_media=on_vllm)
+    rows["videos"] = rows["images"]
+    with pytest.raises(BadDataError, match="'videos': the async pipeline runs text and image prompts only"):
+        check_rl_files(write(rows, tmp_path / "with_videos.parquet"), refused_media=on_cpu)
+
+
+def test_image_rows_on_cpu_need_use_remove_padding_off_naming_the_key():
+    from omegaconf import OmegaConf
+
+    from async_rl.core.errors import AsyncConfigError
+    from async_rl.run_config import check_image_rows
+
+    def config(device, remove_padding):
+        return OmegaConf.create({"data": {"image_key": "images"}, "trainer": {"device": device},
+                                 "actor_rollout_ref": {"model": {"use_remove_padding": remove_padding}}})
+
+    with pytest.raises(AsyncConfigError, match="actor_rollout_ref.model.use_remove_padding=True; allowed: False with "
+                                               "image rows .* needs flash-attention"):
+        check_image_rows(config("cpu", True), {"prompt", "images"})
+    check_image_rows(config("cpu", False), {"prompt", "images"})
+    check_image_rows(config("cpu", True), {"prompt"})  # text rows: verl's packed path is patched for CPU
+    check_image_rows(config("cuda", True), {"prompt", "images"})  # flash-attention is there
 
 
 def test_a_long_prompt_is_located_by_file_and_row(demo_dir, tmp_path):

@@ -30,11 +30,13 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Optional
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, PreTrainedModel
 
+from async_rl.core.model_class import auto_model_class
 from async_rl.rollout.cpu.kv_batch import KVBatch, decode_forward, prefill_forward
 from async_rl.rollout.cpu.requests import STOP_ABORTED, STOP_COMPLETED, STOP_LENGTH, GenerationResult, SequenceState
 from async_rl.rollout.cpu.sampling import SamplingOptions, sample_tokens
+from async_rl.rollout.cpu.vision import MultimodalRope
 from async_rl.rollout.cpu.weight_swap import WeightSwap
 
 logger = logging.getLogger(__name__)
@@ -82,6 +84,7 @@ class ContinuousBatchingEngine(WeightSwap):
             raise ValueError(f"max_model_len {self.max_model_len} exceeds max_position_embeddings {position_limit}")
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
+        self.rope = MultimodalRope.for_model(self.model)  # None: a text-only model
         self._generator = torch.Generator().manual_seed(seed)
         self._version = version
 
@@ -102,8 +105,10 @@ class ContinuousBatchingEngine(WeightSwap):
 
     @classmethod
     def from_pretrained(cls, path: str, **kwargs) -> ContinuousBatchingEngine:
-        """Load ``path`` with ``AutoModelForCausalLM`` in float32 with sdpa attention."""
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+        """Load ``path`` in float32 with sdpa attention: ``AutoModelForImageTextToText`` for a model with a
+        vision tower, else ``AutoModelForCausalLM``."""
+        model = auto_model_class(AutoConfig.from_pretrained(path)).from_pretrained(
+            path, dtype=torch.float32, attn_implementation="sdpa")
         return cls(model, **kwargs)
 
     # ------------------------------------------------------------------ public API
@@ -127,8 +132,11 @@ class ContinuousBatchingEngine(WeightSwap):
         prompt_ids: list[int],
         sampling_params: Optional[Mapping[str, Any]] = None,
         request_id: Optional[str] = None,
+        vision_inputs: Optional[Mapping[str, torch.Tensor]] = None,
     ) -> GenerationResult:
         """Generate a continuation of ``prompt_ids``; returns when it stops or is aborted.
+        ``vision_inputs``: the processor's outputs for the prompt's images (``pixel_values``,
+        ``image_grid_thw``), whose tokens the prompt holds expanded; a model with multimodal RoPE only.
 
         ``sampling_params``: ``temperature``, ``top_p``, ``top_k``, ``max_new_tokens`` (or
         ``max_tokens``), ``stop_token_ids``, ``ignore_eos``; ``logprobs`` is ignored (log-probs are
@@ -147,12 +155,18 @@ class ContinuousBatchingEngine(WeightSwap):
             )
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already running")
+        if vision_inputs is not None:
+            if self.rope is None:
+                raise ValueError("images given to a model without a vision tower (or without multimodal RoPE)")
+            self.rope.check(prompt_ids, vision_inputs)
+            vision_inputs = dict(vision_inputs)
         opts = SamplingOptions.from_params(sampling_params)
         max_len = min(self.max_model_len, len(prompt_ids) + opts.max_new_tokens)
         if max_len <= len(prompt_ids):
             return GenerationResult(request_id, [], [], [], STOP_LENGTH)
 
-        seq = SequenceState(request_id, prompt_ids, opts, asyncio.get_running_loop().create_future(), max_len)
+        seq = SequenceState(request_id, prompt_ids, opts, asyncio.get_running_loop().create_future(), max_len,
+                            vision_inputs=vision_inputs)
         self._requests[request_id] = seq
         self._waiting.append(seq)
         self._wakeup.set()
@@ -317,7 +331,7 @@ class ContinuousBatchingEngine(WeightSwap):
         if len(live) < len(batch):  # drop rows aborted since the last step
             batch.select(live)
         if len(batch):
-            logits.append(decode_forward(self.model, batch))
+            logits.append(decode_forward(self.model, batch, self.rope))
         start = 0
         while start < len(prefill):  # chunks of at most max_prefill_tokens padded tokens
             end, longest = start, 0
@@ -326,7 +340,7 @@ class ContinuousBatchingEngine(WeightSwap):
                 if end > start and longest_next * (end - start + 1) > self.max_prefill_tokens:
                     break
                 longest, end = longest_next, end + 1
-            chunk, chunk_logits = prefill_forward(self.model, prefill[start:end])
+            chunk, chunk_logits = prefill_forward(self.model, prefill[start:end], self.rope)
             batch.extend(chunk)
             logits.append(chunk_logits)
             start = end

@@ -16,6 +16,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from async_rl.rollout.cpu.requests import SequenceState
+from async_rl.rollout.cpu.vision import MultimodalRope
 
 
 class KVBatch:
@@ -79,8 +80,10 @@ class KVBatch:
         self.seqs = self.seqs + other.seqs
 
 
-def prefill_forward(model: PreTrainedModel, seqs: list[SequenceState]) -> tuple[KVBatch, torch.Tensor]:
-    """Forward the full token lists of ``seqs`` (left-padded) and return their cache and next-token logits.
+def prefill_forward(model: PreTrainedModel, seqs: list[SequenceState], rope: Optional[MultimodalRope] = None
+                    ) -> tuple[KVBatch, torch.Tensor]:
+    """Forward the full token lists of ``seqs`` (left-padded) and return their cache and next-token logits;
+    ``rope``: the model's multimodal RoPE (positions, and the rows' images).
 
     Once the sampled token is appended, the cache holds every token but the last (the batch invariant).
     """
@@ -93,6 +96,9 @@ def prefill_forward(model: PreTrainedModel, seqs: list[SequenceState]) -> tuple[
         input_ids[row, width - len(x) :] = torch.tensor(x)
         mask[row, width - len(x) :] = 1
         positions[row, width - len(x) :] = torch.arange(len(x))
+    images = {}
+    if rope is not None:
+        positions, images = rope.prefill(seqs, width)
     cache = DynamicCache()
     out = model(
         input_ids=input_ids,
@@ -101,6 +107,7 @@ def prefill_forward(model: PreTrainedModel, seqs: list[SequenceState]) -> tuple[
         past_key_values=cache,
         use_cache=True,
         logits_to_keep=1,
+        **images,
     )
     # Zero the padded slots: a padded query attends to nothing, and NaN/garbage computed there must
     # not reach later products (a masked weight of 0 times NaN is still NaN).
@@ -111,11 +118,12 @@ def prefill_forward(model: PreTrainedModel, seqs: list[SequenceState]) -> tuple[
     return KVBatch(list(seqs), cache, mask), out.logits[:, -1].float()
 
 
-def decode_forward(model: PreTrainedModel, batch: KVBatch) -> torch.Tensor:
+def decode_forward(model: PreTrainedModel, batch: KVBatch, rope: Optional[MultimodalRope] = None) -> torch.Tensor:
     """Forward the last token of every row against the cache (which grows by one column); next-token logits."""
     rows = len(batch)
     input_ids = torch.tensor([[s.all_ids[-1]] for s in batch.seqs], dtype=torch.long)
-    positions = torch.tensor([[len(s.prompt_ids) + len(s.out_ids) - 1] for s in batch.seqs], dtype=torch.long)
+    positions = (rope.decode(batch.seqs) if rope is not None
+                 else torch.tensor([[len(s.prompt_ids) + len(s.out_ids) - 1] for s in batch.seqs], dtype=torch.long))
     mask = torch.cat([batch.mask, torch.ones(rows, 1, dtype=torch.long)], dim=1)
     out = model(
         input_ids=input_ids,

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
 
 from async_rl.rollout.cpu.sampling import SamplingOptions
 
@@ -42,6 +45,8 @@ class SequenceState:
     out_logps: list[float] = field(default_factory=list)
     out_versions: list[int] = field(default_factory=list)
     done: bool = False
+    vision_inputs: Optional[dict[str, torch.Tensor]] = None  # the images' processor outputs (pixel_values, ...)
+    rope_delta: int = 0  # multimodal RoPE: a token's position minus its index (set at prefill)
 
     @property
     def all_ids(self) -> list[int]:

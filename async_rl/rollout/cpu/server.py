@@ -68,6 +68,7 @@ class CPURolloutServer:
         self._consume_bytes = 0
         self._adapter: Optional[LoraAdapter] = None  # LoRA: versions are adapters, merged onto _lora_base
         self._lora_base: dict[str, torch.Tensor] = {}  # HF name -> base weight (as loaded) an adapter changes
+        self._image_processor = None  # a vision-language model's, loaded at its first request with images
 
         # There is no HTTP endpoint. The port is reserved (bound, never listening) only so that
         # "ip:port" is unique per replica: verl's load balancer keys servers by that address.
@@ -124,10 +125,11 @@ class CPURolloutServer:
         ``min_global_steps`` / ``max_global_steps`` derived from them. ``stop_reason`` is
         "completed" (eos, stop token or length) or "aborted".
         """
-        if image_data is not None or video_data is not None:
-            raise NotImplementedError("CPU rollout server is text-only (got image_data/video_data)")
+        if video_data:
+            raise NotImplementedError("the CPU rollout server takes images, not videos (got video_data)")
         if self.engine is None:
             raise RuntimeError("launch_server() has not been called")
+        vision_inputs = self._vision_inputs(image_data) if image_data else None
         delay = delay_for("rollout_replica", self.replica_rank)
         if delay:
             await asyncio.sleep(delay)  # a slow replica, as a test asks (async_rl/core/fault_points.py)
@@ -148,9 +150,20 @@ class CPURolloutServer:
 
         if self.engine.paused and self._rejecting:
             return self._output([], [], [], STOP_ABORTED)
-        result = await self.engine.generate(prompt_ids, params, request_id)
+        result = await self.engine.generate(prompt_ids, params, request_id, vision_inputs=vision_inputs)
         stop_reason = "aborted" if result.stop_reason == STOP_ABORTED else "completed"
         return self._output(result.token_ids, result.log_probs, result.token_versions, stop_reason)
+
+    def _vision_inputs(self, images: list[Any]) -> dict[str, torch.Tensor]:
+        """The model's image processor's outputs for `images` (loaded at the first request with images)."""
+        if self.engine.rope is None:
+            raise ValueError(f"images sent to {self.model_config.local_path}, a model without a vision tower")
+        if self._image_processor is None:
+            # the auto class itself: transformers' top-level name is a placeholder without torchvision
+            from transformers.models.auto.image_processing_auto import AutoImageProcessor
+
+            self._image_processor = AutoImageProcessor.from_pretrained(self.model_config.local_path)
+        return dict(self._image_processor(images=list(images), return_tensors="pt"))
 
     def _output(self, token_ids: list[int], log_probs: list[float], versions: list[int], stop: str) -> TokenOutput:
         version = self.engine.param_version
