@@ -196,9 +196,9 @@ def check_files(config: DictConfig) -> None:
             if not path or (not path.startswith(("hdfs://", "s3://")) and not os.path.exists(path)):
                 raise FileNotFoundError(f"{key}={path!r}: no such file or directory")
     prompt_key = str(config.data.get("prompt_key", "prompt"))
-    columns = set()
+    columns, refused = set(), refused_media(config)
     for key in ("data.train_files", "data.val_files"):
-        columns |= check_rl_files(OmegaConf.select(config, key), prompt_key, key, refused_media(config))
+        columns |= check_rl_files(OmegaConf.select(config, key), prompt_key, key, refused)
     check_image_rows(config, columns)
     if int(config.trainer.get("total_training_steps") or 0) <= 0 and int(config.trainer.total_epochs) <= 0:
         raise ValueError("set trainer.total_training_steps or trainer.total_epochs to a positive number")

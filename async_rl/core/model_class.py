@@ -1,12 +1,16 @@
-"""The transformers auto class that builds a model from its config: the image-text one for a model with a
-vision tower (Qwen2-VL and its kind), else the causal LM one."""
+"""Which kind of model a transformers config describes: one with a vision tower (Qwen2-VL and its kind) or a
+causal LM, and the auto class that builds it."""
 
 from __future__ import annotations
 
 
+def has_vision_tower(config) -> bool:
+    """Whether `config` (a transformers config) describes a vision-language model (it has a `vision_config`)."""
+    return getattr(config, "vision_config", None) is not None
+
+
 def auto_model_class(config):
-    """`AutoModelForImageTextToText` if `config` (a transformers config) has a `vision_config`, else
-    `AutoModelForCausalLM`."""
+    """`AutoModelForImageTextToText` for a vision-language model's `config`, else `AutoModelForCausalLM`."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    return AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
+    return AutoModelForImageTextToText if has_vision_tower(config) else AutoModelForCausalLM

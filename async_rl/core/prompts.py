@@ -13,6 +13,7 @@ import sys
 import torch
 
 from async_rl.core.data_checks import prompt_too_long_error
+from async_rl.core.model_class import has_vision_tower
 
 
 def model_tokenizer(config):
@@ -33,7 +34,7 @@ def model_processor(config):
 
     model = config.actor_rollout_ref.model
     model_config = AutoConfig.from_pretrained(str(model.path), trust_remote_code=bool(model.get("trust_remote_code")))
-    if getattr(model_config, "vision_config", None) is None:
+    if not has_vision_tower(model_config):
         return None
     return omega_conf_to_dataclass(model, dataclass_type=HFModelConfig).processor
 

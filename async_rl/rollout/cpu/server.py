@@ -123,13 +123,14 @@ class CPURolloutServer:
         ``cpu_sampling``); ``extra_fields`` carries ``token_versions`` (weight version per token),
         ``param_version`` (engine version at return), and verl's ``global_steps`` /
         ``min_global_steps`` / ``max_global_steps`` derived from them. ``stop_reason`` is
-        "completed" (eos, stop token or length) or "aborted".
+        "completed" (eos, stop token or length) or "aborted". ``image_data``: the prompt's images (PIL), whose
+        tokens the prompt holds expanded; a vision-language model only (the model's image processor reads them).
         """
         if video_data:
             raise NotImplementedError("the CPU rollout server takes images, not videos (got video_data)")
         if self.engine is None:
             raise RuntimeError("launch_server() has not been called")
-        vision_inputs = self._vision_inputs(image_data) if image_data else None
+        vision_inputs = await asyncio.to_thread(self._vision_inputs, image_data) if image_data else None
         delay = delay_for("rollout_replica", self.replica_rank)
         if delay:
             await asyncio.sleep(delay)  # a slow replica, as a test asks (async_rl/core/fault_points.py)

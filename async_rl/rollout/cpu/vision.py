@@ -15,9 +15,9 @@ from typing import Optional
 import torch
 from transformers import PreTrainedModel
 
+from async_rl.core.messages import ROPE_ROWS
+from async_rl.core.model_class import has_vision_tower
 from async_rl.rollout.cpu.requests import SequenceState
-
-ROPE_ROWS = 3  # temporal, height, width
 
 
 class MultimodalRope:
@@ -31,7 +31,7 @@ class MultimodalRope:
     @classmethod
     def for_model(cls, model: PreTrainedModel) -> Optional[MultimodalRope]:
         inner = getattr(model, "model", None)
-        if getattr(model.config, "vision_config", None) is None or not hasattr(inner, "get_rope_index"):
+        if not has_vision_tower(model.config) or not hasattr(inner, "get_rope_index"):
             return None
         return cls(model)
 
