@@ -3,10 +3,9 @@
 `save_vl_model(dir)` writes what a Hugging Face model directory holds: the model (random init, float32,
 a 1-block vision tower, 2 text layers), the tokenizer with Qwen2-VL's vision tokens and a chat template
 that places them, and the image processor (an image resized to about 56 x 56 pixels, its sides multiples
-of 28: a square one is 16 patches of 14, 4 image tokens). No
-processor config: transformers builds Qwen2-VL's processor with a video processor, which needs
-torchvision, and this machine's torchvision wheel is a CUDA build that does not import against the CPU
-torch (docs/agent_loops.md).
+of 28: a square one is 16 patches of 14, 4 image tokens). `AutoProcessor` builds the processor from
+these files (without torchvision, with verl_patches/vision_without_torchvision.py). `image_rows`: the
+copy task's data with an image per row.
 """
 
 from __future__ import annotations
