@@ -98,7 +98,7 @@ def prefill_forward(model: PreTrainedModel, seqs: list[SequenceState], rope: Opt
         positions[row, width - len(x) :] = torch.arange(len(x))
     images = {}
     if rope is not None:
-        positions, images = rope.prefill(seqs, width)
+        positions, images = rope.prefill(seqs, positions)
     cache = DynamicCache()
     out = model(
         input_ids=input_ids,
@@ -122,8 +122,9 @@ def decode_forward(model: PreTrainedModel, batch: KVBatch, rope: Optional[Multim
     """Forward the last token of every row against the cache (which grows by one column); next-token logits."""
     rows = len(batch)
     input_ids = torch.tensor([[s.all_ids[-1]] for s in batch.seqs], dtype=torch.long)
-    positions = (rope.decode(batch.seqs) if rope is not None
-                 else torch.tensor([[len(s.prompt_ids) + len(s.out_ids) - 1] for s in batch.seqs], dtype=torch.long))
+    positions = torch.tensor([[len(s.prompt_ids) + len(s.out_ids) - 1] for s in batch.seqs], dtype=torch.long)
+    if rope is not None:
+        positions = rope.decode(batch.seqs, positions)
     mask = torch.cat([batch.mask, torch.ones(rows, 1, dtype=torch.long)], dim=1)
     out = model(
         input_ids=input_ids,

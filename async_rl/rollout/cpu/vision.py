@@ -45,24 +45,22 @@ class MultimodalRope:
         if found != expected:
             raise ValueError(f"the prompt has {found} image tokens, its {len(grid)} image(s) fill {expected}")
 
-    def _rows(self, seq: SequenceState) -> torch.Tensor:
-        """(ROPE_ROWS, len(seq.all_ids)) positions of the row's tokens; sets `seq.rope_delta`."""
-        ids = torch.tensor([seq.all_ids])
-        if seq.vision_inputs is None:
-            seq.rope_delta = 0
-            return torch.arange(ids.shape[1]).expand(ROPE_ROWS, -1)
-        positions, delta = self._rope_index(input_ids=ids, mm_token_type_ids=(ids == self.image_token_id).long(),
-                                            image_grid_thw=seq.vision_inputs["image_grid_thw"])
-        seq.rope_delta = int(delta.flatten()[0])
-        return positions[:, 0]
-
-    def prefill(self, seqs: list[SequenceState], width: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """(ROPE_ROWS, rows, width) positions of left-padded rows, and the images of the rows in row order
-        for the forward (the model fills image tokens in that order)."""
-        positions = torch.zeros(ROPE_ROWS, len(seqs), width, dtype=torch.long)
+    def prefill(self, seqs: list[SequenceState], text_positions: torch.Tensor
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(ROPE_ROWS, rows, width) positions of left-padded rows: `text_positions` (rows, width) on each row
+        without images, the model's `get_rope_index` on each with them (setting its `rope_delta`); and the
+        images of the rows in row order for the forward (the model fills image tokens in that order)."""
+        positions = text_positions.unsqueeze(0).repeat(ROPE_ROWS, 1, 1)
+        width = text_positions.shape[1]
         for row, seq in enumerate(seqs):
-            rows = self._rows(seq)
-            positions[:, row, width - rows.shape[1]:] = rows
+            seq.rope_delta = 0
+            if seq.vision_inputs is None:
+                continue
+            ids = torch.tensor([seq.all_ids])
+            rows, delta = self._rope_index(input_ids=ids, mm_token_type_ids=(ids == self.image_token_id).long(),
+                                           image_grid_thw=seq.vision_inputs["image_grid_thw"])
+            positions[:, row, width - ids.shape[1]:] = rows[:, 0]
+            seq.rope_delta = int(delta.flatten()[0])
         with_images = [s.vision_inputs for s in seqs if s.vision_inputs is not None]
         if not with_images:
             return positions, {}
@@ -70,7 +68,8 @@ class MultimodalRope:
                            for key in ("pixel_values", "image_grid_thw")}
 
     @staticmethod
-    def decode(seqs: list[SequenceState]) -> torch.Tensor:
-        """(ROPE_ROWS, rows, 1) positions of each row's last token."""
-        last = torch.tensor([[len(s.all_ids) - 1 + s.rope_delta] for s in seqs], dtype=torch.long)
-        return last.unsqueeze(0).expand(ROPE_ROWS, -1, -1)
+    def decode(seqs: list[SequenceState], text_positions: torch.Tensor) -> torch.Tensor:
+        """(ROPE_ROWS, rows, 1) positions of each row's last token: its text position (`text_positions`,
+        (rows, 1)) plus its `rope_delta`."""
+        deltas = torch.tensor([[s.rope_delta] for s in seqs], dtype=torch.long)
+        return (text_positions + deltas).unsqueeze(0).expand(ROPE_ROWS, -1, -1)
