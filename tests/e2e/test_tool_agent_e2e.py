@@ -16,7 +16,7 @@ from conftest import every_step_with, run_verl
 @pytest.fixture(scope="module")
 def task(tmp_path_factory):
     built = tool_task.build(tmp_path_factory.mktemp("tool_task"))
-    assert built["loss"] < 0.01, built  # the model learnt to call
+    assert built["p_taught"] > 0.95, built  # the model learnt to call: at 0.95 the bar below fails 2e-5 of runs
     return built["root"]
 
 

@@ -3,7 +3,7 @@
 The demo's 16-character tokenizer cannot write a tool call, so this builds its own: one token per
 printable ASCII character, `<tool_call>` / `</tool_call>` as single tokens, a chat template that writes
 messages verbatim (tool replies as `<tool_response>...</tool_response>`, the generation prompt "="),
-and a tiny Qwen2 taught by a few hundred supervised steps to answer a question by calling the tool
+and a tiny Qwen2 taught by 1,200 supervised steps to answer a question by calling the tool
 (`<tool_call>{"name": "lookup", "arguments": {"key": "7"}}</tool_call>`), then repeating its reply.
 A verl function tool (`lookup`) answers; the reward is 1 when the final answer is the tool's reply.
 """
@@ -71,8 +71,11 @@ def conversation(tokenizer, question: str) -> tuple[list[int], list[int]]:
     return tokens, mask
 
 
-def build(root: Path, steps: int = 250, seed: int = 0) -> dict:
-    """Write the model, data, tool and reward under `root`; returns their paths and the final SFT loss."""
+def build(root: Path, steps: int = 1200, seed: int = 0) -> dict:
+    """Write the model, data, tool and reward under `root`; returns their paths, the final SFT loss and
+    `p_taught`: the least, over the questions, probability that the model writes its whole taught part of
+    the trajectory (call and answer) when sampled at temperature 1. Measured: 0.988 after 1,200 steps, 0.835
+    after 250 (then the e2e test's bar of 3 in 4 trajectories calling the tool fails 7% of runs, binomially)."""
     root.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     config = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=1,
@@ -96,6 +99,8 @@ def build(root: Path, steps: int = 250, seed: int = 0) -> dict:
         optimizer.zero_grad()
         (loss / len(samples)).backward()
         optimizer.step()
+    with torch.no_grad():
+        p_taught = min(float(_taught_log_prob(model, tokens, mask).exp()) for tokens, mask in samples)
     model.save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
     rows = [{"data_source": "tool_task", "prompt": [{"role": "user", "content": q}], "ability": "tool",
@@ -105,7 +110,14 @@ def build(root: Path, steps: int = 250, seed: int = 0) -> dict:
     pd.DataFrame(rows[:4]).to_parquet(root / "val.parquet")
     (root / "tools.py").write_text(TOOLS_FILE)
     (root / "reward.py").write_text(REWARD_FILE)
-    return {"root": root, "loss": float(loss.detach()) / len(samples)}
+    return {"root": root, "loss": float(loss.detach()) / len(samples), "p_taught": p_taught}
+
+
+def _taught_log_prob(model, tokens: list[int], mask: list[int]) -> torch.Tensor:
+    """Log-probability of the model's tokens of one trajectory (mask 1) given the rest before them."""
+    log_probs = model(input_ids=torch.tensor([tokens])).logits[0, :-1].log_softmax(-1)
+    picked = log_probs.gather(1, torch.tensor(tokens[1:])[:, None])[:, 0]
+    return picked[torch.tensor(mask[1:], dtype=torch.bool)].sum()
 
 
 def overrides(root: Path) -> dict:
