@@ -90,14 +90,10 @@ def build(root: Path, steps: int = 1200, seed: int = 0) -> dict:
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     samples = [conversation(tokenizer, q) for q in QUESTIONS]
     loss = torch.tensor(0.0)
-    for _ in range(steps):
-        loss = 0.0
-        for tokens, mask in samples:
-            logits = model(input_ids=torch.tensor([tokens])).logits[0, :-1]
-            target, weight = torch.tensor(tokens[1:]), torch.tensor(mask[1:], dtype=torch.float32)
-            loss = loss + (torch.nn.functional.cross_entropy(logits, target, reduction="none") * weight).sum() / weight.sum()
+    for _ in range(steps):  # the mean over questions of the mean loss of the taught tokens
+        loss = sum(-_taught_log_prob(model, tokens, mask) / sum(mask[1:]) for tokens, mask in samples) / len(samples)
         optimizer.zero_grad()
-        (loss / len(samples)).backward()
+        loss.backward()
         optimizer.step()
     with torch.no_grad():
         p_taught = min(float(_taught_log_prob(model, tokens, mask).exp()) for tokens, mask in samples)
@@ -110,7 +106,7 @@ def build(root: Path, steps: int = 1200, seed: int = 0) -> dict:
     pd.DataFrame(rows[:4]).to_parquet(root / "val.parquet")
     (root / "tools.py").write_text(TOOLS_FILE)
     (root / "reward.py").write_text(REWARD_FILE)
-    return {"root": root, "loss": float(loss.detach()) / len(samples), "p_taught": p_taught}
+    return {"root": root, "loss": float(loss.detach()), "p_taught": p_taught}
 
 
 def _taught_log_prob(model, tokens: list[int], mask: list[int]) -> torch.Tensor:
