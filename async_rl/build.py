@@ -26,7 +26,7 @@ from async_rl.checkpoints import (CheckpointDir, ResumePoint, RunCheckpointer, d
 from async_rl.core.devices import GroupDevices, reserve_nodes
 from async_rl.core.errors import PipelineError
 from async_rl.core.messages import NewWeights
-from async_rl.core.prompts import model_tokenizer
+from async_rl.core.prompts import model_tokenizer_and_processor
 from async_rl.core.stage_graph import upstream_counts
 from async_rl.core.timeouts import CALL_TIMEOUT_S, SETUP_TIMEOUT_S
 from async_rl.rollout.reward_models import RewardModelService, start_reward_model
@@ -170,14 +170,14 @@ def build_stages(built: BuiltPipeline) -> None:
     """Start the rollout replicas and every stage with its worker group, and wire the stage graph."""
     run, cfg, settings = built.run, built.run.config, built.run.async_cfg
     devices = built.devices
-    tokenizer = model_tokenizer(cfg)
+    tokenizer, processor = model_tokenizer_and_processor(cfg)
     built.replicas = launch_rollout_replicas(make_rollout_replicas(cfg, len(devices["generate"])), run.backend,
                                              devices["generate"], SETUP_TIMEOUT_S)
     servers = [r.server_handle for r in built.replicas]
     built.reward_model = start_reward_model(cfg, SETUP_TIMEOUT_S, settings.replica_max_restarts)
     router = built.reward_model.router_address if built.reward_model is not None else None
     built.validator = Validator(cfg, tokenizer, settings.reward_timeout_s, settings.reward_on_error,
-                                reward_router=router)
+                                reward_router=router, processor=processor)
     workers = int(cfg.data.get("dataloader_num_workers", 0) or 0) if run.dataloader_workers_named else None
     built.resume_point = find_resume_point(run.checkpoint, built.world_sizes["train"], workers,
                                            settings.dynamic_sampling, built.world_sizes["critic"] if run.critic else None)
@@ -192,7 +192,7 @@ def build_stages(built: BuiltPipeline) -> None:
     proximal = run.proximal_logp_workers
 
     dataloader = built.stage("dataloader", DataloaderStage, cfg, tokenizer, None if settings.dynamic_sampling else steps,
-                             generated, state.dataloader_state if state else None)
+                             generated, state.dataloader_state if state else None, processor=processor)
     generate = built.stage("generate", GenerateStage, servers, cfg, eta,
                            request_timeout_s=settings.request_timeout_s, tool_timeout_s=settings.tool_timeout_s,
                            tool_pool_size=settings.tool_pool_size,

@@ -11,7 +11,7 @@ import asyncio
 import numpy as np
 
 from async_rl.core.generation_dumps import GenerationDumps
-from async_rl.core.prompts import load_prompt_dataset, model_processor, tokenize_row
+from async_rl.core.prompts import load_prompt_dataset, tokenize_row
 from async_rl.core.reward_loop_scoring import RewardLoopScorer, one_row
 from async_rl.core.scoring import ResponseToScore, RewardFunctionError, load_score_fn, score_each_zeroing_failures
 
@@ -20,21 +20,21 @@ class Validator:
     """Scores the policy the rollout servers serve on `data.val_files`."""
 
     def __init__(self, config, tokenizer, reward_timeout_s: float = 60.0, reward_on_error: str = "stop",
-                 generate=None, reward_router: str | None = None):
+                 generate=None, reward_router: str | None = None, processor=None):
         """``reward_timeout_s`` (s, per sample) and ``reward_on_error`` as for the reward stage
         (`reward.async_timeout_s`, `reward.on_error`). ``generate``: `generate(rows, n)`, awaitable, -> the
         Samples of `n` validation trajectories of each row (the generate stage's `run_agent_loops` with
         `validate=True`: verl's agent loops with `val_kwargs` sampling, a lost or hung server restarted and
         its requests resubmitted as in training); set before `run`. ``reward_router``: the reward model's
         router ("ip:port"), when `reward.reward_model.enable`: samples are scored by verl's reward loop, as in
-        training."""
+        training. ``processor``: a vision-language model's, for image rows (`model_tokenizer_and_processor`)."""
         self.reward_router = reward_router
         self.generate = generate
         self.config = config
         self.reward_timeout_s, self.reward_on_error = reward_timeout_s, reward_on_error
         self.tokenizer = tokenizer
         dataset = load_prompt_dataset(config.data.val_files, config.data, tokenizer, is_train=False,
-                                      processor=model_processor(config))
+                                      processor=processor)
         max_len = int(config.data.max_prompt_length)
         truncation, prompt_key = str(config.data.get("truncation", "error")), str(config.data.get("prompt_key", "prompt"))
         self.rows = [tokenize_row(dataset[i], tokenizer, max_len, truncation, config.data.val_files, prompt_key)

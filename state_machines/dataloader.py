@@ -15,7 +15,7 @@ import copy
 from typing import Optional
 
 from async_rl.core.messages import PromptBatch
-from async_rl.core.prompts import batch_rows, load_prompt_dataset, make_train_dataloader, model_processor, tokenize_row
+from async_rl.core.prompts import batch_rows, load_prompt_dataset, make_train_dataloader, tokenize_row
 from state_machines.base import END_OF_STREAM, StateMachine
 
 
@@ -26,13 +26,14 @@ class DataloaderStage(StateMachine):
 
     Args:
         resume_state: the loader's state before batch `first_index` (verl's `data.pt`), or None.
+        processor: a vision-language model's, for image rows (`model_tokenizer_and_processor`), or None.
     """
 
     def __init__(self, config, tokenizer, total_batches: Optional[int], first_index: int = 0,
-                 resume_state: Optional[dict] = None, inbox_size: int = 1):
+                 resume_state: Optional[dict] = None, inbox_size: int = 1, processor=None):
         super().__init__("dataloader", inbox_size=inbox_size)
         self.dataset = load_prompt_dataset(config.data.train_files, config.data, tokenizer, is_train=True,
-                                           processor=model_processor(config))
+                                           processor=processor)
         self.batch_size = int(config.data.train_batch_size)
         if len(self.dataset) < self.batch_size:
             raise ValueError(

@@ -16,32 +16,26 @@ from async_rl.core.data_checks import prompt_too_long_error
 from async_rl.core.model_class import has_vision_tower
 
 
+def model_tokenizer_and_processor(config):
+    """(tokenizer, processor) as verl's trainer loads them: its HFModelConfig's (actor_rollout_ref.model:
+    tokenizer_path, trust_remote_code, custom_chat_template), built once; the processor only for a model
+    with a vision tower, else None."""
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config import HFModelConfig
+
+    model = omega_conf_to_dataclass(config.actor_rollout_ref.model, dataclass_type=HFModelConfig)
+    return model.tokenizer, (model.processor if has_vision_tower(model.hf_config) else None)
+
+
 def model_tokenizer(config):
-    """The tokenizer verl's trainer uses: its HFModelConfig's (actor_rollout_ref.model: tokenizer_path,
-    trust_remote_code, custom_chat_template)."""
-    from verl.utils.config import omega_conf_to_dataclass
-    from verl.workers.config import HFModelConfig
-
-    return omega_conf_to_dataclass(config.actor_rollout_ref.model, dataclass_type=HFModelConfig).tokenizer
-
-
-def model_processor(config):
-    """verl's processor of a vision-language model (its HFModelConfig's, as verl's trainer loads it); None for
-    a model without a vision tower (read from its config, without loading the processor)."""
-    from transformers import AutoConfig
-    from verl.utils.config import omega_conf_to_dataclass
-    from verl.workers.config import HFModelConfig
-
-    model = config.actor_rollout_ref.model
-    model_config = AutoConfig.from_pretrained(str(model.path), trust_remote_code=bool(model.get("trust_remote_code")))
-    if not has_vision_tower(model_config):
-        return None
-    return omega_conf_to_dataclass(model, dataclass_type=HFModelConfig).processor
+    """The tokenizer of `model_tokenizer_and_processor`."""
+    return model_tokenizer_and_processor(config)[0]
 
 
 def load_prompt_dataset(data_files, data_config, tokenizer, is_train: bool, processor=None):
     """verl's RL dataset for `data_files` (parquet paths), capped at verl's `{train,val}_max_samples`;
-    `processor`: a vision-language model's (`model_processor`), which verl's dataset needs for image rows."""
+    `processor`: a vision-language model's (`model_tokenizer_and_processor`), which verl's dataset needs for
+    image rows."""
     from verl.trainer.ppo.utils import create_rl_dataset
 
     max_samples = data_config.get("train_max_samples" if is_train else "val_max_samples", -1)

@@ -24,7 +24,7 @@ def test_an_image_row_reaches_the_server_and_the_trainer(demo_dir, tmp_path):
     from transformers import AutoModelForImageTextToText
 
     from async_rl.core.config import strip_async_keys
-    from async_rl.core.prompts import load_prompt_dataset, model_processor, model_tokenizer, tokenize_row
+    from async_rl.core.prompts import load_prompt_dataset, model_tokenizer_and_processor, tokenize_row
     from async_rl.demo import demo_overrides
     from verl_patches.vision_without_torchvision import (patch_processors_without_torchvision,
                                                          patch_qwen_vl_utils_without_torchvision)
@@ -38,7 +38,7 @@ def test_an_image_row_reaches_the_server_and_the_trainer(demo_dir, tmp_path):
         "actor_rollout_ref.model.path": str(model_dir), "data.train_files": str(tmp_path / "train.parquet"),
         "data.max_prompt_length": 16, "actor_rollout_ref.rollout.n": 2}))
     strip_async_keys(config)
-    tokenizer, processor = model_tokenizer(config), model_processor(config)
+    tokenizer, processor = model_tokenizer_and_processor(config)
     dataset = load_prompt_dataset(config.data.train_files, config.data, tokenizer, True, processor=processor)
     rows = [tokenize_row(dataset[i], tokenizer, 16)[1] for i in range(2)]
 
