@@ -49,6 +49,21 @@ def test_a_ray_process_is_labelled_by_its_class_whatever_method_runs():
     assert soak.process_name(Titled("ray::IDLE")) == "ray::IDLE"
 
 
+def test_a_python_process_is_labelled_by_what_it_runs_past_its_options():
+    class Command:
+        def __init__(self, *cmd):
+            self.cmd = list(cmd)
+
+        def cmdline(self):
+            return self.cmd
+
+    cases = {("/usr/bin/python3", "-u", "-c", "print(1)"): "python -c",
+             ("python", "-W", "ignore", "-m", "pytest", "-q"): "python -m pytest",
+             ("python3.11", "-u", "/opt/ray/log_monitor.py", "--x"): "python log_monitor.py",
+             ("/bin/bash", "-c", "true"): "bash"}
+    assert [soak.process_name(Command(*cmd)) for cmd in cases] == list(cases.values())
+
+
 @pytest.mark.slow
 def test_a_short_soak_labels_the_stage_host(tmp_path):
     # steps 2-5 take about 2 s on a fast machine: a sample a second left fewer than the two the growth needs
