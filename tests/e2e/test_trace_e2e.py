@@ -9,10 +9,12 @@ from __future__ import annotations
 import json
 import re
 
+from browser import open_page
 from conftest import assert_nothing_left, run_verl, start_verl, step_rows
 
 from async_rl.core.fault_points import DELAY_ENV, HOLD_AT_ENV, HOLD_DIR_ENV
 from async_rl.core.stage_graph import BUILTIN_EDGES
+from async_rl.report.charts import CHART_W, LABEL_W
 
 STEPS = 4
 PATH = ("dataloader", "generate", "rollout", "reward", "logp", "actor_train")
@@ -77,6 +79,12 @@ def test_a_short_runs_timeline(demo_dir, tmp_path, ray_address):
         assert sorted(s["args"][key] for s in ranks if s["name"] == name) == list(range(1, STEPS + 1)), name
     assert "timeline written to" in out
     assert verdict(trace_dir).startswith("training is the slowest stage: actor_train"), verdict(trace_dir)
+    page = open_page(trace_dir / "report.html")  # as a person sees it in a browser
+    assert page.errors == [] and page.title.startswith("Run report: copy_digits, ") and str(tmp_path) not in page.title
+    assert page.verdict and page.verdict[0].startswith("training is the slowest stage: actor_train")
+    assert page.charts["Timeline"]["visible"] and page.charts["Busy and waiting"]["visible"]
+    busy = page.charts["Busy and waiting"]
+    assert all(right <= busy["box"][0] + LABEL_W + CHART_W + 0.5 for _, right in busy["bars"]), busy["bars"]
 
 
 def verdict(trace_dir) -> str:
