@@ -3,14 +3,25 @@
 # own CPU tests from its wheel with this package installed (the plugin must not change them),
 # then the tests of verl's vLLM rollout on vLLM's CPU build in .venv-vllm (marked `vllm`).
 #
-# Three lanes run at once (CI's limit is 90 minutes; one after the other they take longer): lane A the
+#   bash scripts/test.sh          everything, as CI runs it (about 42 minutes on 2 cores)
+#   bash scripts/test.sh --fast   the inner loop: no Ray start, no end-to-end run, no bench script (the
+#                                 tests' --fast option, tests/conftest.py; a few minutes)
+#
+# Three lanes run at once (CI's limit is 45 minutes; one after the other they take longer): lane A the
 # end-to-end runs of tests/e2e, lane B the other tests and verl's CPU tests, lane C the vllm venv's set-up
 # and tests, then the end-to-end files of LANE_C_E2E. A run waits on Ray starts, timeouts and sleeps a good
 # part of its time, so the lanes share the cores; each has its own Ray cluster and pytest directory. Their
 # logs follow each other at the end; each lists every test that took 10 s or more.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = "--fast" ]; then
+  bash scripts/setup.sh
+  bash scripts/setup.sh --browser > /dev/null
+  exec .venv/bin/python -m pytest tests --fast -m "not vllm" -q -p no:cacheprovider --timeout=300
+fi
+bash scripts/setup.sh --browser > /dev/null & browser=$!  # apt's download beside pip's install
 bash scripts/setup.sh
+wait "$browser"
 export PYTHONUNBUFFERED=1 RAY_DEDUP_LOGS=0
 LOGS="$(mktemp -d)"
 PYTEST=(-q -p no:cacheprovider --timeout=1500 --durations=0 --durations-min=10)

@@ -32,6 +32,45 @@ os.environ.setdefault("LOG_NAME_UPDATE_INTERVAL_S", "1")
 RAY_CALL_GUARD_S = 300
 
 
+RAY_FIXTURES = {"ray_address", "ray_cluster", "small_objects_ray_address", "small_objects_ray"}
+FAST_LANE_LEAVES_OUT = ("e2e", "bench")  # folders of end-to-end runs and bench scripts run as commands
+
+
+def pytest_addoption(parser):
+    parser.addoption("--fast", action="store_true",
+                     help="the fast lane (scripts/test.sh --fast): no Ray start, no end-to-end run, no bench script")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The fast lane leaves out the tests of e2e/ and bench/, those marked slow, vllm or ray, and those on a Ray
+    fixture."""
+    if not config.getoption("--fast"):
+        return
+    def left_out(item) -> bool:
+        return (Path(str(item.fspath)).parent.name in FAST_LANE_LEAVES_OUT
+                or any(item.get_closest_marker(m) for m in ("slow", "vllm", "ray"))
+                or bool(RAY_FIXTURES & set(getattr(item, "fixturenames", ()))))
+    config.hook.pytest_deselected(items=[i for i in items if left_out(i)])
+    items[:] = [i for i in items if not left_out(i)]
+
+
+@pytest.fixture(autouse=True)
+def no_ray_in_the_fast_lane(request, monkeypatch):
+    """In the fast lane a test that starts or joins Ray fails, naming the marker it needs: in this process
+    (Ray's node), or in a child (RAY_ADDRESS is no address)."""
+    if not request.config.getoption("--fast"):
+        yield
+        return
+    import ray._private.node
+
+    def refuse(*_, **__):
+        raise AssertionError(f"{request.node.nodeid} starts Ray: mark it @pytest.mark.ray (the fast lane starts none)")
+
+    monkeypatch.setattr(ray._private.node.Node, "__init__", refuse)
+    monkeypatch.setenv("RAY_ADDRESS", "the-fast-lane-starts-no-ray")  # a child's ray.init() fails at once, naming it
+    yield
+
+
 @pytest.fixture(scope="session")
 def demo_dir(tmp_path_factory) -> Path:
     """A prepared demo (tiny model, tokenizer, data, reward.py, overrides.txt)."""

@@ -286,6 +286,7 @@ def _same(a, b) -> bool:
     return a == b
 
 
+@pytest.mark.ray  # a Ray of its own
 def test_deferred_write_holds_the_snapshot_and_verl_loads_it(demo_dir, tmp_path):
     """Two real FSDP2 ranks: the next training step's optimizer step waits for the snapshot's copy,
     the files written after it hold the state at the snapshot, equal to verl's own synchronous save,

@@ -401,6 +401,7 @@ def two_nodes(cluster):
     ray.shutdown()
 
 
+@pytest.mark.ray  # a Ray of its own
 def test_a_server_on_another_node_gets_the_version_through_the_object_store(two_nodes, model_dir):
     """Two servers, one on the trainer's node and one on the other node: one sync, both links."""
     head, other = two_nodes
@@ -423,6 +424,7 @@ def test_a_server_on_another_node_gets_the_version_through_the_object_store(two_
     assert served(servers[1]) == (2, ray.get(sender.digests.remote(), timeout=TIMEOUT_S))
 
 
+@pytest.mark.ray  # a Ray of its own
 def test_a_restarted_server_gets_the_newest_version_from_the_retained_region(two_nodes, model_dir):
     """Restarts on: version 1 went through shared memory only; a server restarted on the trainer's
     node stages it from the retained region, one restarted on the other node from the object store

@@ -105,6 +105,7 @@ GRADIENT_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.ray  # a Ray of its own
 def test_gradient_with_balanced_micro_batches_equals_one_big_batch(demo_dir, tmp_path):
     out = tmp_path / "grads.json"
     here = os.path.dirname(os.path.abspath(__file__))

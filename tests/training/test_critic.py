@@ -53,6 +53,7 @@ ray.shutdown()
 """
 
 
+@pytest.mark.ray  # a Ray of its own
 def test_critic_update_loss_is_verls_value_loss_and_the_update_fits_the_returns(demo_dir, tmp_path):
     """verl's critic worker on one real FSDP2 rank: the values stage's forward, then critic_train's
     update; the loss verl's worker reports equals verl's compute_value_loss on the same batch, and the
