@@ -1,9 +1,10 @@
-"""verl's own trainers on CPU with this package's rollout backend (`rollout.name=cpu`) or vLLM.
+"""verl's own trainers on CPU with this package's rollout backend (`rollout.name=cpu`), vLLM or SGLang.
 
 Without `async_pipeline=True`, a verl command that asks for `trainer.device=cpu` and
 `actor_rollout_ref.rollout.name=cpu` (a backend only this package provides) runs verl's own
 trainer on the CPU backend: the synchronous one by default. `rollout.name=vllm` does the same
-through verl's own vLLM servers where vLLM's CPU build is installed (`verl_patches/vllm_cpu.py`). The plugin then does, before
+through verl's own vLLM servers where vLLM's CPU build is installed (`verl_patches/vllm_cpu.py`), and
+`rollout.name=sglang` through verl's SGLang servers where SGLang's CPU build is (`verl_patches/sglang_cpu.py`). The plugin then does, before
 Ray starts, what the pipeline does for itself: the CPU platform and patches in the driver;
 logical CPUs and GPUs for Ray (verl's resource check counts GPUs; on CPU a "GPU" is one worker
 process); `VERL_PLATFORM=cpu` in every Ray worker, where the plugin applies the same patches
@@ -19,19 +20,20 @@ from omegaconf import open_dict
 
 from async_rl.core.config import async_pipeline_enabled, strip_async_keys
 from async_rl.rollout.cpu.registration import register_cpu_rollout
-from verl_patches import vllm_cpu
+from verl_patches import sglang_cpu, vllm_cpu
 from verl_patches.cpu_patches import apply_cpu_worker_patches
 from verl_patches.cpu_reward_model import patch_disrm_on_cpu
 from verl_patches.post_import import when_imported
 
 # verl's own trainer on trainer.device=cpu: the rollouts it can use there, and whether each is installed
-ROLLOUTS_ON_CPU = {"cpu": lambda: True, "vllm": lambda: vllm_cpu.vllm_cpu_installed()}
+ROLLOUTS_ON_CPU = {"cpu": lambda: True, "vllm": lambda: vllm_cpu.vllm_cpu_installed(),
+                   "sglang": lambda: sglang_cpu.sglang_cpu_installed()}
 WORKER_ENV = {"VERL_PLATFORM": "cpu", "VERL_ENGINE_DEVICE": "cuda", "TOKENIZERS_PARALLELISM": "false"}
 
 
 def wants_cpu_rollout(config) -> bool:
     """A plain verl command (no pipeline flag) on trainer.device=cpu with rollout.name=cpu (or
-    vllm, with vLLM's CPU build installed)."""
+    vllm / sglang, with its CPU build installed)."""
     name = str(config.get("actor_rollout_ref", {}).get("rollout", {}).get("name", ""))
     return (
         not async_pipeline_enabled(config)
@@ -51,6 +53,12 @@ def prepare(config) -> None:
         if changed:
             print(f"[async_rl] vLLM on CPU: actor_rollout_ref.rollout.{', '.join(changed)}", flush=True)
         worker_env.update({k: os.environ.get(k, v) for k, v in vllm_cpu.WORKER_ENV.items()})
+    if str(config.actor_rollout_ref.rollout.name) == "sglang":
+        changed = sglang_cpu.cpu_rollout_overrides(config.actor_rollout_ref.rollout)
+        if changed:
+            print(f"[async_rl] SGLang on CPU: actor_rollout_ref.rollout.{', actor_rollout_ref.rollout.'.join(changed)}",
+                  flush=True)
+        worker_env.update({k: os.environ.get(k, v) for k, v in sglang_cpu.WORKER_ENV.items()})
     os.environ.update(worker_env)
     set_up_worker_process()
     devices = int(config.trainer.nnodes) * int(config.trainer.n_gpus_per_node)
@@ -84,3 +92,4 @@ def set_up_worker_process() -> None:
     apply_cpu_worker_patches()
     when_imported("verl.experimental.reward_loop.reward_loop", patch_disrm_on_cpu)
     when_imported("verl.workers.rollout.replica", register_cpu_rollout)
+    sglang_cpu.apply_sglang_cpu_patches()  # verl's weight path into SGLang's CPU build (a no-op without it)

@@ -7,8 +7,14 @@
 #                                     verl's vLLM rollout on CPU (tests marked `vllm`)
 #   bash scripts/setup.sh --browser   Debian's chromium and chromium-driver, for the test that opens the
 #                                     run report in a headless browser (tests/browser.py); needs root
+#   bash scripts/setup.sh --sglang-cpu  .venv-sglang: SGLang 0.5.12 with its CPU kernels built from
+#                                     SGLang's source (SGLANG_SRC), torch 2.11.0, verl, this package
+#                                     (tests marked `sglang`); docs/sglang_cpu.md
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = "--sglang-cpu" ]; then
+  exec bash scripts/setup_sglang_cpu.sh
+fi
 if [ "${1:-}" = "--browser" ]; then
   if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then
     SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"

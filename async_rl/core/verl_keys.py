@@ -134,14 +134,14 @@ def refuse_unsupported(config) -> None:
         raise AsyncConfigError(LORA_RANK, select_value(config, LORA_RANK, 0),
                                f"0 with actor_rollout_ref.rollout.name={backend} (the async pipeline sends a LoRA "
                                f"adapter to rollout.name={' or '.join(LORA_BACKENDS)}; SGLang's adapter loading is "
-                               "untested: it has no build for this project's CPU machines)")
+                               "untested: no run of verl's SGLang rollout has completed here yet, docs/sglang_cpu.md)")
     if select_value(config, f"{REWARD_MODEL}.enable", False) is True:
         rm_backend = select_value(config, f"{REWARD_MODEL}.rollout.name", None)
         if rm_backend not in REWARD_MODEL_BACKENDS:
             raise AsyncConfigError(f"{REWARD_MODEL}.rollout.name", rm_backend,
                                    f"{' or '.join(REWARD_MODEL_BACKENDS)} (the async pipeline starts the reward "
-                                   "model's servers on the CPU backend and on vLLM; SGLang's is untested: it has "
-                                   "no build for this project's CPU machines)")
+                                   "model's servers on the CPU backend and on vLLM; SGLang's is untested: no run "
+                                   "of verl's SGLang rollout has completed here yet, docs/sglang_cpu.md)")
         if rm_backend != "cpu" and select_value(config, f"{REWARD_MODEL}.enable_resource_pool", False) is not True:
             raise AsyncConfigError(f"{REWARD_MODEL}.enable_resource_pool", False,
                                    f"True with {REWARD_MODEL}.rollout.name={rm_backend}: its servers need devices of "

@@ -4,7 +4,7 @@ module registers them. A new backend is one module and one `register_rollout_bac
 from __future__ import annotations
 
 from async_rl.api.rollout import RolloutBackend, register_rollout_backend
-from async_rl.rollout import verl_replicas, vllm
+from async_rl.rollout import sglang, verl_replicas, vllm
 from async_rl.rollout.cpu import backend as cpu
 from async_rl.rollout.vllm_digests import replica_weight_digests
 
@@ -23,7 +23,8 @@ VLLM = register_rollout_backend(RolloutBackend(
 SGLANG = register_rollout_backend(RolloutBackend(
     name="sglang", start=verl_replicas.start_on_devices, make_receiver=verl_replicas.receiver,
     starts_on_dummy_weights=True, replica_world_size=verl_replicas.replica_world_size,
-    unavailable=verl_replicas.sglang_unavailable, prepare_config=verl_replicas.prepare_config,
+    unavailable=sglang.unavailable, prepare_config=sglang.prepare_config,
+    prepare_server_config=sglang.prepare_server_config, ray_env=sglang.ray_env, logical_gpus_on_cpu=True,
 ))
 TRTLLM = register_rollout_backend(RolloutBackend(
     name="trtllm", start=verl_replicas.start_on_devices, make_receiver=verl_replicas.receiver,
