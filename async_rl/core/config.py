@@ -331,6 +331,14 @@ def strip_async_keys(config: DictConfig) -> None:
                 parent.pop(leaf)
 
 
+CPU_DEVICE = "cpu"  # `trainer.device` of a run on CPU: its devices are worker processes
+
+
+def runs_on_cpu(config) -> bool:
+    """`trainer.device=cpu` (a verl config, or a plain mapping of one)."""
+    return str((config.get("trainer") or {}).get("device", "")) == CPU_DEVICE
+
+
 def async_pipeline_enabled(config) -> bool:
     """True when the user asked for the pipeline (`+actor_rollout_ref.async_pipeline=True`)."""
     value = select_value(config, "actor_rollout_ref.async_pipeline", False)
