@@ -132,7 +132,7 @@ class ActorTrainStage(StateMachine):
         self.config = config
         self.devices = devices
         self.world_size = world_size_of(devices)
-        self.gate, self.clock = clock.gate, clock.handle
+        self.gate, self.policy_clock = clock.gate, clock.handle
         self.weight_sink = weight_sink
         self.bucket_bytes = bucket_bytes
         self.compute_proximal = compute_proximal
@@ -344,7 +344,7 @@ class ActorTrainStage(StateMachine):
             )
         t2 = time.perf_counter()
         self.version += 1
-        await self.clock.set_trained_version.remote(self.version)
+        await self.policy_clock.set_trained_version.remote(self.version)
         self._dump_rollouts(self.version, train_batch)
         if self.checkpointer is not None:
             if self.checkpointer.due(self.version):

@@ -64,7 +64,7 @@ class DynamicSamplingStage(StateMachine):
         super().__init__("dynamic_sampling", inbox_size=2)
         self.batch_groups = int(config.data.train_batch_size)
         self.max_gen_batches = int(config.algorithm.filter_groups.get("max_num_gen_batches") or 0)
-        self.gate, self.clock = clock.gate, clock.handle
+        self.gate, self.policy_clock = clock.gate, clock.handle
         self.total_steps = total_steps
         self.dataloader = dataloader
         self.pending: list[_Group] = [_Group(**g) for g in pool or ()]
@@ -158,7 +158,7 @@ class DynamicSamplingStage(StateMachine):
         self.step += 1
         self._drawn, self._reward_errors = 0, 0.0
         self._snapshots[self.step] = (self.generated, list(self.pending))
-        await self.clock.set_steps_formed.remote(self.step)
+        await self.policy_clock.set_steps_formed.remote(self.step)
         if self.step == self.total_steps and self.dataloader is not None:
             await self.dataloader.stop_producing.remote()
         return out

@@ -61,7 +61,7 @@ class GenerateStage(StateMachine):
         self.greedy_baselines = wants_greedy_baselines(config)
         self._agent_loops = None  # verl's AgentLoopWorker, built at first use (loads the tokenizer and tools)
         self.gate = clock.gate
-        self.clock = clock.view(on_lost=self._server_lost)
+        self.policy_clock = clock.view(on_lost=self._server_lost)
         self.request_timeout_s, self.tool_timeout_s = request_timeout_s, tool_timeout_s
         self.tool_pool_size = tool_pool_size
 
@@ -91,7 +91,7 @@ class GenerateStage(StateMachine):
         """verl's agent-loop worker on this stage's servers (async_rl/rollout/agent_loops.py)."""
         if self._agent_loops is None:
             client = PipelineLLMClient(self.config, self.servers, self.request_timeout_s,
-                                       lambda: self.clock.served_version)
+                                       lambda: self.policy_clock.served_version)
             self._agent_loops = PipelineAgentLoopWorker(self.config, client, self.tool_timeout_s, self.tool_pool_size)
         return self._agent_loops
 
@@ -101,9 +101,9 @@ class GenerateStage(StateMachine):
         through the same supervised path as training; validation uses it with `validate=True` (verl's
         `val_kwargs` sampling). `start_version`: the version served when the batch was admitted (None:
         the version served now). `greedy_baselines` (ReMax): then one greedy trajectory of each row, last."""
-        await self.clock.follow()
+        await self.policy_clock.follow()
         if start_version is None:
-            start_version = self.clock.served_version
+            start_version = self.policy_clock.served_version
         proto = prompt_rows(rows, [uuid.uuid4().hex for _ in rows], n, start_version, greedy_baselines)
         proto.meta_info["validate"] = validate
         output = await self.agent_loops().generate_sequences(proto)
@@ -117,19 +117,20 @@ class GenerateStage(StateMachine):
         item = await self.next_from_inbox()
         if isinstance(item, PromptBatch):
             # Admission happens here, in input order, so batch j never overtakes j-1.
-            await self.clock.follow()
+            await self.policy_clock.follow()
             with self.trace.span("wait", "admission (staleness bound)", index=item.index,
-                                 served_version=self.clock.served_version):
-                await self.clock.wait_until(lambda: self.gate.admits(item.index, self.clock.served_version,
-                                                                     self.clock.steps_formed))
+                                 served_version=self.policy_clock.served_version):
+                versions = self.policy_clock
+                await versions.wait_until(lambda: self.gate.admits(item.index, versions.served_version,
+                                                                   versions.steps_formed))
         return item
 
     def trace_args(self, data: Any) -> dict:
         """The batch's index and the version served when its generation began."""
-        return {**super().trace_args(data), "version": self.clock.served_version}
+        return {**super().trace_args(data), "version": self.policy_clock.served_version}
 
     async def process_data(self, batch: PromptBatch) -> GeneratedBatch:
-        start_version = self.clock.served_version
+        start_version = self.policy_clock.served_version
         samples = await self.run_agent_loops(batch.non_tensor, self.n, start_version,
                                              greedy_baselines=self.greedy_baselines)
         if batch.index > start_version:  # started ahead of the trainer (whatever it reached since)

@@ -37,7 +37,7 @@ class ParamUpdateStage(StateMachine):
         (default: those registered in this process)."""
         super().__init__("param_update", inbox_size=1)
         self.stream = BucketStream(max_buckets_in_flight)
-        self.clock = clock
+        self.policy_clock = clock
         self.weight_sync = OverlappedWeightSync(receivers, clock, self.stream, timeout_s,
                                                 on_lost=self._server_lost if restartable_servers else None,
                                                 lost_after_s=server_timeout_s, transports=transports, trace=self.trace)
@@ -54,7 +54,7 @@ class ParamUpdateStage(StateMachine):
         await asyncio.gather(*(r.configure(*setup_args) for r in self.weight_sync.receivers if r.serves_generation))
 
     def _server_lost(self, receiver, cause: str, hung: bool) -> None:
-        self.clock.report_lost.remote(receiver.replica_index, receiver.handle, cause, hung)
+        self.policy_clock.report_lost.remote(receiver.replica_index, receiver.handle, cause, hung)
 
     async def replace_rollout_server(self, index: int, handle, replica_actors: tuple | None = None) -> int:
         """Set up the restarted server `handle` of replica `index`, load the newest synced version into it

@@ -50,6 +50,7 @@ def run(stage, *batches):
 
 def test_draws_until_the_batch_is_full_of_groups_whose_rewards_differ():
     stage = DynamicSamplingStage(config=config(batch_groups=2), clock=clock(1), total_steps=2)
+    assert isinstance(stage.clock(), float)  # StateMachine.clock, the timeline's alignment, not shadowed
     outs = run(stage,
                generated(0, [[1, 1], [0, 1]], version=0),  # one usable group: not full yet
                generated(1, [[0, 0], [1, 0]], version=0))  # a second one: the batch is full

@@ -40,6 +40,7 @@ async def still_waiting(future: asyncio.Future) -> bool:
 def test_batches_are_admitted_against_the_served_version_and_the_stage_holds_eta_plus_one():
     stage, clock = generate_stage(StalenessGate(1))
     assert stage.inbox_size == stage.max_inflight == 2
+    assert isinstance(stage.clock(), float)  # StateMachine.clock, the timeline's alignment, not shadowed
 
     async def main():
         stage.connect([], 1)
@@ -74,7 +75,7 @@ def test_a_server_reported_lost_through_the_clock_reaches_the_supervisor():
     server = stage.servers.handles[0]
 
     async def main():
-        await stage.clock.follow()
+        await stage.policy_clock.follow()
         await clock.handle.report_lost.remote(0, server, "ActorDiedError: gone", False)
         await asyncio.sleep(0.05)
         stage.connect([], 1)
