@@ -1,16 +1,18 @@
 """Building a run (async_rl/pipeline.py calls these in order): place it on the job's nodes, start
-the rollout replicas and every stage as a Ray actor with its verl worker group, connect the weight
-sync, load the resume point; and take it all down again. Each step fills the `BuiltPipeline`, so a
-failure midway still tears down what was started.
+the rollout replicas, the policy clock and every stage of the stage table (async_rl/core/stage_table.py)
+with its verl worker group, connect the weight sync, load the resume point; and take it all down
+again. Each step fills the `BuiltPipeline`, so a failure midway still tears down what was started.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import os
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Optional
 
 import ray
@@ -26,8 +28,12 @@ from async_rl.checkpoints import (CheckpointDir, ResumePoint, RunCheckpointer, d
 from async_rl.core.devices import GroupDevices, reserve_nodes
 from async_rl.core.errors import PipelineError
 from async_rl.core.messages import NewWeights
+from async_rl.core.policy_clock import ClockRef, PolicyClock
 from async_rl.core.prompts import model_tokenizer_and_processor
 from async_rl.core.stage_graph import upstream_counts
+from async_rl.core.stage_table import (ACTOR_TRAIN, CLOCK, CRITIC_TRAIN, DATALOADER, DYNAMIC_SAMPLING, GENERATE, LOGP,
+                                       PARAM_UPDATE, STAGES, RunShape, build_order, stages_of, step_parts)
+from async_rl.core.staleness import StalenessGate
 from async_rl.core.timeouts import CALL_TIMEOUT_S, SETUP_TIMEOUT_S
 from async_rl.rollout.reward_models import RewardModelService, start_reward_model
 from async_rl.rollout.supervisor import kill_actor
@@ -37,18 +43,7 @@ from async_rl.stop_signals import PipelinePreempted, StopRequest
 from async_rl.validation import Validator
 from param_update.capacity import check_weight_sync, model_weight_bytes, planned_links
 from param_update.receivers import ActorReceiver
-from state_machines.actor_train import ActorTrainStage
-from state_machines.critic_train import CriticTrainStage
-from state_machines.dataloader import DataloaderStage
-from state_machines.dynamic_sampling import DynamicSamplingStage
-from state_machines.generate import GenerateStage
 from state_machines.host import HostedStage, StageHost
-from state_machines.logp import LogpStage
-from state_machines.param_update import ParamUpdateStage
-from state_machines.ref_logp import RefLogpStage
-from state_machines.reward import RewardStage
-from state_machines.rollout import RolloutStage
-from state_machines.values import ValuesStage
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +64,8 @@ class BuiltPipeline:
     replicas: list = field(default_factory=list)  # verl RolloutReplica objects, started
     reward_model: Optional[RewardModelService] = None  # the reward model's servers and router, if enabled
     stages: dict[str, Any] = field(default_factory=dict)  # stage name -> Ray actor handle or HostedStage
+    clock: Optional[ClockRef] = None  # the policy clock: the staleness gate and its handle
+    clock_actor: Any = None  # the clock's own Ray actor (`per_stage`; `per_node`: it is in generate's host)
     hosts: dict[str, Any] = field(default_factory=dict)  # node id -> the StageHost of that node's stages
     adding: dict[str, Any] = field(default_factory=dict)  # hosted stage -> its `add` call, until built
     receivers: list = field(default_factory=list)  # WeightReceivers of the weight sync
@@ -103,20 +100,37 @@ class BuiltPipeline:
         if self.stop is not None and self.stop.requested and not self.training:
             raise PipelinePreempted(self.stop.signum, None, where)
 
-    def stage(self, stage_name: str, cls, *args, **kwargs):
-        """Start stage `stage_name` on its node: in the node's StageHost (`trainer.stage_processes=per_node`)
-        or as a Ray actor of its own (`per_stage`). Logical CPUs: stages mostly wait."""
+    def stage(self, stage_name: str, cls, **kwargs):
+        """Start stage `stage_name` as `cls(**kwargs)` on its node: in the node's StageHost
+        (`trainer.stage_processes=per_node`) or as a Ray actor of its own (`per_stage`). Logical CPUs:
+        stages mostly wait."""
         node = self.node_of(stage_name)
         if self.run.async_cfg.stage_processes == "per_stage":
-            self.stages[stage_name] = self._actor(cls, stage_name, node, STAGE_CONCURRENCY).remote(*args, **kwargs)
+            self.stages[stage_name] = self._actor(cls, stage_name, node, STAGE_CONCURRENCY).remote(**kwargs)
         else:
-            if node not in self.hosts:
-                on_node = [s for s in self.run.edges if self.node_of(s) == node]
-                self.hosts[node] = self._actor(StageHost, "+".join(on_node), node,
-                                               STAGE_CONCURRENCY * len(on_node)).remote(len(on_node))
-            self.adding[stage_name] = self.hosts[node].add.remote(stage_name, cls, args, kwargs)
+            self.adding[stage_name] = self.host_of(node).add.remote(stage_name, cls, (), kwargs)
             self.stages[stage_name] = HostedStage(self.hosts[node], stage_name)
         return self.stages[stage_name]
+
+    def start_clock(self, gate: StalenessGate) -> ClockRef:
+        """The policy clock, in the generate stage's process (async_rl/core/policy_clock.py): in its node's
+        StageHost, or (`per_stage`) an actor of its own on that node."""
+        node, kwargs = self.node_of(GENERATE), {"start_step": self.start_step}
+        if self.run.async_cfg.stage_processes == "per_stage":
+            handle = self.clock_actor = self._actor(PolicyClock, CLOCK, node, STAGE_CONCURRENCY).remote(**kwargs)
+        else:
+            self.adding[CLOCK] = self.host_of(node).add.remote(CLOCK, PolicyClock, (), kwargs)
+            handle = HostedStage(self.hosts[node], CLOCK)
+        self.clock = ClockRef(gate, handle)
+        return self.clock
+
+    def host_of(self, node: str):
+        """The StageHost of the stages placed on `node` (started at the first call)."""
+        if node not in self.hosts:
+            on_node = [s for s in self.run.edges if self.node_of(s) == node]
+            self.hosts[node] = self._actor(StageHost, "+".join(on_node), node,
+                                           STAGE_CONCURRENCY * len(on_node)).remote(len(on_node))
+        return self.hosts[node]
 
     def node_of(self, stage_name: str) -> str:
         """The Ray node id stage `stage_name` runs on (the driver's unless placed beside its workers)."""
@@ -134,46 +148,93 @@ class BuiltPipeline:
         self.wait(adding, SETUP_TIMEOUT_S, "start the stages")
 
     def describe_processes(self) -> str:
-        """One log line: how many processes run the stages, and which stages each holds."""
+        """One log line: how many processes run the stages, and which stages each holds (in graph order)."""
         mode = self.run.async_cfg.stage_processes
+        names = [s for s in self.run.edges if s in self.stages]
         if mode == "per_stage":
-            return f"{len(self.stages)} ({mode}): {', '.join(self.stages)}"
-        groups = {node: [s for s, h in self.stages.items() if isinstance(h, HostedStage) and h.host is host]
+            return f"{len(names)} ({mode}): {', '.join(names)}"
+        groups = {node: [s for s in names if isinstance(self.stages[s], HostedStage) and self.stages[s].host is host]
                   for node, host in self.hosts.items()}
         return f"{len(groups)} ({mode}): " + "; ".join(f"{'+'.join(s)} on node {n[:8]}" for n, s in groups.items())
 
     def actors(self) -> list:
-        """Every Ray actor running the run's stages (a host once)."""
-        return [*self.hosts.values(), *(h for h in self.stages.values() if not isinstance(h, HostedStage))]
+        """Every Ray actor running the run's stages and its clock (a host once)."""
+        own = [h for h in self.stages.values() if not isinstance(h, HostedStage)]
+        return [*self.hosts.values(), *own, *([self.clock_actor] if self.clock_actor is not None else [])]
 
 
 def place(built: BuiltPipeline) -> None:
-    """Reserve the job's nodes for the run's placement and pick each stage actor's node."""
+    """Reserve the job's nodes for the run's placement and pick each stage actor's node (the stage
+    table's `role`: the node of that role's workers, or of the first rollout replica)."""
     plan = built.run.placement
     per_node = plan.devices_per_node
     built.driver_node = ray.get_runtime_context().get_node_id()
-    built.node_groups, node_ids = reserve_nodes(plan, str(built.run.config.trainer.device) == "cpu", SETUP_TIMEOUT_S)
+    built.node_groups, node_ids = reserve_nodes(plan, built.run.on_cpu, SETUP_TIMEOUT_S)
     logger.warning("placement: %s", plan.describe())
     built.devices = {role: GroupDevices(built.node_groups, r, per_node, plan.colocate_count)
                      for role, r in plan.groups.items()}
     built.devices["generate"] = [GroupDevices(built.node_groups, r, per_node) for r in plan.replicas]
     built.world_sizes = {role: d.world_size for role, d in built.devices.items() if role != "generate"}
     node_of = {role: node_ids[r.start // per_node] for role, r in plan.groups.items()}
-    built.stage_nodes = {"actor_train": node_of["train"], "param_update": node_of["train"],
-                         "generate": node_ids[plan.replicas[0].start // per_node]}
-    built.stage_nodes.update({stage: node_of[role] for stage, role in
-                              (("logp", "logp"), ("ref_logp", "ref_logp"), ("critic_train", "critic"),
-                               ("values", "critic")) if role in node_of})
+    node_of["generate"] = node_ids[plan.replicas[0].start // per_node]
+    built.stage_nodes = {spec.name: node_of[spec.role] for spec in STAGES if spec.role in node_of}
+
+
+class StageInputs:
+    """What the stage table's `kwargs(b)` read (async_rl/core/stage_table.py): the run, the values
+    `build_stages` prepares once, and the handles of the stages built so far (`stages`)."""
+
+    def __init__(self, built: BuiltPipeline, tokenizer, processor, state):
+        self.built, self.tokenizer, self.processor, self.state = built, tokenizer, processor, state
+        self.run, self.config, self.settings = built.run, built.run.config, built.run.async_cfg
+        self.stages, self.clock, self.devices = built.stages, built.clock, built.devices
+        self.replicas, self.servers = built.replicas, [r.server_handle for r in built.replicas]
+        self.bucket_bytes, self.start_step = built.bucket_bytes, built.start_step
+        self.reward_router = built.reward_model.router_address if built.reward_model is not None else None
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.generated = state.generated_batches if state is not None else 0
+        self.dataloader_state = state.dataloader_state if state is not None else None
+        self.sampling_pool = state.sampling_pool if state is not None else None
+        self.kl_coef = state.kl_coef if state is not None else None
+        self.ref_enabled = need_reference_policy(self.config)
+        self.transports = transports_by_rank()
+        self.step_parts = step_parts(self.run.edges)
+
+    @cached_property
+    def receivers(self) -> list:
+        """The weight sync's receivers: every rollout replica, and the logp stage where it computes pi_prox
+        (kept as `built.receivers`)."""
+        restarts = self.settings.replica_max_restarts
+        receivers = [self.run.backend.make_receiver(i, r, self.settings.partial_rollout, i if restarts else None)
+                     for i, r in enumerate(self.replicas)]
+        if self.run.proximal_logp_workers == "logp":
+            receivers.append(ActorReceiver(LOGP, self.stages[LOGP], serves_generation=False))
+        self.built.receivers = receivers
+        return receivers
+
+    @cached_property
+    def checkpointer(self) -> Optional[RunCheckpointer]:
+        """The run's checkpoints (None: `trainer.save_freq` <= 0); partial ones left by a killed run removed."""
+        if self.run.checkpoint.save_freq <= 0:
+            return None
+        CheckpointDir(self.run.checkpoint.root).remove_partials()
+        return RunCheckpointer(self.run.checkpoint, self.run.total_steps, self.stages[DATALOADER],
+                               self.stages.get(DYNAMIC_SAMPLING), self.stages.get(CRITIC_TRAIN))
+
+
+def stage_class(path: str) -> type:
+    """A stage table row's class from its "package.module.Class"."""
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
 
 
 def build_stages(built: BuiltPipeline) -> None:
-    """Start the rollout replicas and every stage with its worker group, and wire the stage graph."""
+    """Start the rollout replicas, the policy clock and every stage with its worker group, and wire the
+    stage graph."""
     run, cfg, settings = built.run, built.run.config, built.run.async_cfg
-    devices = built.devices
     tokenizer, processor = model_tokenizer_and_processor(cfg)
-    built.replicas = launch_rollout_replicas(make_rollout_replicas(cfg, len(devices["generate"])), run.backend,
-                                             devices["generate"], SETUP_TIMEOUT_S)
-    servers = [r.server_handle for r in built.replicas]
+    built.replicas = launch_rollout_replicas(make_rollout_replicas(cfg, len(built.devices["generate"])), run.backend,
+                                             built.devices["generate"], SETUP_TIMEOUT_S)
     built.reward_model = start_reward_model(cfg, SETUP_TIMEOUT_S, settings.replica_max_restarts)
     router = built.reward_model.router_address if built.reward_model is not None else None
     built.validator = Validator(cfg, tokenizer, settings.reward_timeout_s, settings.reward_on_error,
@@ -187,58 +248,23 @@ def build_stages(built: BuiltPipeline) -> None:
         with open_dict(cfg.data):  # which its dataloader state needs
             cfg.data.dataloader_num_workers = saved_workers
     built.start_step = state.global_step if state is not None else 0
-    generated = state.generated_batches if state else 0
-    eta, steps, restarts = settings.max_staleness, run.total_steps, settings.replica_max_restarts
-    proximal = run.proximal_logp_workers
-
-    dataloader = built.stage("dataloader", DataloaderStage, cfg, tokenizer, None if settings.dynamic_sampling else steps,
-                             generated, state.dataloader_state if state else None, processor=processor)
-    generate = built.stage("generate", GenerateStage, servers, cfg, eta,
-                           request_timeout_s=settings.request_timeout_s, tool_timeout_s=settings.tool_timeout_s,
-                           tool_pool_size=settings.tool_pool_size,
-                           dynamic_sampling=settings.dynamic_sampling,
-                           steps_formed=built.start_step, replicas=built.replicas if restarts else None,
-                           max_restarts=restarts, relaunch=run.backend.relaunch)
-    built.stage("rollout", RolloutStage, int(cfg.data.max_prompt_length),
-                int(cfg.actor_rollout_ref.rollout.response_length),
-                tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
-    built.stage("reward", RewardStage, cfg, tokenizer, settings.reward_timeout_s, settings.reward_on_error, router)
-    sampling = None
-    if settings.dynamic_sampling:  # draws prompts until the training batches are full
-        sampling = built.stage("dynamic_sampling", DynamicSamplingStage, cfg, eta, steps, generate, dataloader,
-                               built.start_step, generated, state.sampling_pool if state else None)
     built.bucket_bytes = check_weight_sync_room(built)
-    logp = built.stage("logp", LogpStage, cfg, devices.get("logp", 0), built.bucket_bytes["consume"],
-                       compute=proximal == "logp")
-    built.stage("ref_logp", RefLogpStage, cfg, devices.get("ref_logp", 0), need_reference_policy(cfg))
-    built.receivers = [run.backend.make_receiver(i, r, settings.partial_rollout, i if restarts else None)
-                       for i, r in enumerate(built.replicas)]
-    if proximal == "logp":
-        built.receivers.append(ActorReceiver("logp", logp, serves_generation=False))
-    param_update = built.stage("param_update", ParamUpdateStage, built.receivers, generate,
-                               restartable_servers=bool(restarts),
-                               server_timeout_s=min(300.0, settings.request_timeout_s),
-                               transports=transports_by_rank())
-    critic = None
-    if run.critic:
-        critic = built.stage("critic_train", CriticTrainStage, cfg, devices["critic"], built.start_step)
-        built.stage("values", ValuesStage, critic)
-    checkpointer = None
-    if run.checkpoint.save_freq > 0:
-        CheckpointDir(run.checkpoint.root).remove_partials()
-        checkpointer = RunCheckpointer(run.checkpoint, steps, dataloader, sampling, critic)
-    built.stage("actor_train", ActorTrainStage, cfg, devices["train"], eta, param_update,
-                built.bucket_bytes["preduce"], compute_proximal=proximal == "train", start_step=built.start_step,
-                checkpointer=checkpointer, kl_coef=state.kl_coef if state else None, critic_sink=critic)
+    built.start_clock(StalenessGate(settings.max_staleness, steps_formed_after_generation=settings.dynamic_sampling))
+
+    inputs = StageInputs(built, tokenizer, processor, state)
+    specs = stages_of(RunShape(critic=run.critic, dynamic_sampling=settings.dynamic_sampling))
+    for spec in build_order(specs):
+        built.stage(spec.name, stage_class(spec.cls), **spec.kwargs(inputs))
     for spec in settings.user_stages:
         built.stage(spec.name, run.user_stages[spec.name], config=cfg, name=spec.name, **spec.kwargs)
 
     built.wait_for_stages()
     logger.warning("stage processes: %s", built.describe_processes())
     # engines start in parallel; each has its own timeout-bounded wait
-    groups = ("actor_train", "logp", "ref_logp") + (("critic_train",) if run.critic else ())
-    built.wait({n: built.stages[n].setup.remote() for n in groups}, SETUP_TIMEOUT_S, "start verl worker groups")
+    built.wait({s.name: built.stages[s.name].setup.remote() for s in specs if s.starts_workers}, SETUP_TIMEOUT_S,
+               "start verl worker groups")
     # verl's agent loops with val_kwargs sampling; restarts and timeouts apply to validation too
+    generate = built.stages[GENERATE]
     built.validator.generate = lambda rows, n: generate.run_agent_loops.remote(rows, n, None, True)
     upstreams = upstream_counts(run.edges)
     built.wait({name: built.stages[name].connect.remote([built.stages[d] for d in downstream], upstreams[name])
@@ -257,17 +283,14 @@ def check_weight_sync_room(built: BuiltPipeline) -> dict[str, int]:
 
 
 def start_weight_sync(built: BuiltPipeline) -> None:
-    """Set every rollout receiver up for the trainer's layout (a mismatch fails here, at start) and give
-    the generate stage the weight source of the servers it restarts."""
-    trainer = built.stages["actor_train"]
-    layout, built.adapter = built.wait({"actor_train": trainer.weight_layout.remote()}, CALL_TIMEOUT_S,
-                                       "read the trainer's weight layout")["actor_train"]
+    """Set every rollout receiver up for the trainer's layout (a mismatch fails here, at start)."""
+    trainer = built.stages[ACTOR_TRAIN]
+    layout, built.adapter = built.wait({ACTOR_TRAIN: trainer.weight_layout.remote()}, CALL_TIMEOUT_S,
+                                       "read the trainer's weight layout")[ACTOR_TRAIN]
     settings = built.run.async_cfg
-    setup = built.stages["param_update"].configure_rollout_servers.remote(
+    setup = built.stages[PARAM_UPDATE].configure_rollout_servers.remote(
         settings.enable_dual_buffer, built.bucket_bytes["consume"], layout, settings.partial_rollout, built.adapter)
-    built.wait({"param_update": setup}, SETUP_TIMEOUT_S, "set up the rollout servers' weight staging")
-    built.wait({"generate": built.stages["generate"].attach_weight_source.remote(built.stages["param_update"])},
-               CALL_TIMEOUT_S, "attach the weight source for restarted rollout servers")
+    built.wait({PARAM_UPDATE: setup}, SETUP_TIMEOUT_S, "set up the rollout servers' weight staging")
 
 
 def resume(built: BuiltPipeline) -> None:
@@ -281,17 +304,16 @@ def resume(built: BuiltPipeline) -> None:
         return
     logger.warning("resuming from %s (step %d, written by %s)", point.path, point.state.global_step, point.written_by)
     delete = built.run.checkpoint.del_local_after_load
-    loads = {"actor_train": built.stages["actor_train"].load_checkpoint.remote(point.path, delete)}
-    if built.run.critic:
-        loads["critic_train"] = built.stages["critic_train"].load_checkpoint.remote(point.path, delete)
+    loads = {s.name: built.stages[s.name].load_checkpoint.remote(point.path, delete)
+             for s in STAGES if s.loads_checkpoint and s.name in built.stages}
     built.wait(loads, SETUP_TIMEOUT_S, f"load the checkpoint {point.path}")
     serve_weights(built, point.state.global_step)
 
 
 def serve_weights(built: BuiltPipeline, step: int) -> None:
     """Sync the train ranks' weights (version `step`) to every receiver before anything generates."""
-    built.wait({"param_update": built.stages["param_update"].process_data.remote(NewWeights(step, time.time())),
-                "actor_train": built.stages["actor_train"].send_weights.remote()},
+    built.wait({PARAM_UPDATE: built.stages[PARAM_UPDATE].process_data.remote(NewWeights(step, time.time())),
+                ACTOR_TRAIN: built.stages[ACTOR_TRAIN].send_weights.remote()},
                SETUP_TIMEOUT_S, f"send the weights of step {step} to the rollout servers")
 
 
@@ -301,9 +323,9 @@ CLOSE_TIMEOUT_S = 10.0  # at shutdown, unlinking the weight sync's shared-memory
 def shutdown(built: BuiltPipeline) -> None:
     """Free the weight sync's shared memory, kill every stage and replica server (their worker groups go
     with them) and free the job's nodes. Best effort: what is already gone is what we wanted."""
-    if "actor_train" in built.stages:
+    if ACTOR_TRAIN in built.stages:
         try:
-            ray.get(built.stages["actor_train"].close_weight_sender.remote(), timeout=CLOSE_TIMEOUT_S)
+            ray.get(built.stages[ACTOR_TRAIN].close_weight_sender.remote(), timeout=CLOSE_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - a dead sender's files go at the next run's start
             logger.warning("the weight sync's shared-memory files were not unlinked; the next run removes them")
     for actor in [*built.actors(), *(s for r in built.replicas for s in r.servers)]:
@@ -322,14 +344,14 @@ def weight_digests(built: BuiltPipeline) -> dict[str, dict[str, str]]:
     """Per-tensor digests of the weights held by the trainer, the logp workers (when they compute) and
     every rollout replica the backend can read (receiver name -> digest): equal digests mean
     bit-identical weights."""
-    calls = {"actor_train": built.stages["actor_train"].weight_digests.remote()}
+    calls = {ACTOR_TRAIN: built.stages[ACTOR_TRAIN].weight_digests.remote()}
     if built.run.proximal_logp_workers == "logp":
-        calls["logp"] = built.stages["logp"].weight_digests.remote()
+        calls[LOGP] = built.stages[LOGP].weight_digests.remote()
     digests = built.wait(calls, CALL_TIMEOUT_S, "read weight digests")
     read = built.run.backend.read_digests
     if read is not None:
         # each replica's current server, a restarted one included
-        handles = ray.get(built.stages["generate"].server_handles.remote(), timeout=CALL_TIMEOUT_S)
+        handles = ray.get(built.stages[GENERATE].server_handles.remote(), timeout=CALL_TIMEOUT_S)
         names = [r.name for r in built.receivers if r.serves_generation]
 
         async def read_all():  # gather needs the running loop

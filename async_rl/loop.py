@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from async_rl.build import BuiltPipeline
 from async_rl.core.errors import PipelineError
+from async_rl.core.stage_table import ACTOR_TRAIN, CRITIC_TRAIN, GENERATE, PARAM_UPDATE
 from async_rl.core.timeouts import CALL_TIMEOUT_S, SETUP_TIMEOUT_S
 from async_rl.stop_signals import TEARDOWN_RESERVE_S, PipelinePreempted
 
@@ -70,12 +71,12 @@ class TrainingLoop:
                     raise PipelineError(f"pipeline stopped because stage '{stage}' failed:\n{_cause(exc)}") from exc
             new_steps = self.completed_steps(final=not pending)
             if new_steps:
-                sync_timings = ray.get(self.stages["param_update"].pop_timings.remote(), timeout=CALL_TIMEOUT_S)
+                sync_timings = ray.get(self.stages[PARAM_UPDATE].pop_timings.remote(), timeout=CALL_TIMEOUT_S)
                 if sync_timings:
                     version = max(sync_timings)
                     last_sync = {**sync_timings[version], "async/param_update/synced_version": float(version)}
                 shared = self.busy_ratios()
-                shared.update(ray.get(self.stages["generate"].fault_counts.remote(), timeout=CALL_TIMEOUT_S))
+                shared.update(ray.get(self.stages[GENERATE].fault_counts.remote(), timeout=CALL_TIMEOUT_S))
                 shared.update(built.run.placement.metrics())
                 for metrics in new_steps:
                     step = int(metrics["training/global_step"])
@@ -120,18 +121,18 @@ class TrainingLoop:
 
     def validate(self, step: int) -> None:
         """Validate through the rollout servers and log it with the served version (`val-aux/param_version`)."""
-        version = ray.get(self.stages["generate"].served_version.remote(), timeout=CALL_TIMEOUT_S)
+        version = ray.get(self.built.clock.handle.versions.remote(), timeout=CALL_TIMEOUT_S)["served_version"]
         metrics = self.built.validator.run(timeout_s=SETUP_TIMEOUT_S, step=step)
         self.log({**metrics, "val-aux/param_version": float(version)}, step)
 
     def completed_steps(self, final: bool = False, timeout_s: float = CALL_TIMEOUT_S) -> list[dict]:
         """Metrics of the steps done since the last call, in order. With a critic a step is done once
         its critic update is too (its `critic/*` metrics join the actor's); `final`: every step left."""
-        steps = ray.get(self.stages["actor_train"].pop_metrics.remote(), timeout=timeout_s)
+        steps = ray.get(self.stages[ACTOR_TRAIN].pop_metrics.remote(), timeout=timeout_s)
         if not self.built.run.critic:
             return steps
         self._unlogged.extend(steps)
-        self._critic_metrics.update(ray.get(self.stages["critic_train"].pop_metrics.remote(), timeout=timeout_s))
+        self._critic_metrics.update(ray.get(self.stages[CRITIC_TRAIN].pop_metrics.remote(), timeout=timeout_s))
         done = []
         while self._unlogged and (final or int(self._unlogged[0]["training/global_step"]) in self._critic_metrics):
             metrics = self._unlogged.pop(0)
@@ -155,7 +156,7 @@ class TrainingLoop:
         `trainer.stop_deadline_s` less the teardown's share; raises PipelinePreempted."""
         signum = self.built.stop.signum
         budget_s = max(1.0, self.built.stop.seconds_left() - TEARDOWN_RESERVE_S)
-        ref = self.stages["actor_train"].checkpoint_and_stop.remote()
+        ref = self.stages[ACTOR_TRAIN].checkpoint_and_stop.remote()
         try:
             saved = ray.get(ref, timeout=budget_s)
         except ray.exceptions.GetTimeoutError:

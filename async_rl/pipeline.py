@@ -25,6 +25,7 @@ from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 from verl.utils.tracking import Tracking
 
 from async_rl.build import BuiltPipeline, build_stages, place, resume, shutdown, start_weight_sync
+from async_rl.core.config import runs_on_cpu
 from async_rl.core.errors import PipelineError
 from async_rl.loop import TrainingLoop
 from async_rl.run_config import RunConfig, ray_init_kwargs, read_run_config
@@ -136,7 +137,7 @@ def start_ray(config: DictConfig) -> tuple[bool, dict]:
     """Ray for the run: joins the one this process already started, else starts one
     (`ray_init_kwargs`). Returns (whether it started Ray, the env vars every process of the run gets)."""
     patch_per_thread_device_recorder()  # the driver calls worker groups from threads too (checkpoints)
-    if str(config.trainer.device) == "cpu":
+    if runs_on_cpu(config):
         use_cpu_platform()
         set_engine_device_env()
         apply_cpu_driver_patches()

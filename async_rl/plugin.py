@@ -23,7 +23,7 @@ import os
 import sys
 
 from async_rl import verl_trainer_on_cpu
-from async_rl.core.config import async_pipeline_enabled
+from async_rl.core.config import async_pipeline_enabled, runs_on_cpu
 from verl_patches.cpu_platform import make_cpu_platform_class
 from verl_patches.vllm_cpu import apply_vllm_cpu_patches
 from verl_patches.vllm_lora_names import apply_vllm_lora_names_patch
@@ -99,7 +99,7 @@ def wrap_auto_set_device() -> None:
 
     @functools.wraps(original)
     def auto_set_device(config) -> None:
-        on_cpu = str(config.trainer.get("device", "")) == "cpu"
+        on_cpu = runs_on_cpu(config)
         wants_cpu_rollout = verl_trainer_on_cpu.wants_cpu_rollout(config)
         if on_cpu and (async_pipeline_enabled(config) or wants_cpu_rollout):
             if "async_training" in config and wants_cpu_rollout:  # fully_async_main: no validate_config

@@ -17,7 +17,7 @@ from verl.trainer.ppo.utils import need_reference_policy
 import async_rl.rollout.backends  # noqa: F401 - registers the built-in rollout backends
 from async_rl.api.rollout import RolloutBackend, registered_backends, rollout_backend
 from async_rl.checkpoints import CheckpointConfig, read_checkpoint_config
-from async_rl.core.config import AsyncPipelineConfig, critic_enabled, read_async_config, strip_async_keys
+from async_rl.core.config import AsyncPipelineConfig, critic_enabled, read_async_config, runs_on_cpu, strip_async_keys
 from async_rl.core.data_checks import agent_names_in, check_rl_files
 from async_rl.core.decoupled_ppo import apply_to_config, uses_behaviour_as_old
 from async_rl.core.errors import AsyncConfigError
@@ -67,6 +67,11 @@ class RunConfig:
     user_stages: dict
     placement: Placement
     dataloader_workers_named: bool = True
+
+    @property
+    def on_cpu(self) -> bool:
+        """`trainer.device=cpu`: the devices are worker processes (logical GPUs for Ray where a backend asks)."""
+        return runs_on_cpu(self.config)
 
     def resumed(self) -> "RunConfig":
         """The same run, resuming from the newest checkpoint it wrote (`trainer.resume_mode=auto`)."""
@@ -226,7 +231,7 @@ def check_image_rows(config: DictConfig, columns: set) -> None:
     """On CPU, image rows need `use_remove_padding=False`: verl's packed path for multimodal RoPE calls
     flash-attention (`NameError: _flash_use_top_left_mask`)."""
     has_images = config.data.get("image_key") and str(config.data.image_key) in columns
-    if has_images and str(config.trainer.device) == "cpu" and config.actor_rollout_ref.model.get("use_remove_padding"):
+    if has_images and runs_on_cpu(config) and config.actor_rollout_ref.model.get("use_remove_padding"):
         raise AsyncConfigError(REMOVE_PADDING_KEY, True, f"False with image rows ({config.data.image_key!r}) on "
                                "trainer.device=cpu: verl's packed path for multimodal RoPE needs flash-attention")
 
@@ -294,7 +299,7 @@ def ray_init_kwargs(config: DictConfig) -> dict:
     if not joins_cluster:  # a fresh local instance, never a cluster some other `ray start` left behind
         kwargs["address"] = "local"
         kwargs.setdefault("include_dashboard", False)
-    if str(config.trainer.device) == "cpu":
+    if runs_on_cpu(config):
         env_vars.update({"VERL_PLATFORM": "cpu", "VERL_ENGINE_DEVICE": "cuda"})
         if not joins_cluster:
             # verl's replica pools ask for "GPUs": logical, one a slot (the reward model's own devices too)

@@ -18,7 +18,7 @@ import os
 
 from omegaconf import open_dict
 
-from async_rl.core.config import async_pipeline_enabled, strip_async_keys
+from async_rl.core.config import async_pipeline_enabled, runs_on_cpu, strip_async_keys
 from async_rl.rollout.cpu.registration import register_cpu_rollout
 from verl_patches import sglang_cpu, vllm_cpu
 from verl_patches.cpu_patches import apply_cpu_worker_patches
@@ -38,7 +38,7 @@ def wants_cpu_rollout(config) -> bool:
     return (
         not async_pipeline_enabled(config)
         and name in ROLLOUTS_ON_CPU and ROLLOUTS_ON_CPU[name]()
-        and str(config.get("trainer", {}).get("device", "")) == "cpu"
+        and runs_on_cpu(config)
     )
 
 

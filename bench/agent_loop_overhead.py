@@ -72,6 +72,8 @@ def main() -> None:
     from async_rl.core.prompts import batch_rows, load_prompt_dataset, make_train_dataloader, tokenize_row
     from async_rl.demo import demo_overrides, prepare
     from async_rl.rollout.requests import generate_resumable
+    from async_rl.core.policy_clock import ClockRef
+    from async_rl.core.staleness import StalenessGate
     from state_machines.generate import GenerateStage
 
     root = Path(tempfile.mkdtemp(prefix="agent_loop_overhead_"))
@@ -85,7 +87,8 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
     loader = make_train_dataloader(config.data, load_prompt_dataset(config.data.train_files, config.data, tokenizer, True))
     rows = [tokenize_row(row, tokenizer, int(config.data.max_prompt_length)) for row in batch_rows(next(iter(loader)))]
-    stage = GenerateStage([instant_server(), instant_server()], config, max_staleness=1)
+    stage = GenerateStage(servers=[instant_server(), instant_server()], config=config,
+                          clock=ClockRef.in_process(StalenessGate(1)))
     params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": int(config.actor_rollout_ref.rollout.response_length),
               "logprobs": True}
 

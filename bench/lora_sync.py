@@ -91,7 +91,7 @@ def start_sync(model_dir: str, adapter=None, layout=None):
     ray.get(server.launch_server.remote(), timeout=TIMEOUT_S)
     ray.get(server.configure_weight_sync.remote(True, 64 << 20, layout, True, adapter), timeout=TIMEOUT_S)
     stage = ray.remote(ParamUpdateStage).options(max_concurrency=64, num_cpus=0).remote(
-        [ActorReceiver("rollout_server_0", server, True)], VersionLog.remote())
+        receivers=[ActorReceiver("rollout_server_0", server, True)], clock=VersionLog.remote())
     ray.get(stage.connect.remote([], 1), timeout=TIMEOUT_S)
     stage.run.remote()
     return server, stage

@@ -332,7 +332,7 @@ def start_link(model_dir: str, consume_mb: float, node: str, stage_node: str) ->
     ray.get(server.launch_server.remote(), timeout=TIMEOUT_S)
     ray.get(server.configure_weight_sync.remote(True, int(consume_mb * (1 << 20))), timeout=TIMEOUT_S)
     stage = ray.remote(ParamUpdateStage).options(max_concurrency=64, **on_node(stage_node)).remote(
-        [ActorReceiver("rollout_server", server, True)], VersionLog.remote()
+        receivers=[ActorReceiver("rollout_server", server, True)], clock=VersionLog.remote()
     )
     ray.get(stage.connect.remote([], 1), timeout=TIMEOUT_S)
     stage.run.remote()

@@ -10,7 +10,7 @@ announces whole versions (shared memory) gets the whole version in one call once
 is written (recv is a mapping, register-buffer builds views: no copy), which registers and checks
 it; a call per bucket would only take CPU from the copy still running. When v is staged and
 checked everywhere (phase 1), each receiver loads it (phase 2, between decoding steps), and
-generate is told that v is served. A failure before phase 2 drops the staged copy everywhere and
+the policy clock is told that v is served. A failure before phase 2 drops the staged copy everywhere and
 leaves v - 1 serving.
 """
 
@@ -90,7 +90,8 @@ class OverlappedWeightSync(WeightSync):
 
     Args:
         receivers: WeightReceivers (async_rl/api/weights.py; param_update/receivers.py).
-        generate_stage: handle with `set_served_version(version)`.
+        clock: the policy clock's handle (async_rl/core/policy_clock.py), told `set_served_version(version)`
+            once every receiver serves it.
         stream: where the trainer's buckets arrive.
         timeout_s: any one wait (a bucket, a receiver call) may take this long.
         on_lost: `on_lost(receiver, cause, hung)`; when given, a receiver with a `replica_index` whose
@@ -103,13 +104,13 @@ class OverlappedWeightSync(WeightSync):
             ones, `transports_by_rank`); they travel to the sender with each version's route.
     """
 
-    def __init__(self, receivers: list[WeightReceiver], generate_stage: Any, stream: BucketStream, timeout_s: float = 300.0,
+    def __init__(self, receivers: list[WeightReceiver], clock: Any, stream: BucketStream, timeout_s: float = 300.0,
                  on_lost: Optional[Callable[[Any, str, bool], None]] = None, lost_after_s: Optional[float] = None,
                  transports: Optional[list[type[WeightTransport]]] = None, trace: Optional[TraceRecorder] = None):
         if not receivers:
             raise ValueError("weight sync needs at least one receiver")
         self.receivers = list(receivers)
-        self.generate_stage = generate_stage
+        self.clock = clock
         self.stream = stream
         self.timeout_s = timeout_s
         self.on_lost = on_lost
@@ -266,13 +267,13 @@ class OverlappedWeightSync(WeightSync):
         hold_at("weight_sync", version)
         # a load that fails leaves the region held for good: some receivers may serve it
         loads = await self._on_all("load", version, lambda r: r.commit(version, item.num_buckets))
-        total_s = time.time() - started_at  # every receiver serves it now; generate is told next
+        total_s = time.time() - started_at  # every receiver serves it now; the clock is told next
         read_through = self._note_loaded(version, loads, self._live(), buckets)
         if self.on_lost is not None:
             self.retained = (version, buckets, item.num_buckets)
             for transport in self.transports.values():
                 transport.retain(version)
-        await self.generate_stage.set_served_version.remote(version)
+        await self.clock.set_served_version.remote(version)
         gathered = started_at + item.trainer_timings["gather"]  # the trainer's parts, as it reported them
         self.trace.add("trainer", "gather", started_at, gathered, version=version)
         self.trace.add("trainer", "send", gathered, gathered + item.trainer_timings["send"], version=version)

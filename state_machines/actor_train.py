@@ -38,34 +38,27 @@ from async_rl.core.messages import (
     CriticBatch,
     LogpResult,
     NewWeights,
-    RefLogpResult,
     ScoredBatch,
     TrainingBatch,
     ValuesResult,
     resolve,
     response_lengths,
 )
+from async_rl.core.policy_clock import ClockRef
 from async_rl.core.prompts import model_tokenizer
+from async_rl.core.stage_table import JOIN_PARTS
 from async_rl.core.staleness import version_metrics
 from async_rl.training import engine_calls
 from async_rl.training.worker_groups import make_worker_group
 from state_machines.base import END_OF_STREAM, StateMachine, call_put
 
-_PARTS = {ScoredBatch: "reward", LogpResult: "logp", RefLogpResult: "ref_logp", ValuesResult: "values"}
-
-
 def step_part(item) -> tuple[str, Any]:
-    """(part name, part) of an upstream output; a formed training batch carries the reward part."""
-    if isinstance(item, TrainingBatch):
-        return "reward", item.scored
-    return _PARTS[type(item)], item
+    """(part name, part) of an upstream output (the stage table's `joins`, async_rl/core/stage_table.py);
+    a formed training batch carries the reward part."""
+    return JOIN_PARTS[type(item)], item.scored if isinstance(item, TrainingBatch) else item
 
 
 RANKS_TRACK = "train ranks"  # the timeline track of what the stage has its train ranks do
-
-
-class StalenessViolation(RuntimeError):
-    """A sample older than the bound reached training (a scheduling bug, never expected)."""
 
 
 def place_scores_on_last_token(scores: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:
@@ -123,20 +116,23 @@ def agent_loop_timings(non_tensor_batch: dict) -> dict[str, float]:
 class ActorTrainStage(StateMachine):
     """verl's actor update, one step per batch, in batch order."""
 
-    def __init__(self, config, devices, max_staleness: int, weight_sink=None, bucket_bytes: int = 512 << 20,
-                 compute_proximal: bool = False, start_step: int = 0, checkpointer=None, kl_coef=None,
-                 critic_sink=None):
+    def __init__(self, *, config, devices, clock: ClockRef, parts: tuple[str, ...], weight_sink=None,
+                 bucket_bytes: int = 512 << 20, compute_proximal: bool = False, start_step: int = 0, checkpointer=None,
+                 kl_coef=None, critic_sink=None):
         """`devices`: the train ranks' devices (an async_rl.core.devices.GroupDevices, or a count placed
-        anywhere); `weight_sink`: the param_update stage handle; `bucket_bytes`: the gather's bucket size;
-        `compute_proximal`: recompute old_log_probs here, before each update (the logp stage does not);
-        `start_step`: the version a resumed run starts from; `checkpointer`: async_rl.checkpoints.RunCheckpointer
-        (None: no checkpoints); `kl_coef`: the KL-in-reward coefficient to resume with; `critic_sink`:
-        the critic_train stage (None: no critic; with one, each step also waits for the values stage)."""
+        anywhere); `clock`: the policy clock (async_rl/core/policy_clock.py): its gate checks each step's
+        staleness, and each step's version is published to it; `parts`: the parts a step joins (names of
+        the stage table's `joins`: reward, logp, ref_logp, values with a critic); `weight_sink`: the
+        param_update stage handle; `bucket_bytes`: the gather's bucket size; `compute_proximal`: recompute
+        old_log_probs here, before each update (the logp stage does not); `start_step`: the version a resumed
+        run starts from; `checkpointer`: async_rl.checkpoints.RunCheckpointer (None: no checkpoints);
+        `kl_coef`: the KL-in-reward coefficient to resume with; `critic_sink`: the critic_train stage (None:
+        no critic)."""
         super().__init__("actor_train", inbox_size=6)
         self.config = config
         self.devices = devices
         self.world_size = world_size_of(devices)
-        self.max_staleness = max_staleness
+        self.gate, self.policy_clock = clock.gate, clock.handle
         self.weight_sink = weight_sink
         self.bucket_bytes = bucket_bytes
         self.compute_proximal = compute_proximal
@@ -152,7 +148,7 @@ class ActorTrainStage(StateMachine):
         self.version = start_step  # trainer's policy version: number of updates done
         self.checkpointer = checkpointer
         self.critic_sink = critic_sink
-        self.parts_needed = len(_PARTS) if critic_sink is not None else len(_PARTS) - 1
+        self.parts_needed = len(parts)
         self.critic_warmup = int(config.trainer.get("critic_warmup", 0) or 0) if critic_sink is not None else 0
         self.dumps = GenerationDumps(config.trainer.get("rollout_data_dir"))
         self._tokenizer = None
@@ -266,17 +262,13 @@ class ActorTrainStage(StateMachine):
     def _version_metrics(self, batch) -> dict[str, float]:
         metrics = version_metrics(
             batch.batch["token_versions"], batch.batch["response_mask"], batch.non_tensor_batch["start_version"],
-            self.version, self.max_staleness,
+            self.version, self.gate.max_staleness,
         )
         if TURNS_INTERRUPTED in batch.non_tensor_batch:  # agent loops: turns a weight load split, per trajectory
             metrics["async/partial/turns_interrupted"] = float(np.mean(
                 batch.non_tensor_batch[TURNS_INTERRUPTED].astype(np.float64)))
         metrics.update(agent_loop_timings(batch.non_tensor_batch))
-        if metrics["async/staleness/max"] > self.max_staleness:
-            raise StalenessViolation(
-                f"step {self.version}: a sample has staleness {metrics['async/staleness/max']:g} "
-                f"> eta={self.max_staleness}"
-            )
+        self.gate.check_trained(self.version, metrics["async/staleness/max"])
         return metrics
 
     def _check_proximal_version(self, logp) -> None:
@@ -352,6 +344,7 @@ class ActorTrainStage(StateMachine):
             )
         t2 = time.perf_counter()
         self.version += 1
+        await self.policy_clock.set_trained_version.remote(self.version)
         self._dump_rollouts(self.version, train_batch)
         if self.checkpointer is not None:
             if self.checkpointer.due(self.version):

@@ -35,7 +35,7 @@ class CriticTrainStage(StateMachine):
     """verl's `update_critic` on the critic worker group; `compute_values` on the same workers (its
     busy ratio counts both: the critic devices' share of the wall time)."""
 
-    def __init__(self, config, devices, start_step: int = 0):
+    def __init__(self, *, config, devices, start_step: int = 0):
         super().__init__("critic_train", inbox_size=2)
         self.config = config
         self.devices = devices  # a GroupDevices or a count

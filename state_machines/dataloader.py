@@ -29,7 +29,7 @@ class DataloaderStage(StateMachine):
         processor: a vision-language model's, for image rows (`model_tokenizer_and_processor`), or None.
     """
 
-    def __init__(self, config, tokenizer, total_batches: Optional[int], first_index: int = 0,
+    def __init__(self, *, config, tokenizer, total_batches: Optional[int], first_index: int = 0,
                  resume_state: Optional[dict] = None, inbox_size: int = 1, processor=None):
         super().__init__("dataloader", inbox_size=inbox_size)
         self.dataset = load_prompt_dataset(config.data.train_files, config.data, tokenizer, is_train=True,

@@ -9,7 +9,8 @@ kept), pools them across generated batches, and emits training batch j once it h
 `data.train_batch_size` groups: the oldest first (by the oldest policy version among their
 tokens), never one older than eta at step j (such a group is dropped). Generation goes on
 meanwhile: the generate stage admits prompt batches while the next training batch to form,
-j, satisfies j <= served version + eta (`set_steps_formed`), so a filtered-out batch is
+j, satisfies j <= served version + eta (each batch formed is published to the policy clock,
+async_rl/core/policy_clock.py), so a filtered-out batch is
 replaced by drawing more prompts. verl's `max_num_gen_batches` (> 0) bounds the batches drawn
 for one training batch; past it the run fails with a message saying so. The logp stage then
 computes pi_prox for exactly the rows trained (with version j).
@@ -29,6 +30,7 @@ import ray
 import torch
 
 from async_rl.core.messages import ScoredBatch, TrainingBatch, resolve
+from async_rl.core.policy_clock import ClockRef
 from async_rl.core.scoring import groups_with_distinct_rewards
 from async_rl.core.staleness import oldest_versions
 from state_machines.base import END_OF_STREAM, StateMachine
@@ -50,20 +52,21 @@ class DynamicSamplingStage(StateMachine):
 
     Args:
         config: the verl config (`data.train_batch_size`, `algorithm.filter_groups`).
-        max_staleness: eta.
+        clock: the policy clock (async_rl/core/policy_clock.py): its gate drops groups past the bound, and
+            each training batch formed is published to it (generation is admitted against it).
         total_steps: training batches to form; later input is dropped.
-        generate, dataloader: stage handles told of formed steps / asked to stop (None in tests).
+        dataloader: the dataloader stage's handle, asked to stop once the last batch is formed (None in tests).
         start_step, generated_batches, pool: where a resumed run starts (`checkpoint_state`).
     """
 
-    def __init__(self, config, max_staleness: int, total_steps: int, generate=None, dataloader=None,
-                 start_step: int = 0, generated_batches: int = 0, pool: Optional[list] = None):
+    def __init__(self, *, config, clock: ClockRef, total_steps: int, dataloader=None, start_step: int = 0,
+                 generated_batches: int = 0, pool: Optional[list] = None):
         super().__init__("dynamic_sampling", inbox_size=2)
         self.batch_groups = int(config.data.train_batch_size)
         self.max_gen_batches = int(config.algorithm.filter_groups.get("max_num_gen_batches") or 0)
-        self.max_staleness = max_staleness
+        self.gate, self.policy_clock = clock.gate, clock.handle
         self.total_steps = total_steps
-        self.generate, self.dataloader = generate, dataloader
+        self.dataloader = dataloader
         self.pending: list[_Group] = [_Group(**g) for g in pool or ()]
         self.step = start_step  # the next training batch to form
         self.generated = generated_batches  # generated batches drawn so far
@@ -121,7 +124,7 @@ class DynamicSamplingStage(StateMachine):
 
     def _drop_stale(self) -> None:
         """Groups that would be older than eta at the step being formed can never be trained."""
-        fresh = [g for g in self.pending if self.step - g.oldest_version <= self.max_staleness]
+        fresh = [g for g in self.pending if self.gate.fresh(self.step, g.oldest_version)]
         self._counts["dropped_stale"] += len(self.pending) - len(fresh)
         self.pending = fresh
 
@@ -155,8 +158,7 @@ class DynamicSamplingStage(StateMachine):
         self.step += 1
         self._drawn, self._reward_errors = 0, 0.0
         self._snapshots[self.step] = (self.generated, list(self.pending))
-        if self.generate is not None:
-            await self.generate.set_steps_formed.remote(self.step)
+        await self.policy_clock.set_steps_formed.remote(self.step)
         if self.step == self.total_steps and self.dataloader is not None:
             await self.dataloader.stop_producing.remote()
         return out

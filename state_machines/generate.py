@@ -6,7 +6,8 @@ user's own loop: async_rl/rollout/agent_loops.py), whose model calls go to the r
 through verl's server interface (`generate` on the server handle of a `RolloutReplica`), so the CPU
 backend, sglang and vllm are interchangeable. Trajectories are spread round-robin over the
 servers, each keeping its turns on one; up to `generate_ahead_steps` batches are in flight, each
-admitted only when AReaL's rule allows it (`async_rl.core.staleness`).
+admitted only when AReaL's rule (`async_rl.core.staleness.StalenessGate`) allows it against the policy
+clock's versions (`async_rl.core.policy_clock`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 from async_rl.core.fault_points import hold_at
 from async_rl.core.messages import GeneratedBatch, PromptBatch, Sample
-from async_rl.core.staleness import StalenessController
+from async_rl.core.policy_clock import ClockRef
 from async_rl.rollout.agent_loops import (
     PipelineAgentLoopWorker,
     PipelineLLMClient,
@@ -31,24 +32,24 @@ class GenerateStage(StateMachine):
     """Runs `n` agent-loop trajectories per prompt on the rollout servers, within the staleness bound."""
 
     def __init__(
-        self, servers, config, max_staleness: int, request_timeout_s: float = 600.0, tool_timeout_s: float = 120.0,
-        tool_pool_size: int | None = None, dynamic_sampling: bool = False, steps_formed: int = 0, replicas=None, max_restarts: int = 0, relaunch=None,
+        self, *, servers, config, clock: ClockRef, request_timeout_s: float = 600.0, tool_timeout_s: float = 120.0,
+        tool_pool_size: int | None = None, replicas=None, max_restarts: int = 0, relaunch=None, weight_source=None,
     ):
-        """`config`: the run's verl config (its rollout and agent-loop keys). `request_timeout_s`,
-        `tool_timeout_s` (s): bound one model request, one tool call of an agent loop. `tool_pool_size`: each
-        tool's environments in use at once (None: no limit). `dynamic_sampling`: batch
-        indices are not training steps; a batch is admitted while the next training batch to form
-        (`set_steps_formed`; `steps_formed` at start) is within the staleness bound.
-        `replicas` (verl RolloutReplica objects behind `servers`), `relaunch` (the backend's
-        `async relaunch(replica, attempt) -> server handle`, async_rl/api/rollout.py) and `max_restarts`:
-        a lost server is restarted up to that many times (async_rl/rollout/supervisor.py); the new one
-        gets its weights from the param_update stage (`attach_weight_source`)."""
-        super().__init__("generate", inbox_size=max_staleness + 1, max_inflight=max_staleness + 1)
+        """`config`: the run's verl config (its rollout and agent-loop keys). `clock`: the policy clock
+        (async_rl/core/policy_clock.py), whose gate admits each prompt batch against the served version
+        and holds `gate.batches_ahead` batches at once. `request_timeout_s`, `tool_timeout_s` (s): bound one
+        model request, one tool call of an agent loop. `tool_pool_size`: each tool's environments in use at
+        once (None: no limit). `replicas` (verl RolloutReplica objects behind `servers`), `relaunch` (the
+        backend's `async relaunch(replica, attempt) -> server handle`, async_rl/api/rollout.py) and
+        `max_restarts`: a lost server is restarted up to that many times (async_rl/rollout/supervisor.py);
+        the new one gets its weights from `weight_source` (the param_update stage), and a server a weight
+        sync finds lost reaches this stage through the clock."""
+        super().__init__("generate", inbox_size=clock.gate.batches_ahead, max_inflight=clock.gate.batches_ahead)
         if not servers:
             raise ValueError("generate stage needs at least one rollout server")
         self.replicas = list(replicas) if replicas is not None else None
         self._replica_relaunch = relaunch
-        self._weight_source = None
+        self._weight_source = weight_source
         restartable = bool(max_restarts) and self.replicas is not None and relaunch is not None
         self.servers = ReplicaSupervisor(
             list(servers), max_restarts if restartable else 0,
@@ -59,29 +60,24 @@ class GenerateStage(StateMachine):
         self.n = int(config.actor_rollout_ref.rollout.n)
         self.greedy_baselines = wants_greedy_baselines(config)
         self._agent_loops = None  # verl's AgentLoopWorker, built at first use (loads the tokenizer and tools)
-        self.staleness = StalenessController(max_staleness)
+        self.gate = clock.gate
+        self.policy_clock = clock.view(on_lost=self._server_lost)
         self.request_timeout_s, self.tool_timeout_s = request_timeout_s, tool_timeout_s
         self.tool_pool_size = tool_pool_size
-        self.dynamic_sampling = dynamic_sampling
-        self.steps_formed = steps_formed
 
     # ---- rollout servers: restarts (async_rl/rollout/supervisor.py) --------------------------
-    def attach_weight_source(self, param_update) -> None:
-        """The param_update stage, which loads the newest weights into a restarted server."""
-        self._weight_source = param_update
-
     async def _relaunch(self, index: int, attempt: int):
         return await self._replica_relaunch(self.replicas[index], attempt)
 
     async def _feed_weights(self, index: int, handle) -> int:
         if self._weight_source is None:
-            raise RuntimeError("no param_update stage attached to load the weights into the new server")
+            raise RuntimeError("no weight source (the param_update stage) to load the weights into the new server")
         replica = self.replicas[index]  # its actors now: verl's replicas' new workers load the weights
         actors = (list(replica.workers), list(replica.servers))
         return await self._weight_source.replace_rollout_server.remote(index, handle, actors)
 
-    def server_lost(self, index: int, handle, cause: str, hung: bool = False) -> None:
-        """Reported by param_update when a server failed (or, `hung`, stopped answering) during a weight sync."""
+    def _server_lost(self, index: int, handle, cause: str, hung: bool = False) -> None:
+        """A weight sync found the server gone (or, `hung`, silent); reported through the clock."""
         try:
             self.servers.lost(index, handle, cause, hung=hung)
         except Exception:  # noqa: BLE001 - the failure is kept; the next request raises it in this stage
@@ -95,7 +91,7 @@ class GenerateStage(StateMachine):
         """verl's agent-loop worker on this stage's servers (async_rl/rollout/agent_loops.py)."""
         if self._agent_loops is None:
             client = PipelineLLMClient(self.config, self.servers, self.request_timeout_s,
-                                       lambda: self.staleness.served_version)
+                                       lambda: self.policy_clock.served_version)
             self._agent_loops = PipelineAgentLoopWorker(self.config, client, self.tool_timeout_s, self.tool_pool_size)
         return self._agent_loops
 
@@ -105,8 +101,9 @@ class GenerateStage(StateMachine):
         through the same supervised path as training; validation uses it with `validate=True` (verl's
         `val_kwargs` sampling). `start_version`: the version served when the batch was admitted (None:
         the version served now). `greedy_baselines` (ReMax): then one greedy trajectory of each row, last."""
+        await self.policy_clock.follow()
         if start_version is None:
-            start_version = self.staleness.served_version
+            start_version = self.policy_clock.served_version
         proto = prompt_rows(rows, [uuid.uuid4().hex for _ in rows], n, start_version, greedy_baselines)
         proto.meta_info["validate"] = validate
         output = await self.agent_loops().generate_sequences(proto)
@@ -116,36 +113,24 @@ class GenerateStage(StateMachine):
         """Cumulative `async/faults/replica_restarts` and `async/faults/requests_resubmitted`."""
         return self.servers.counts()
 
-    async def set_steps_formed(self, steps: int) -> None:
-        """Called by the dynamic_sampling stage each time it forms a training batch."""
-        self.steps_formed = steps
-        await self.staleness.notify()
-
-    async def set_served_version(self, version: int) -> None:
-        """Called by param_update once every server serves `version`."""
-        await self.staleness.set_served_version(version)
-
-    def served_version(self) -> int:
-        return self.staleness.served_version
-
     async def get_input_data(self):
         item = await self.next_from_inbox()
         if isinstance(item, PromptBatch):
             # Admission happens here, in input order, so batch j never overtakes j-1.
+            await self.policy_clock.follow()
             with self.trace.span("wait", "admission (staleness bound)", index=item.index,
-                                 served_version=self.staleness.served_version):
-                if self.dynamic_sampling:
-                    await self.staleness.wait_until(lambda: self.staleness.may_start(self.steps_formed))
-                else:
-                    await self.staleness.wait_until_admitted(item.index)
+                                 served_version=self.policy_clock.served_version):
+                versions = self.policy_clock
+                await versions.wait_until(lambda: self.gate.admits(item.index, versions.served_version,
+                                                                   versions.steps_formed))
         return item
 
     def trace_args(self, data: Any) -> dict:
         """The batch's index and the version served when its generation began."""
-        return {**super().trace_args(data), "version": self.staleness.served_version}
+        return {**super().trace_args(data), "version": self.policy_clock.served_version}
 
     async def process_data(self, batch: PromptBatch) -> GeneratedBatch:
-        start_version = self.staleness.served_version
+        start_version = self.policy_clock.served_version
         samples = await self.run_agent_loops(batch.non_tensor, self.n, start_version,
                                              greedy_baselines=self.greedy_baselines)
         if batch.index > start_version:  # started ahead of the trainer (whatever it reached since)

@@ -42,7 +42,7 @@ class LogpStage(StateMachine):
         compute: False: pass batches on without log-probs (no worker group, no weights).
     """
 
-    def __init__(self, config, devices, consume_bucket_bytes: int = 128 << 20, compute: bool = True):
+    def __init__(self, *, config, devices, consume_bucket_bytes: int = 128 << 20, compute: bool = True):
         super().__init__("logp")
         self.config = config
         self.devices = devices

@@ -22,22 +22,23 @@ class ParamUpdateStage(StateMachine):
 
     Args:
         receivers: WeightReceivers (param_update/receivers.py), the rollout replicas' first.
-        generate_stage: handle told the served version after each load.
+        clock: the policy clock's handle (async_rl/core/policy_clock.py): told each version once it is
+            served, and of the rollout servers a sync finds lost.
         max_buckets_in_flight: buckets announced but not yet staged everywhere.
         timeout_s: one wait in a sync (a bucket, a receiver call) may take this long.
     """
 
-    def __init__(self, receivers, generate_stage, max_buckets_in_flight: int = 4, timeout_s: float = 300.0,
+    def __init__(self, *, receivers, clock, max_buckets_in_flight: int = 4, timeout_s: float = 300.0,
                  restartable_servers: bool = False, server_timeout_s: float | None = None, transports=None):
         """`restartable_servers`: a rollout server lost during a sync (gone, or silent for `server_timeout_s`,
-        default `timeout_s`) is left out and reported to the generate stage, which restarts it;
+        default `timeout_s`) is left out and reported to the clock, whence the generate stage restarts it;
         `replace_rollout_server` then loads the newest version into the new one
         (async_rl/rollout/supervisor.py). `transports`: the weight transport classes to choose links from
         (default: those registered in this process)."""
         super().__init__("param_update", inbox_size=1)
         self.stream = BucketStream(max_buckets_in_flight)
-        self.generate_stage = generate_stage
-        self.weight_sync = OverlappedWeightSync(receivers, generate_stage, self.stream, timeout_s,
+        self.policy_clock = clock
+        self.weight_sync = OverlappedWeightSync(receivers, clock, self.stream, timeout_s,
                                                 on_lost=self._server_lost if restartable_servers else None,
                                                 lost_after_s=server_timeout_s, transports=transports, trace=self.trace)
         self.synced_version = 0
@@ -53,7 +54,7 @@ class ParamUpdateStage(StateMachine):
         await asyncio.gather(*(r.configure(*setup_args) for r in self.weight_sync.receivers if r.serves_generation))
 
     def _server_lost(self, receiver, cause: str, hung: bool) -> None:
-        self.generate_stage.server_lost.remote(receiver.replica_index, receiver.handle, cause, hung)
+        self.policy_clock.report_lost.remote(receiver.replica_index, receiver.handle, cause, hung)
 
     async def replace_rollout_server(self, index: int, handle, replica_actors: tuple | None = None) -> int:
         """Set up the restarted server `handle` of replica `index`, load the newest synced version into it

@@ -19,7 +19,7 @@ from state_machines.base import StateMachine
 class RefLogpStage(StateMachine):
     """verl `compute_ref_log_prob` on a separate worker group."""
 
-    def __init__(self, config, devices, enabled: bool):
+    def __init__(self, *, config, devices, enabled: bool):
         super().__init__("ref_logp")
         self.config = config
         self.devices = devices  # a GroupDevices or a count

@@ -39,7 +39,7 @@ REMAX_BASELINE_METRIC = "async/remax/baseline_score/mean"  # mean score of the s
 class RewardStage(StateMachine):
     """Scores each step's batch; the result goes to actor_train."""
 
-    def __init__(self, config, tokenizer, timeout_s: float, on_error: str = "stop", reward_router: str | None = None):
+    def __init__(self, *, config, tokenizer, timeout_s: float, on_error: str = "stop", reward_router: str | None = None):
         super().__init__("reward")
         self.tokenizer = tokenizer
         self.config, self.reward_router = config, reward_router  # "ip:port" of the reward model's router

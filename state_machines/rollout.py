@@ -16,7 +16,7 @@ from state_machines.base import StateMachine
 class RolloutStage(StateMachine):
     """Pads and stacks a step's samples (verl layout) and sends the batch to every consumer."""
 
-    def __init__(self, max_prompt_length: int, max_response_length: int, pad_token_id: int):
+    def __init__(self, *, max_prompt_length: int, max_response_length: int, pad_token_id: int):
         super().__init__("rollout")
         self.max_prompt_length = max_prompt_length
         self.max_response_length = max_response_length

@@ -16,7 +16,7 @@ from state_machines.base import StateMachine
 class ValuesStage(StateMachine):
     """verl's `_compute_values` for every batch, in batch order, on the critic's workers."""
 
-    def __init__(self, critic_train: Any):
+    def __init__(self, *, critic_train: Any):
         super().__init__("values")
         self.critic_train = critic_train
 

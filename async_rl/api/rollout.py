@@ -62,6 +62,9 @@ class RolloutBackend:
     logical_gpus_on_cpu: on trainer.device=cpu its replicas ask Ray for (logical) GPUs.
     serves_images: its servers take a prompt's images (`image_data`), so rows with images (verl's
         `data.image_key` column) can run; else such data is refused at start.
+    gpu_server: it runs verl's GPU server (vllm, sglang, trtllm), whose replicas need devices: a reward
+        model on it takes devices of its own (`reward.reward_model.nnodes x n_gpus_per_node`); else (this
+        package's CPU engine) its reward-model replicas run on logical CPUs beside the workers.
     replica_class: verl `RolloutReplica` class to register in verl's registry under `name` (None:
         verl has it).
     """
@@ -82,6 +85,7 @@ class RolloutBackend:
     ray_env: Callable[[Any], dict] = _no_env
     logical_gpus_on_cpu: bool = False
     serves_images: bool = False
+    gpu_server: bool = False
     replica_class: Optional[type] = None
 
 

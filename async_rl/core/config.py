@@ -306,9 +306,6 @@ def read_async_config(config) -> AsyncPipelineConfig:
     raw["decoupled_ppo"] = decoupled_ppo_setting(config, raw["decoupled_ppo"])
     user_stages = parse_user_stages(raw["user_stages"])
     dynamic_sampling = dynamic_sampling_enabled(config)
-    if dynamic_sampling and any(spec.name == "dynamic_sampling" for spec in user_stages):
-        raise AsyncConfigError(f"{STAGES_KEY}.dynamic_sampling", "...",
-                               "another name: algorithm.filter_groups.enable=True adds a stage of this name")
     values = {k.field: k.check(k.key, raw[k.field]) for k in KEYS if k.check is not None}
     ratios = values["use_nodes_ratios"]
     return AsyncPipelineConfig(
@@ -329,6 +326,14 @@ def strip_async_keys(config: DictConfig) -> None:
         if isinstance(parent, DictConfig) and leaf in parent:
             with open_dict(parent):
                 parent.pop(leaf)
+
+
+CPU_DEVICE = "cpu"  # `trainer.device` of a run on CPU: its devices are worker processes
+
+
+def runs_on_cpu(config) -> bool:
+    """`trainer.device=cpu` (a verl config, or a plain mapping of one)."""
+    return str((config.get("trainer") or {}).get("device", "")) == CPU_DEVICE
 
 
 def async_pipeline_enabled(config) -> bool:

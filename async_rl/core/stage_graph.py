@@ -1,7 +1,9 @@
-"""Which stage feeds which: the built-in graph and user stages inserted into it.
+"""Which stage feeds which: the graph of the built-in stages a run has, and user stages inserted into it.
 
-The eight built-in stages form a fixed graph (`BUILTIN_EDGES`). A user stage is added
-with two lines of config and lands on the edge after an existing stage:
+The built-in stages and their inputs are the rows of async_rl/core/stage_table.py; a run has
+some of them (values and critic_train with a critic, dynamic_sampling with DAPO's dynamic
+sampling). A user stage is added with two lines of config and lands on the edge after an
+existing stage:
 
     +trainer.async_stages.group_filter.cls=examples.group_filter_stage.GroupFilterStage
     +trainer.async_stages.group_filter.after=reward
@@ -17,19 +19,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from async_rl.core.errors import AsyncConfigError
+from async_rl.core.stage_table import CLOCK, STAGES, RunShape, stages_of
 
 STAGES_KEY = "trainer.async_stages"  # the config key of the user stages
-BUILTIN_STAGES = ("dataloader", "generate", "rollout", "reward", "logp", "ref_logp", "actor_train", "param_update")
-BUILTIN_EDGES: dict[str, tuple[str, ...]] = {
-    "dataloader": ("generate",),
-    "generate": ("rollout",),
-    "rollout": ("reward", "logp", "ref_logp"),
-    "reward": ("actor_train",),
-    "logp": ("actor_train",),
-    "ref_logp": ("actor_train",),
-    "actor_train": ("param_update",),
-    "param_update": (),
-}
+BUILTIN_STAGES = tuple(spec.name for spec in STAGES)  # names a user stage may not take
+SIDE_EDGES = {spec.name: spec.side_input for spec in STAGES if spec.side_input}  # stage -> its upstream outside the edges
+# stages with no downstream, whatever the run: a user stage cannot go after them
+ENDS = frozenset(spec.name for spec in STAGES) - {name for spec in STAGES for entry in spec.inputs
+                                                    for name in (entry if isinstance(entry, tuple) else (entry,))}
 
 
 @dataclass(frozen=True)
@@ -57,13 +54,13 @@ def parse_user_stages(raw: Any) -> tuple[UserStageSpec, ...]:
         key = f"{STAGES_KEY}.{name}"
         if not isinstance(name, str) or not name.isidentifier():
             raise AsyncConfigError(key, name, "a stage name that is a Python identifier")
-        if name in known:
-            raise AsyncConfigError(key, name, f"a name not already used by a stage ({sorted(known)})")
+        if name in known or name == CLOCK:
+            raise AsyncConfigError(key, name, f"a name not already used by a stage ({sorted(known | {CLOCK})})")
         if not isinstance(entry, dict) or set(entry) - {"cls", "after", "kwargs"} or "cls" not in entry:
             raise AsyncConfigError(key, entry, "{cls: package.module.Class, after: <stage>, kwargs: {...} (optional)}")
         after = entry.get("after")
-        if after not in known or after == "param_update":
-            allowed = sorted(known - {"param_update"})
+        if after not in known or after in ENDS:
+            allowed = sorted(known - ENDS)
             raise AsyncConfigError(f"{key}.after", after, f"a stage with a downstream, one of {allowed}")
         kwargs = entry.get("kwargs") or {}
         if not isinstance(kwargs, dict):
@@ -75,36 +72,27 @@ def parse_user_stages(raw: Any) -> tuple[UserStageSpec, ...]:
     return tuple(specs)
 
 
-DYNAMIC_SAMPLING = "dynamic_sampling"
-# With a critic (PPO with GAE): values runs beside logp and ref_logp, and actor_train hands each
-# step's rows to critic_train directly (it sends weights, not batches, down its graph edge).
-VALUES, CRITIC_TRAIN = "values", "critic_train"
-SIDE_EDGES = {CRITIC_TRAIN: "actor_train"}  # stage -> its upstream outside the graph's edges
-
-
 def build_edges(user_stages: tuple[UserStageSpec, ...] = (), dynamic_sampling: bool = False,
                 critic: bool = False) -> dict[str, tuple[str, ...]]:
-    """The stage graph (name -> downstream names) with each user stage on the edge after its `after`.
-
-    `dynamic_sampling` (verl's `algorithm.filter_groups.enable`): training batches are formed
-    after reward, so reward feeds the dynamic_sampling stage, which feeds logp, ref_logp and
-    actor_train (state_machines/dynamic_sampling.py). `critic`: the values stage sits beside
-    logp and ref_logp, and critic_train is fed by actor_train (`SIDE_EDGES`).
-    """
-    edges = dict(BUILTIN_EDGES)
-    if dynamic_sampling:
-        edges["rollout"] = ("reward",)
-        edges["reward"] = (DYNAMIC_SAMPLING,)
-        edges[DYNAMIC_SAMPLING] = ("logp", "ref_logp", "actor_train")
-    if critic:
-        fan_out = DYNAMIC_SAMPLING if dynamic_sampling else "rollout"
-        edges[fan_out] = (*edges[fan_out], VALUES)
-        edges[VALUES] = ("actor_train",)
-        edges[CRITIC_TRAIN] = ()
+    """The stage graph (name -> downstream names, in table order, then the user stages) of a run with
+    a critic or not and dynamic sampling (verl's `algorithm.filter_groups.enable`) or not, each user
+    stage on the edge after its `after`; AsyncConfigError when that stage is not in this run."""
+    specs = stages_of(RunShape(critic=critic, dynamic_sampling=dynamic_sampling))
+    names = [spec.name for spec in specs]
+    edges: dict[str, list[str]] = {name: [] for name in names}
+    for spec in specs:
+        for entry in spec.inputs:
+            source = next((n for n in (entry if isinstance(entry, tuple) else (entry,)) if n in edges), None)
+            if source is not None:
+                edges[source].append(spec.name)
+    graph = {name: tuple(downstream) for name, downstream in edges.items()}
     for spec in user_stages:
-        edges[spec.name] = edges[spec.after]
-        edges[spec.after] = (spec.name,)
-    return edges
+        if spec.after not in graph:
+            raise AsyncConfigError(f"{STAGES_KEY}.{spec.name}.after", spec.after,
+                                   f"a stage this run has, one of {sorted(n for n in graph if n not in ENDS)}")
+        graph[spec.name] = graph[spec.after]
+        graph[spec.after] = (spec.name,)
+    return graph
 
 
 def upstream_counts(edges: dict[str, tuple[str, ...]]) -> dict[str, int]:

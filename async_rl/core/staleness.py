@@ -11,7 +11,7 @@ most eta. eta = generate_ahead_steps - 1: k = 1 is synchronous on-policy.
 
 from __future__ import annotations
 
-import asyncio
+from dataclasses import dataclass
 
 
 def may_start_batch(batch_index: int, served_version: int, max_staleness: int) -> bool:
@@ -24,51 +24,49 @@ def sample_staleness(trainer_version: int, oldest_token_version: int) -> int:
     return trainer_version - oldest_token_version
 
 
-class StalenessController:
-    """Admits generation of batches under AReaL's rule; tracks the served version.
+class StalenessViolation(RuntimeError):
+    """A sample older than the bound reached training (a scheduling bug, never expected)."""
 
-    Args:
-        max_staleness: eta, in policy versions.
-        initial_version: version the rollout serves at start (0: the initial weights).
+
+@dataclass(frozen=True)
+class StalenessGate:
+    """The staleness rule with bound eta (`max_staleness`), everywhere the pipeline applies it: the
+    generate stage's admission and the batches it holds, the dynamic_sampling stage's pool and
+    actor_train's check. The versions it is applied to come from the policy clock
+    (async_rl/core/policy_clock.py).
+
+    steps_formed_after_generation: training batches are formed after generation (dynamic sampling,
+        `algorithm.filter_groups.enable`), so a prompt batch is admitted against the next training
+        batch to form rather than its own index.
     """
 
-    def __init__(self, max_staleness: int, initial_version: int = 0):
-        if max_staleness < 0:
-            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
-        self.max_staleness = max_staleness
-        self.served_version = initial_version
-        self._changed: asyncio.Condition | None = None
+    max_staleness: int
+    steps_formed_after_generation: bool = False
+
+    def __post_init__(self):
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
 
     @property
-    def _condition(self) -> asyncio.Condition:
-        if self._changed is None:
-            self._changed = asyncio.Condition()
-        return self._changed
+    def batches_ahead(self) -> int:
+        """Prompt batches the generate stage's inbox holds, and generates at once: eta + 1."""
+        return self.max_staleness + 1
 
-    def may_start(self, batch_index: int) -> bool:
-        return may_start_batch(batch_index, self.served_version, self.max_staleness)
+    def admits(self, batch_index: int, served_version: int, steps_formed: int = 0) -> bool:
+        """Whether prompt batch `batch_index` may start generating while `served_version` is served and
+        `steps_formed` training batches are formed."""
+        step = steps_formed if self.steps_formed_after_generation else batch_index
+        return may_start_batch(step, served_version, self.max_staleness)
 
-    async def wait_until_admitted(self, batch_index: int) -> None:
-        """Wait until batch `batch_index` may start generating."""
-        await self.wait_until(lambda: self.may_start(batch_index))
+    def fresh(self, trainer_version: int, oldest_version: int) -> bool:
+        """Whether a sample whose oldest token is of `oldest_version` may train at `trainer_version`."""
+        return sample_staleness(trainer_version, oldest_version) <= self.max_staleness
 
-    async def wait_until(self, ready) -> None:
-        """Wait until `ready()` holds; checked again at each version change and `notify()`."""
-        async with self._condition:
-            await self._condition.wait_for(ready)
-
-    async def notify(self) -> None:
-        """Wake the waiters to check their condition again (something else they read changed)."""
-        async with self._condition:
-            self._condition.notify_all()
-
-    async def set_served_version(self, version: int) -> None:
-        """Record a newly loaded version (versions never go back)."""
-        async with self._condition:
-            if version < self.served_version:
-                raise ValueError(f"served version went back from {self.served_version} to {version}")
-            self.served_version = version
-            self._condition.notify_all()
+    def check_trained(self, trainer_version: int, staleness: float) -> None:
+        """StalenessViolation when the stalest sample of step `trainer_version` is past the bound."""
+        if staleness > self.max_staleness:
+            raise StalenessViolation(
+                f"step {trainer_version}: a sample has staleness {staleness:g} > eta={self.max_staleness}")
 
 
 def oldest_versions(token_versions, response_mask, start_versions):

@@ -18,16 +18,16 @@ VLLM = register_rollout_backend(RolloutBackend(
     relaunch=verl_replicas.relaunch_on_devices, read_digests=replica_weight_digests, waits_for_running=True,
     starts_on_dummy_weights=True, replica_world_size=verl_replicas.replica_world_size, unavailable=vllm.unavailable,
     prepare_config=vllm.prepare_config, prepare_server_config=vllm.prepare_server_config, ray_env=vllm.ray_env,
-    logical_gpus_on_cpu=True,
+    logical_gpus_on_cpu=True, gpu_server=True,
 ))
 SGLANG = register_rollout_backend(RolloutBackend(
     name="sglang", start=verl_replicas.start_on_devices, make_receiver=verl_replicas.receiver,
     starts_on_dummy_weights=True, replica_world_size=verl_replicas.replica_world_size,
     unavailable=sglang.unavailable, prepare_config=sglang.prepare_config,
-    prepare_server_config=sglang.prepare_server_config, ray_env=sglang.ray_env, logical_gpus_on_cpu=True,
+    prepare_server_config=sglang.prepare_server_config, ray_env=sglang.ray_env, logical_gpus_on_cpu=True, gpu_server=True,
 ))
 TRTLLM = register_rollout_backend(RolloutBackend(
     name="trtllm", start=verl_replicas.start_on_devices, make_receiver=verl_replicas.receiver,
     starts_on_dummy_weights=True, replica_world_size=verl_replicas.replica_world_size,
-    unavailable=verl_replicas.trtllm_unavailable, prepare_config=verl_replicas.prepare_config,
+    unavailable=verl_replicas.trtllm_unavailable, prepare_config=verl_replicas.prepare_config, gpu_server=True,
 ))

@@ -30,8 +30,8 @@ import ray
 from ray.util.placement_group import remove_placement_group
 from verl.experimental.reward_loop.router.naive_router import launch_router_process, run_router
 
+import async_rl.rollout.backends  # noqa: F401 - registers the rollout backends (the reward model's is one)
 from async_rl.api.rollout import rollout_backend
-from async_rl.rollout.cpu.registration import CPU_ROLLOUT_NAME, register_cpu_rollout
 from async_rl.rollout.supervisor import kill_actor
 from async_rl.rollout.verl_replicas import replica_world_size
 
@@ -48,9 +48,10 @@ def reward_model_backend(config):
 
 
 def on_devices_of_its_own(config) -> bool:
-    """Whether the reward model takes devices of its own (a GPU server), not logical CPUs (the CPU backend)."""
+    """Whether the reward model takes devices of its own (its backend's `gpu_server`), not logical CPUs
+    (the CPU backend)."""
     rm = config.reward.reward_model
-    return bool(rm.get("enable", False)) and str(rm.rollout.name) != CPU_ROLLOUT_NAME
+    return bool(rm.get("enable", False)) and rollout_backend(str(rm.rollout.name), key=BACKEND_KEY).gpu_server
 
 
 def reward_model_devices(config) -> int:
@@ -195,9 +196,8 @@ def start_reward_model(config, timeout_s: float, max_restarts: int = 0) -> Optio
     from verl.workers.config import HFModelConfig
     from verl.workers.rollout.replica import get_rollout_replica_class
 
-    if rm.rollout.name == CPU_ROLLOUT_NAME:
-        register_cpu_rollout()
-    replica_cls = get_rollout_replica_class(rm.rollout.name)
+    # the backend's own replica class (the CPU backend's), else the one verl registers
+    replica_cls = reward_model_backend(config).replica_class or get_rollout_replica_class(rm.rollout.name)
     model_config = HFModelConfig(path=rm.model_path)
     replicas = [replica_cls(replica_rank=rank, config=rm.rollout, model_config=model_config,
                             gpus_per_node=int(rm.get("n_gpus_per_node") or 1), is_reward_model=True)

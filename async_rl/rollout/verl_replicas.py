@@ -15,6 +15,7 @@ from verl.single_controller.ray import RayWorkerGroup
 from verl.utils.device import get_device_name
 from verl.workers.rollout.replica import RolloutMode
 
+from async_rl.core.config import CPU_DEVICE
 from async_rl.core.devices import device_pool
 from async_rl.rollout.supervisor import kill_actor
 from param_update.receivers import VerlReplicaReceiver
@@ -127,7 +128,7 @@ def prepare_config(config: DictConfig, consume_bucket_mb: float, dual_buffer: bo
 def gpu_server_unavailable(package: str, install: str, device: str) -> Optional[str]:
     """Why verl's GPU server of `package` cannot run with `trainer.device=device` (what is allowed
     instead), or None."""
-    if device == "cpu":
+    if device == CPU_DEVICE:
         return f"cpu on trainer.device=cpu ({package} runs verl's GPU server)"
     if importlib.util.find_spec(package) is None:
         return f"a backend whose package is installed (it needs {package!r}: {install}, with your torch version pinned)"

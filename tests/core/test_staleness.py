@@ -1,9 +1,11 @@
-"""Tests for AReaL's staleness rule at batch granularity (async_rl/core/staleness.py).
+"""Tests for AReaL's staleness rule at batch granularity (async_rl/core/staleness.py) and the policy
+clock it is applied to (async_rl/core/policy_clock.py).
 
 The property test simulates the whole loop in one asyncio event loop, with one
-`await asyncio.sleep(0)` as one tick: a generator admitting batches through the
-StalenessController, samples decoded token by token (each token records the version
-served when it was produced, so weights may change mid-response), a trainer that trains
+`await asyncio.sleep(0)` as one tick: a generator admitting batches through the gate on its
+view of the policy clock (a copy that lags the clock by a few ticks), samples decoded token by
+token (each token records the version the clock says is served when it was produced, so
+weights may change mid-response), a trainer that trains
 batch j once its samples are done (version j -> j + 1), and a weight sync that makes
 each new version served after a delay. asyncio runs ready callbacks in FIFO order, so a
 given example always runs the same way.
@@ -15,7 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from async_rl.core.staleness import StalenessController, may_start_batch, sample_staleness, version_metrics
+from async_rl.core.policy_clock import ClockRef, InProcess, PolicyClock
+from async_rl.core.staleness import StalenessGate, StalenessViolation, may_start_batch, sample_staleness, version_metrics
 
 
 def run(coro, timeout=30):
@@ -53,69 +56,120 @@ def test_sample_staleness():
     assert sample_staleness(0, 0) == 0
 
 
-def test_controller_may_start_follows_served_version():
-    ctrl = StalenessController(max_staleness=1)
-    assert ctrl.served_version == 0
-    assert ctrl.may_start(0) and ctrl.may_start(1) and not ctrl.may_start(2)
-    run(ctrl.set_served_version(3))
-    assert ctrl.served_version == 3
-    assert ctrl.may_start(4) and not ctrl.may_start(5)
+def test_gate_admits_against_the_served_version_or_the_steps_formed():
+    gate = StalenessGate(max_staleness=1)
+    assert gate.batches_ahead == 2  # the batches generation holds at once
+    assert gate.admits(0, served_version=0) and gate.admits(1, 0) and not gate.admits(2, 0)
+    assert gate.admits(4, 3) and not gate.admits(5, 3)
+    # dynamic sampling: any batch index, against the next training batch to form
+    formed = StalenessGate(max_staleness=1, steps_formed_after_generation=True)
+    assert formed.admits(99, served_version=0, steps_formed=1) and not formed.admits(0, 0, steps_formed=2)
+    assert formed.admits(0, served_version=1, steps_formed=2)
 
 
-def test_controller_initial_version():
-    ctrl = StalenessController(max_staleness=0, initial_version=4)
-    assert ctrl.may_start(4) and not ctrl.may_start(5)
+def test_gate_keeps_fresh_samples_and_refuses_a_stale_trained_one():
+    gate = StalenessGate(max_staleness=2)
+    assert gate.fresh(trainer_version=5, oldest_version=3) and not gate.fresh(5, 2)
+    gate.check_trained(5, 2.0)
+    with pytest.raises(StalenessViolation, match="step 5: a sample has staleness 3 > eta=2"):
+        gate.check_trained(5, 3.0)
 
 
-def test_controller_rejects_negative_staleness():
+def test_gate_rejects_negative_staleness():
     with pytest.raises(ValueError, match="-1"):
-        StalenessController(max_staleness=-1)
-    StalenessController(max_staleness=0)  # 0 is synchronous, allowed
+        StalenessGate(max_staleness=-1)
+    StalenessGate(max_staleness=0)  # 0 is synchronous, allowed
 
 
-def test_served_version_never_goes_back():
-    ctrl = StalenessController(max_staleness=0)
+def test_clock_versions_never_go_back():
+    clock = PolicyClock(start_step=3)
+    assert clock.versions() == {"served_version": 0, "trained_version": 3, "steps_formed": 3}
+    clock.set_served_version(2)
+    with pytest.raises(ValueError, match="served version went back from 2 to 1"):
+        clock.set_served_version(1)
+    clock.set_served_version(2)  # the same version again is fine
+    with pytest.raises(ValueError, match="steps formed went back from 3 to 2"):
+        clock.set_steps_formed(2)
+    clock.set_trained_version(4)
+    assert clock.versions() == {"served_version": 2, "trained_version": 4, "steps_formed": 3}
+
+
+def test_a_view_follows_the_clock_and_wakes_its_waiters():
+    ref = ClockRef.in_process(StalenessGate(1))
+    clock = ref.handle.target
 
     async def main():
-        await ctrl.set_served_version(2)
-        with pytest.raises(ValueError, match="from 2 to 1"):
-            await ctrl.set_served_version(1)
-        assert ctrl.served_version == 2
-        await ctrl.set_served_version(2)  # same version again is fine
-        assert ctrl.served_version == 2
-
-    run(main())
-
-
-def test_wait_until_admitted_unblocks_when_version_advances():
-    ctrl = StalenessController(max_staleness=1)
-
-    async def main():
-        await asyncio.wait_for(ctrl.wait_until_admitted(1), 5)  # admitted already: no wait
-        waiter = asyncio.ensure_future(ctrl.wait_until_admitted(3))
+        view = await ref.view().follow()
+        assert view.served_version == 0
+        await asyncio.wait_for(view.wait_until(lambda: ref.gate.admits(1, view.served_version)), 5)  # no wait
+        waiter = asyncio.ensure_future(view.wait_until(lambda: ref.gate.admits(3, view.served_version)))
         await asyncio.sleep(0.02)
         assert not waiter.done()
-        await ctrl.set_served_version(1)  # 3 <= 1 + 1 is false: still waiting
+        clock.set_served_version(1)  # 3 <= 1 + 1 is false: still waiting
         await asyncio.sleep(0.02)
-        assert not waiter.done()
-        await ctrl.set_served_version(2)  # 3 <= 2 + 1
+        assert not waiter.done() and view.served_version == 1
+        clock.set_served_version(2)  # 3 <= 2 + 1
         await asyncio.wait_for(waiter, 5)
+        clock.set_steps_formed(4)
+        clock.set_trained_version(2)
+        await asyncio.sleep(0.02)
+        assert (view.served_version, view.trained_version, view.steps_formed) == (2, 2, 4)
 
     run(main())
 
 
-def test_wait_until_admitted_wakes_every_admitted_waiter():
-    ctrl = StalenessController(max_staleness=0)
+def test_a_view_wakes_every_admitted_waiter_and_only_those():
+    ref = ClockRef.in_process(StalenessGate(0))
+    view = ref.view()
 
     async def main():
-        waiters = {j: asyncio.ensure_future(ctrl.wait_until_admitted(j)) for j in (1, 2, 3)}
+        waiters = {j: asyncio.ensure_future(view.wait_until(lambda j=j: ref.gate.admits(j, view.served_version)))
+                   for j in (1, 2, 3)}
         await asyncio.sleep(0.02)
         assert not any(w.done() for w in waiters.values())
-        await ctrl.set_served_version(2)
+        await ref.handle.set_served_version.remote(2)
         await asyncio.wait_for(asyncio.gather(waiters[1], waiters[2]), 5)
         await asyncio.sleep(0.02)
         assert not waiters[3].done()
         waiters[3].cancel()
+
+    run(main())
+
+
+def test_a_view_hands_on_lost_servers_once_each_and_follows_again_in_a_new_event_loop():
+    ref = ClockRef.in_process(StalenessGate(1))
+    lost = []
+    view = ref.view(on_lost=lambda *report: lost.append(report))
+
+    async def first():
+        await view.follow()
+        ref.handle.target.report_lost(0, "server 0", "ActorDiedError", False)
+        await asyncio.sleep(0.02)
+
+    run(first())
+    assert lost == [(0, "server 0", "ActorDiedError", False)]
+    ref.handle.target.set_served_version(5)
+
+    async def second():  # a fresh event loop: the view starts following again, without repeating a report
+        await view.follow()
+        assert view.served_version == 5
+        ref.handle.target.report_lost(1, "server 1", "no answer", True)
+        await asyncio.sleep(0.02)
+
+    run(second())
+    assert lost == [(0, "server 0", "ActorDiedError", False), (1, "server 1", "no answer", True)]
+
+
+def test_a_view_whose_clock_fails_raises_in_its_waiters():
+    class Gone:
+        def __getattr__(self, name):
+            raise ConnectionError("the clock's process is gone")
+
+    view = ClockRef(StalenessGate(0), InProcess(Gone())).view()
+
+    async def main():
+        with pytest.raises(RuntimeError, match="the policy clock stopped answering: ConnectionError"):
+            await asyncio.wait_for(view.wait_until(lambda: False), 5)
 
     run(main())
 
@@ -136,7 +190,8 @@ async def simulate(eta, lengths, sync_delays, train_ticks, gen_delay):
     between admission of batch j and its samples starting.
     """
     num_batches = len(lengths)
-    ctrl = StalenessController(eta)
+    ref = ClockRef.in_process(StalenessGate(eta))
+    clock, view = ref.handle.target, ref.view()
     done_events = [asyncio.Event() for _ in range(num_batches)]
     token_versions = [[[] for _ in batch] for batch in lengths]
     admitted_at = [None] * num_batches
@@ -145,7 +200,7 @@ async def simulate(eta, lengths, sync_delays, train_ticks, gen_delay):
 
     async def sample(j, i):
         for _ in range(lengths[j][i]):
-            token_versions[j][i].append(ctrl.served_version)  # the weights decoding this token
+            token_versions[j][i].append(clock.versions()["served_version"])  # the weights decoding this token
             await tick()
 
     async def generate_batch(j):
@@ -156,8 +211,8 @@ async def simulate(eta, lengths, sync_delays, train_ticks, gen_delay):
     async def generator():
         tasks = []
         for j in range(num_batches):
-            await ctrl.wait_until_admitted(j)
-            admitted_at[j] = ctrl.served_version
+            await view.wait_until(lambda: ref.gate.admits(j, view.served_version))
+            admitted_at[j] = view.served_version
             tasks.append(asyncio.ensure_future(generate_batch(j)))  # samples of several batches interleave
         await asyncio.gather(*tasks)
 
@@ -176,7 +231,7 @@ async def simulate(eta, lengths, sync_delays, train_ticks, gen_delay):
         for j in range(num_batches):
             version = await to_sync.get()
             await tick(sync_delays[j])
-            await ctrl.set_served_version(version)
+            await ref.handle.set_served_version.remote(version)
 
     await asyncio.gather(generator(), trainer(), weight_sync())
     return trained, token_versions, admitted_at

@@ -22,6 +22,8 @@ from async_rl.rollout.agent_loops import check_agent_loops
 from conftest import compose_ppo
 from scripted_server import ScriptedServer
 from state_machines.actor_train import agent_loop_timings
+from async_rl.core.policy_clock import ClockRef
+from async_rl.core.staleness import StalenessGate
 from state_machines.generate import GenerateStage
 
 TABLE = lookup.LookupTable.build(0)  # the table `prepare(seed=0)` registers (conftest's demo_dir)
@@ -85,7 +87,7 @@ def run_lookup(demo_dir, server, keys):
     config = compose_ppo(demo_overrides(demo_dir, agent=True, extra={"actor_rollout_ref.rollout.n": 2}))
     strip_async_keys(config)
     check_agent_loops(config)
-    stage = GenerateStage([server], config, max_staleness=1)
+    stage = GenerateStage(servers=[server], config=config, clock=ClockRef.in_process(StalenessGate(1)))
     rows = [{"raw_prompt": [{"role": "user", "content": " " + key}], "data_source": lookup.DATA_SOURCE,
              "index": i, "reward_model": {"ground_truth": "|".join(TABLE.perfect_turns(key))}}
             for i, key in enumerate(keys)]

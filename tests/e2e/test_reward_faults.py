@@ -123,6 +123,8 @@ def test_validation_scores_through_the_same_guard(demo_dir, tmp_path, on_error):
     from async_rl.core.scoring import RewardFunctionError
     from async_rl.demo import demo_overrides
     from async_rl.validation import Validator
+    from async_rl.core.policy_clock import ClockRef
+    from async_rl.core.staleness import StalenessGate
     from state_machines.generate import GenerateStage
     from conftest import compose_ppo
 
@@ -134,7 +136,8 @@ def test_validation_scores_through_the_same_guard(demo_dir, tmp_path, on_error):
     config = compose_ppo(demo_overrides(demo_dir, extra={"reward.custom_reward_function.path": str(flaky),
                                                          "+actor_rollout_ref.async_pipeline": False}))
     strip_async_keys(config)
-    stage = GenerateStage([EchoServer()], config, max_staleness=1)  # verl's agent loops on the echo server
+    # verl's agent loops on the echo server
+    stage = GenerateStage(servers=[EchoServer()], config=config, clock=ClockRef.in_process(StalenessGate(1)))
     validator = Validator(config, AutoTokenizer.from_pretrained(demo_dir / "model"), 5.0, on_error,
                           generate=lambda rows, n: stage.run_agent_loops(rows, n, validate=True))
     if on_error == "stop":

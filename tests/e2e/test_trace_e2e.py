@@ -13,7 +13,7 @@ from browser import open_page
 from conftest import assert_nothing_left, run_verl, start_verl, step_rows
 
 from async_rl.core.fault_points import DELAY_ENV, HOLD_AT_ENV, HOLD_DIR_ENV
-from async_rl.core.stage_graph import BUILTIN_EDGES
+from async_rl.core.stage_graph import build_edges
 from async_rl.report.charts import CHART_W, LABEL_W
 
 STEPS = 4
@@ -54,7 +54,7 @@ def test_a_short_runs_timeline(demo_dir, tmp_path, ray_address):
     # each batch leaves a stage before a stage downstream of it finishes it
     ends = {(owners[s["pid"]], s["args"]["index"]): s["ts"] + s["dur"] for s in spans
             if tracks[(s["pid"], s["tid"])] == "work" and "index" in s["args"]}
-    edges = [(up, down) for up in PATH for down in BUILTIN_EDGES[up] if down in PATH]  # reward and logp: siblings
+    edges = [(up, down) for up in PATH for down in build_edges()[up] if down in PATH]  # reward and logp: siblings
     assert len(edges) == 6, edges
     for earlier, later in edges:
         for index in range(STEPS):  # one host, one clock (stages elsewhere: aligned within half a round trip)

@@ -125,7 +125,7 @@ def start_stage(servers, restartable: bool = False, node_id=None, transports=Non
     receivers = [ActorReceiver(f"rollout_server_{i}", s, True, replica_index=i if restartable else None)
                  for i, s in enumerate(servers)]
     stage = ray.remote(ParamUpdateStage).options(max_concurrency=64, num_cpus=0, **on_node(node_id)).remote(
-        receivers, VersionLog.remote(), restartable_servers=restartable, transports=transports)
+        receivers=receivers, clock=VersionLog.remote(), restartable_servers=restartable, transports=transports)
     ray.get(stage.connect.remote([], 1), timeout=TIMEOUT_S)
     stage.run.remote()
     return stage

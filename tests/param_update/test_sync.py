@@ -283,7 +283,7 @@ def test_sync_through_ray_is_bit_identical_while_serving(version_0_servers, dual
     servers = version_0_servers(2, dual, keep=False)
     log = VersionLog.remote()
     stage = ray.remote(ParamUpdateStage).options(max_concurrency=64).remote(
-        [ActorReceiver(f"server_{i}", s, True) for i, s in enumerate(servers)], log
+        receivers=[ActorReceiver(f"server_{i}", s, True) for i, s in enumerate(servers)], clock=log
     )
     ray.get(stage.connect.remote([], 1), timeout=TIMEOUT_S)
     run = stage.run.remote()
@@ -640,7 +640,7 @@ def test_a_staging_call_shows_its_recv_and_register_buffer_inside_it_and_a_load_
         async def commit(self, version, num_buckets):
             return {"load_s": 0.0, "interrupted": 3}
 
-    sync = OverlappedWeightSync([Receiver()], generate_stage=None, stream=BucketStream(),
+    sync = OverlappedWeightSync([Receiver()], clock=None, stream=BucketStream(),
                                 trace=TraceRecorder("weight sync", enabled=True))
 
     async def calls():

@@ -15,6 +15,8 @@ from async_rl.demo.task import sample_prompts
 from async_rl.demo.vision import IMAGE_PAD, image_rows, save_vl_model
 from conftest import compose_ppo
 from scripted_server import ScriptedServer
+from async_rl.core.policy_clock import ClockRef
+from async_rl.core.staleness import StalenessGate
 from state_machines.generate import GenerateStage
 
 ANSWER = [5, 6, 7]  # the server's tokens for every request
@@ -43,7 +45,7 @@ def test_an_image_row_reaches_the_server_and_the_trainer(demo_dir, tmp_path):
     rows = [tokenize_row(dataset[i], tokenizer, 16)[1] for i in range(2)]
 
     server = ScriptedServer(lambda kwargs, calls: (ANSWER, 0, "completed"))
-    stage = GenerateStage([server], config, max_staleness=1)
+    stage = GenerateStage(servers=[server], config=config, clock=ClockRef.in_process(StalenessGate(1)))
     out = asyncio.run(asyncio.wait_for(stage.process_data(PromptBatch(0, rows)), 60))
 
     image_token = tokenizer.convert_tokens_to_ids(IMAGE_PAD)

@@ -20,6 +20,8 @@ from async_rl.rollout.agent_loops import check_agent_loops
 from conftest import compose_ppo
 from state_machines.actor_train import place_scores_on_last_token
 from scripted_server import ScriptedServer
+from async_rl.core.policy_clock import ClockRef
+from async_rl.core.staleness import StalenessGate
 from state_machines.generate import GenerateStage
 
 E2E = Path(__file__).parent.parent / "e2e"
@@ -91,7 +93,7 @@ def test_a_users_multi_turn_loop_reaches_the_trainer_token_for_token(demo_dir, m
     config = config_with(demo_dir, merging_model, agent_loop_config_path=str(LOOP_FILE), default_agent_loop="two_turn")
     check_agent_loops(config)
     servers = [versioned_server(), versioned_server()]
-    stage = GenerateStage(servers, config, max_staleness=1)
+    stage = GenerateStage(servers=servers, config=config, clock=ClockRef.in_process(StalenessGate(1)))
     rows = [{"raw_prompt": [{"role": "user", "content": f"copy {d}"}], "data_source": "d", "index": i,
              "reward_model": {"ground_truth": d}} for i, d in enumerate(("123", "4567"))]
     out = asyncio.run(asyncio.wait_for(stage.process_data(PromptBatch(0, rows)), 60))
@@ -145,8 +147,8 @@ def test_a_weight_load_inside_a_turn_resumes_it_and_each_token_keeps_its_version
 
     env = AutoTokenizer.from_pretrained(demo_dir / "model").encode(ENV_REPLY, add_special_tokens=False)
     server = loading_server(env)
-    stage = GenerateStage([server], config_with(demo_dir, default_agent_loop="two_turn",
-                                                agent_loop_config_path=str(LOOP_FILE)), max_staleness=2)
+    config = config_with(demo_dir, default_agent_loop="two_turn", agent_loop_config_path=str(LOOP_FILE))
+    stage = GenerateStage(servers=[server], config=config, clock=ClockRef.in_process(StalenessGate(2)))
     rows = [{"raw_prompt": [{"role": "user", "content": "copy 12"}], "data_source": "d", "index": 0}]
     (sample, _) = asyncio.run(asyncio.wait_for(stage.run_agent_loops(rows, 2), 60))
     assert sample.response_ids == TURNS[0] + env + [14, 15, 9]
@@ -162,7 +164,7 @@ def test_a_weight_load_inside_a_turn_resumes_it_and_each_token_keeps_its_version
 def test_validation_and_training_run_the_rows_own_agent_loop(demo_dir, two_turn_path):
     """A row's `agent_name` picks its loop (verl's per-row column); the default covers the others."""
     config = config_with(demo_dir, agent_loop_config_path=str(LOOP_FILE))
-    stage = GenerateStage([versioned_server()], config, max_staleness=1)
+    stage = GenerateStage(servers=[versioned_server()], config=config, clock=ClockRef.in_process(StalenessGate(1)))
     rows = [{"raw_prompt": [{"role": "user", "content": "copy 1"}], "data_source": "d", "index": 0,
              "agent_name": "two_turn"},
             {"raw_prompt": [{"role": "user", "content": "copy 2"}], "data_source": "d", "index": 1,
@@ -226,7 +228,8 @@ def test_a_hanging_tool_call_ends_within_its_timeout_as_a_reply_the_model_reads(
     config = config_with(demo_dir)
     with open_dict(config.actor_rollout_ref.rollout.multi_turn):
         config.actor_rollout_ref.rollout.multi_turn.function_tool_path = str(Path(__file__).parent / "slow_tools.py")
-    worker = GenerateStage([versioned_server()], config, max_staleness=1, tool_timeout_s=0.5).agent_loops()
+    worker = GenerateStage(servers=[versioned_server()], config=config, clock=ClockRef.in_process(StalenessGate(1)),
+                           tool_timeout_s=0.5).agent_loops()
     loop = ToolAgentLoop(trainer_config=DictConfigWrap(worker.config), server_manager=worker.llm_client,
                          tokenizer=worker.tokenizer, processor=None, dataset_cls=worker.dataset_cls,
                          data_config=DictConfigWrap(worker.config.data), tools=ToolListWrap(worker.tools))
@@ -299,7 +302,7 @@ def test_a_loop_whose_turn_does_not_extend_the_trajectory_is_refused_naming_why(
     config = config_with(demo_dir, agent_loop_config_path=str(loops), default_agent_loop="summarising")
     check_agent_loops(config)
     server = ScriptedServer(lambda kwargs, calls: ([5, 6], 0, "completed"))
-    stage = GenerateStage([server], config, max_staleness=1)
+    stage = GenerateStage(servers=[server], config=config, clock=ClockRef.in_process(StalenessGate(1)))
     rows = [{"raw_prompt": [{"role": "user", "content": "123"}], "data_source": "d", "index": 0,
              "reward_model": {"ground_truth": "123"}}]
     with pytest.raises(NonExtendingTurnError, match="turn 2: its prompt does not extend the trajectory"):

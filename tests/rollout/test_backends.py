@@ -25,6 +25,8 @@ from async_rl.core.messages import PromptBatch
 from async_rl.rollout.verl_replicas import make_rollout_replicas
 from conftest import compose_ppo
 from scripted_server import ScriptedServer
+from async_rl.core.policy_clock import ClockRef
+from async_rl.core.staleness import StalenessGate
 from state_machines.generate import GenerateStage
 
 GPU_SERVERS = {
@@ -92,7 +94,7 @@ def recording_server() -> ScriptedServer:
 def captured_requests(config, validate: bool = False) -> list[dict]:
     """The requests the generate stage sends for two chat prompts (`MESSAGES`), through verl's agent loop."""
     servers = [recording_server(), recording_server()]
-    stage = GenerateStage(servers, config, max_staleness=1)
+    stage = GenerateStage(servers=servers, config=config, clock=ClockRef.in_process(StalenessGate(1)))
     rows = [{"raw_prompt": messages, "data_source": "d", "index": i} for i, messages in enumerate(MESSAGES)]
     if validate:
         samples = asyncio.run(asyncio.wait_for(stage.run_agent_loops(rows, 1, validate=True), 60))

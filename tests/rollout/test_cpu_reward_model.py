@@ -21,7 +21,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from async_rl.core.reward_loop_scoring import RewardLoopScorer, one_row
 from async_rl.rollout.cpu.reward_server import check_reward_model
-from async_rl.rollout.reward_models import reward_model_replica_count, start_reward_model
+from async_rl.rollout.reward_models import reward_model_devices, reward_model_replica_count, start_reward_model
 from conftest import RAY_CALL_GUARD_S
 
 RAW_PROMPT = [{"role": "user", "content": "1234"}]
@@ -204,6 +204,14 @@ def test_replicas_as_verl_counts_them(demo_dir):
     own = {"reward.reward_model.enable_resource_pool": True, "reward.reward_model.n_gpus_per_node": 3,
            "reward.reward_model.nnodes": 1}
     assert reward_model_replica_count(config_for(demo_dir, own)) == 3
+
+
+def test_a_reward_model_on_a_gpu_server_takes_devices_of_its_own_on_the_cpu_backend_none(demo_dir):
+    """The backend table's `gpu_server` row field decides it (async_rl/rollout/backends.py)."""
+    own = {"reward.reward_model.n_gpus_per_node": 2, "reward.reward_model.nnodes": 1}
+    assert reward_model_devices(config_for(demo_dir, own)) == 0  # config_for: the CPU backend
+    for gpu_server in ("vllm", "sglang"):
+        assert reward_model_devices(config_for(demo_dir, {**own, "reward.reward_model.rollout.name": gpu_server})) == 2
 
 
 def test_a_generative_model_is_refused_by_the_cpu_backend(demo_dir):

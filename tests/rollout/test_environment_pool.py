@@ -121,6 +121,8 @@ def test_the_stage_gives_every_tool_its_own_pool_of_the_configured_size(demo_dir
     from conftest import compose_ppo
     from async_rl.core.config import strip_async_keys
     from async_rl.demo import demo_overrides
+    from async_rl.core.policy_clock import ClockRef
+    from async_rl.core.staleness import StalenessGate
     from state_machines.generate import GenerateStage
     from scripted_server import ScriptedServer
 
@@ -129,9 +131,10 @@ def test_the_stage_gives_every_tool_its_own_pool_of_the_configured_size(demo_dir
     with open_dict(config.actor_rollout_ref.rollout.multi_turn):
         config.actor_rollout_ref.rollout.multi_turn.function_tool_path = str(Path(__file__).parent / "slow_tools.py")
     server = ScriptedServer(lambda kwargs, calls: ([5], None, "completed"))
-    worker = GenerateStage([server], config, max_staleness=1, tool_timeout_s=0.5, tool_pool_size=3).agent_loops()
+    worker = GenerateStage(servers=[server], config=config, clock=ClockRef.in_process(StalenessGate(1)),
+                           tool_timeout_s=0.5, tool_pool_size=3).agent_loops()
     assert {name: (pool.size, pool.wait_timeout_s) for name, pool in worker.pools.items()} == {"lookup_forever": (3, 0.5)}
-    unlimited = GenerateStage([server], config, max_staleness=1).agent_loops()
+    unlimited = GenerateStage(servers=[server], config=config, clock=ClockRef.in_process(StalenessGate(1))).agent_loops()
     assert unlimited.pools == {}
 
 

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from async_rl.core.messages import LogpResult, RefLogpResult, ScoredBatch
+from async_rl.core.policy_clock import ClockRef
+from async_rl.core.staleness import StalenessGate
 from conftest import compose_ppo
 from state_machines.actor_train import ActorTrainStage
 
@@ -19,7 +21,8 @@ def stage(*overrides: str) -> ActorTrainStage:
         ["algorithm.adv_estimator=grpo", f"actor_rollout_ref.rollout.n={GROUP}",
          f"algorithm.kl_ctrl.kl_coef={KL_COEF}", *overrides]
     )
-    return ActorTrainStage(config, devices=1, max_staleness=1)
+    return ActorTrainStage(config=config, devices=1, clock=ClockRef.in_process(StalenessGate(1)),
+                           parts=("reward", "logp", "ref_logp"))
 
 
 def batch_and_parts(seed: int = 0):

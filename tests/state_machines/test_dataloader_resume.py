@@ -37,14 +37,14 @@ def test_a_resumed_stage_draws_what_the_uninterrupted_one_drew(small_demo, worke
 
     config = compose_ppo(demo_overrides(small_demo, extra={"data.dataloader_num_workers": workers}))
     tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
-    whole = DataloaderStage(config, tokenizer, total_batches=None)
+    whole = DataloaderStage(config=config, tokenizer=tokenizer, total_batches=None)
     batches = emit(whole, 0, 5)  # epochs of 2 batches: two epoch boundaries
     assert [len(p) for _, p in batches] == [32] * 5
     assert batches[0][1] != batches[2][1]  # a new epoch is a new shuffle
     for k in (1, 2, 4, 5):
         state = whole.state_before(k)
         assert dataloader_workers_in_state(state) == workers
-        resumed = DataloaderStage(config, tokenizer, total_batches=None, first_index=k, resume_state=state)
+        resumed = DataloaderStage(config=config, tokenizer=tokenizer, total_batches=None, first_index=k, resume_state=state)
         assert emit(resumed, k, 5 - k) == batches[k:], k
     with pytest.raises(KeyError, match="no dataloader state kept for batch 1"):
         whole.state_before(1)  # taken by a checkpoint of a later step: dropped

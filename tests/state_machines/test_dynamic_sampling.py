@@ -12,9 +12,15 @@ import torch
 from omegaconf import OmegaConf
 
 from async_rl.core.messages import Sample, ScoredBatch, TrainingBatch, build_batch
+from async_rl.core.policy_clock import ClockRef
+from async_rl.core.staleness import StalenessGate
 from state_machines.dynamic_sampling import DynamicSamplingStage
 
 GROUP = 2  # samples per prompt
+
+
+def clock(eta: int) -> ClockRef:
+    return ClockRef.in_process(StalenessGate(eta, steps_formed_after_generation=True))
 
 
 def config(batch_groups=2, max_gen_batches=0):
@@ -43,7 +49,8 @@ def run(stage, *batches):
 
 
 def test_draws_until_the_batch_is_full_of_groups_whose_rewards_differ():
-    stage = DynamicSamplingStage(config(batch_groups=2), max_staleness=1, total_steps=2)
+    stage = DynamicSamplingStage(config=config(batch_groups=2), clock=clock(1), total_steps=2)
+    assert isinstance(stage.clock(), float)  # StateMachine.clock, the timeline's alignment, not shadowed
     outs = run(stage,
                generated(0, [[1, 1], [0, 1]], version=0),  # one usable group: not full yet
                generated(1, [[0, 0], [1, 0]], version=0))  # a second one: the batch is full
@@ -58,7 +65,7 @@ def test_draws_until_the_batch_is_full_of_groups_whose_rewards_differ():
 
 
 def test_oldest_groups_first_and_leftovers_carry_over():
-    stage = DynamicSamplingStage(config(batch_groups=1), max_staleness=2, total_steps=3)
+    stage = DynamicSamplingStage(config=config(batch_groups=1), clock=clock(2), total_steps=3)
     first, second = run(stage, generated(0, [[0, 1], [1, 0]], version=0), generated(1, [[0, 1]], version=1))
     assert list(first.batch_ref.non_tensor_batch["uid"]) == ["b0g0", "b0g0"]
     # b0g1 (version 0) is older than b1g0 (version 1): it goes first; b1g0 waits
@@ -67,7 +74,7 @@ def test_oldest_groups_first_and_leftovers_carry_over():
 
 
 def test_groups_older_than_eta_at_their_step_are_dropped():
-    stage = DynamicSamplingStage(config(batch_groups=1), max_staleness=1, total_steps=5)
+    stage = DynamicSamplingStage(config=config(batch_groups=1), clock=clock(1), total_steps=5)
     outs = run(stage,
                generated(0, [[0, 1], [0, 1], [0, 1]], version=0),  # step 0 takes one; two left over (version 0)
                generated(1, [[1, 1]], version=1),  # nothing new: step 1 takes a leftover (staleness 1 = eta)
@@ -80,13 +87,13 @@ def test_groups_older_than_eta_at_their_step_are_dropped():
 
 
 def test_too_many_generated_batches_fail_with_the_key_named():
-    stage = DynamicSamplingStage(config(batch_groups=2, max_gen_batches=2), max_staleness=1, total_steps=1)
+    stage = DynamicSamplingStage(config=config(batch_groups=2, max_gen_batches=2), clock=clock(1), total_steps=1)
     with pytest.raises(RuntimeError, match="max_num_gen_batches=2"):
         run(stage, generated(0, [[1, 1], [0, 0]], version=0), generated(1, [[1, 1], [0, 1]], version=0))
 
 
 def test_input_after_the_last_step_is_dropped():
-    stage = DynamicSamplingStage(config(batch_groups=1), max_staleness=1, total_steps=1)
+    stage = DynamicSamplingStage(config=config(batch_groups=1), clock=clock(1), total_steps=1)
     outs = run(stage, generated(0, [[0, 1]], version=0), generated(1, [[0, 1]], version=1))
     assert isinstance(outs[0], TrainingBatch) and outs[1] is None
 
@@ -98,14 +105,14 @@ def test_a_stage_restored_from_a_checkpoint_forms_what_the_original_forms():
 
     inputs = [generated(0, [[0, 1], [1, 0], [0, 1]], version=0), generated(1, [[1, 1], [0, 1]], version=1),
               generated(2, [[0, 1]], version=2), generated(3, [[1, 0], [0, 1]], version=3)]
-    original = DynamicSamplingStage(config(batch_groups=2), max_staleness=2, total_steps=4)
+    original = DynamicSamplingStage(config=config(batch_groups=2), clock=clock(2), total_steps=4)
     outs = run(original, *inputs)
     formed = [o for o in outs if o is not None]
     assert [o.index for o in formed] == [0, 1, 2]
     generated_by_then, pool = original.checkpoint_state(1)  # a step-1 checkpoint: batch 0 trained
     assert generated_by_then == 1 and [g["uid"] for g in pool] == ["b0g2"]  # the leftover of batch 0
     pool = th.load(_round_trip(pool), weights_only=False)  # as async_rl_state.pt holds it
-    restored = DynamicSamplingStage(config(batch_groups=2), max_staleness=2, total_steps=4, start_step=1,
+    restored = DynamicSamplingStage(config=config(batch_groups=2), clock=clock(2), total_steps=4, start_step=1,
                                     generated_batches=generated_by_then, pool=pool)
     again = [o for o in run(restored, *inputs[generated_by_then:]) if o is not None]
     assert [o.index for o in again] == [1, 2]
@@ -130,7 +137,7 @@ def _round_trip(obj):
 
 def test_remax_baselines_follow_their_groups_into_the_training_batch():
     """Each kept row keeps its prompt's greedy-sample score (ReMax's `reward_baselines`), in the batch's order."""
-    stage = DynamicSamplingStage(config(batch_groups=2), max_staleness=1, total_steps=2)
+    stage = DynamicSamplingStage(config=config(batch_groups=2), clock=clock(1), total_steps=2)
     first, second = generated(0, [[1, 1], [0, 1]], version=0), generated(1, [[0, 1]], version=0)
     first.baselines = torch.tensor([0.9, 0.9, 0.2, 0.2])
     second.baselines = torch.tensor([0.7, 0.7])

@@ -13,7 +13,7 @@ from async_rl.core.config import read_async_config, strip_async_keys
 from async_rl.core.errors import AsyncConfigError
 from async_rl.core.messages import ScoredBatch
 from async_rl.core.scoring import groups_with_distinct_rewards
-from async_rl.core.stage_graph import BUILTIN_EDGES, UserStageSpec, build_edges, parse_user_stages, upstream_counts
+from async_rl.core.stage_graph import UserStageSpec, build_edges, parse_user_stages, upstream_counts
 from async_rl.run_config import load_stage_class
 from examples.group_filter_stage import GroupFilterStage
 from state_machines.actor_train import trainable_rows
@@ -40,7 +40,7 @@ def test_two_config_lines_insert_a_stage_between_reward_and_actor_train():
     assert edges["reward"] == ("group_filter",)
     assert edges["group_filter"] == ("actor_train",)
     assert {k: v for k, v in edges.items() if k not in ("reward", "group_filter")} == {
-        k: v for k, v in BUILTIN_EDGES.items() if k != "reward"
+        k: v for k, v in build_edges().items() if k != "reward"
     }
     assert upstream_counts(edges)["group_filter"] == 1
     assert upstream_counts(edges)["actor_train"] == 3  # reward's place is taken, not added to
@@ -68,6 +68,14 @@ def test_stage_after_a_fan_out_stage_takes_all_its_downstreams():
     assert edges["rollout"] == ("tap",) and edges["tap"] == ("reward", "logp", "ref_logp")
 
 
+def test_a_stage_after_one_the_run_does_not_have_is_refused_naming_the_key():
+    (spec,) = parse_user_stages({"f": {"cls": FILTER_CLS, "after": "values"}})  # values: with a critic only
+    with pytest.raises(AsyncConfigError) as info:
+        build_edges((spec,))
+    assert info.value.key == "trainer.async_stages.f.after" and "a stage this run has" in str(info.value)
+    assert build_edges((spec,), critic=True)["values"] == ("f",)
+
+
 def test_stage_keys_are_stripped_before_verl_sees_the_config():
     config = stages_cfg({"f": {"cls": FILTER_CLS, "after": "reward"}})
     strip_async_keys(config)
@@ -78,6 +86,8 @@ def test_stage_keys_are_stripped_before_verl_sees_the_config():
     "stages,key,fragment",
     [
         ({"reward": {"cls": FILTER_CLS, "after": "reward"}}, "trainer.async_stages.reward", "not already used"),
+        ({"values": {"cls": FILTER_CLS, "after": "reward"}}, "trainer.async_stages.values", "not already used"),
+        ({"clock": {"cls": FILTER_CLS, "after": "reward"}}, "trainer.async_stages.clock", "not already used"),
         ({"f": {"cls": FILTER_CLS, "after": "nowhere"}}, "trainer.async_stages.f.after", "one of"),
         ({"f": {"cls": FILTER_CLS, "after": "param_update"}}, "trainer.async_stages.f.after", "downstream"),
         ({"f": {"cls": FILTER_CLS}}, "trainer.async_stages.f.after", "one of"),
