@@ -20,7 +20,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from verl.trainer.ppo.utils import need_reference_policy
 
 import param_update.transports  # noqa: F401 - registers the built-in transports
-from async_rl.api.weights import transports_by_rank
+from async_rl.api.weights import ReceiverSetup, transports_by_rank
 from async_rl.checkpoints import (CheckpointDir, ResumePoint, RunCheckpointer, dataloader_workers_in_state,
                                   find_resume_point)
 from async_rl.core.devices import GroupDevices, reserve_nodes
@@ -263,8 +263,8 @@ def start_weight_sync(built: BuiltPipeline) -> None:
     layout, built.adapter = built.wait({"actor_train": trainer.weight_layout.remote()}, CALL_TIMEOUT_S,
                                        "read the trainer's weight layout")["actor_train"]
     settings = built.run.async_cfg
-    setup = built.stages["param_update"].configure_rollout_servers.remote(
-        settings.enable_dual_buffer, built.bucket_bytes["consume"], layout, settings.partial_rollout, built.adapter)
+    setup = built.stages["param_update"].configure_rollout_servers.remote(ReceiverSetup(
+        settings.enable_dual_buffer, built.bucket_bytes["consume"], layout, settings.partial_rollout, built.adapter))
     built.wait({"param_update": setup}, SETUP_TIMEOUT_S, "set up the rollout servers' weight staging")
     built.wait({"generate": built.stages["generate"].attach_weight_source.remote(built.stages["param_update"])},
                CALL_TIMEOUT_S, "attach the weight source for restarted rollout servers")

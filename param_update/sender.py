@@ -28,12 +28,13 @@ import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Optional, Union
 
 import ray
 import torch
 
-from async_rl.api.weights import Bucket, WeightTransport
+from async_rl.api.weights import Bucket, BucketRef, WeightTransport
 from param_update.buckets import pack_buckets
 
 logger = logging.getLogger(__name__)
@@ -41,7 +42,34 @@ logger = logging.getLogger(__name__)
 SINK_TIMEOUT_S = 600.0  # one announce may wait this long for room at the sink
 ROUTE_TIMEOUT_S = 1800.0  # the route of a version may wait this long (the sink bounds its wait for a region)
 PUT_THREADS = 4  # objects per bucket, put at once
-_END = object()
+
+
+@dataclass
+class QueuedBucket:
+    """A packed bucket waiting for the send thread. `route`: the ObjectRef of the sink's route for its
+    version; `sent`: its handles when the gather already sent it (it aliases the live weights)."""
+
+    bucket: Bucket
+    sink: Any
+    route: Any
+    sent: Optional[dict] = None
+
+    @property
+    def version(self) -> int:
+        return self.bucket.version
+
+
+@dataclass
+class VersionDone:
+    """The end of a version's buckets: `count` buckets, gathered in `gather_s` seconds."""
+
+    version: int
+    count: int
+    gather_s: float
+    sink: Any
+
+
+_Queued = Union[QueuedBucket, VersionDone]
 
 
 class BucketSender:
@@ -95,10 +123,10 @@ class BucketSender:
         for bucket in pack_buckets(note_live(named_tensors), bucket_bytes, version):
             aliases_live = any(s.name in live_names for s in bucket.slices)
             sent = self.send(bucket, route) if aliases_live else None
-            self._queue.put((bucket, (sink, route, sent)))
+            self._queue.put(QueuedBucket(bucket, sink, route, sent))
             count += 1
         gather_s = time.perf_counter() - start
-        self._queue.put((_END, (version, count, gather_s, sink)))
+        self._queue.put(VersionDone(version, count, gather_s, sink))
         return {"gather_s": gather_s}
 
     def _transport(self, name: str, cls: type[WeightTransport]) -> WeightTransport:
@@ -125,32 +153,30 @@ class BucketSender:
 
     def _run(self) -> None:
         send_s = 0.0
-        at_end: list = []  # (index, slices, handles) of this version's buckets announced with its end
+        at_end: list[BucketRef] = []  # this version's buckets announced with its end
         while True:
-            item, payload = self._queue.get()
+            item: _Queued = self._queue.get()
             try:
-                if item is _END:
-                    version, count, gather_s, sink = payload
-                    ray.get(sink.end_version.remote(version, count, {"gather": gather_s, "send": send_s}, at_end),
+                if isinstance(item, VersionDone):
+                    ray.get(item.sink.end_version.remote(item.version, item.count,
+                                                         {"gather": item.gather_s, "send": send_s}, at_end),
                             timeout=SINK_TIMEOUT_S)
                     send_s, at_end = 0.0, []
                     continue
-                sink, route, sent = payload
+                bucket = item.bucket
                 start = time.perf_counter()
-                handles = self.send(item, route) if sent is None else sent
+                handles = self.send(bucket, item.route) if item.sent is None else item.sent
                 if any(self._transports[name].announces_each_bucket for name in handles):
-                    ray.get(sink.put_bucket.remote(item.version, item.index, handles, item.slices),
+                    ray.get(item.sink.put_bucket.remote(bucket.version, bucket.index, handles, bucket.slices),
                             timeout=SINK_TIMEOUT_S)
                 else:  # nothing in flight to bound: announced with the version's end
-                    at_end.append((item.index, item.slices, handles))
+                    at_end.append(BucketRef(bucket.version, bucket.index, bucket.slices, handles, counted=False))
                 send_s += time.perf_counter() - start
             except BaseException as exc:  # noqa: BLE001 - reported to the sink and to the next gather
                 self._error = exc
                 logger.exception("weight send failed")
-                sink = payload[3] if item is _END else payload[0]
-                version = payload[0] if item is _END else item.version
                 try:
-                    sink.sender_failed.remote(version, f"{type(exc).__name__}: {exc}")
+                    item.sink.sender_failed.remote(item.version, f"{type(exc).__name__}: {exc}")
                 except Exception:  # noqa: BLE001 - the sink may be gone too
                     pass
 

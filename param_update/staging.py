@@ -7,7 +7,8 @@ bucket is not copied: the receiver keeps zero-copy views of what its transport h
 (the sender's shared buffer on the sender's node, Ray's object store elsewhere:
 param_update/transports/), so a node's shared memory holds each version once for all its
 receivers. `WeightStaging` is the receiving actor's side of the sync, the one implementation
-every weight holder (CPU rollout server, logp worker, verl checkpoint-engine worker) uses.
+every weight holder (CPU rollout server, logp worker, verl checkpoint-engine worker) uses,
+through the holder bases of param_update/holder.py.
 
 The load then either
 - swaps (`swap_into`, the dual buffer, `enable_dual_buffer=True`): the staged tensors
@@ -88,6 +89,7 @@ class VersionStager:
         self.expected = dict(expected)
         self.aliases = dict(aliases or {})
         self.version: Optional[int] = None
+        self.checked: Optional[int] = None  # the version `check_complete` found complete (until reset)
         self._held: dict[int, Bucket] = {}  # bucket index -> bucket, of the version being staged
         self._serving: list[Bucket] = []  # buckets the swapped-in weights live in (kept pinned)
         self._registering: set[int] = set()  # buckets being registered right now (other threads)
@@ -163,11 +165,13 @@ class VersionStager:
             missing = sorted(set(self.expected) - complete)
             if missing:
                 raise StagingError(f"version {version}: tensors {missing[:10]} incomplete after {num_buckets} buckets")
+            self.checked = version
 
     def reset(self) -> None:
         """Forget the staged version (after a load, or to drop a failed one); its buckets are released."""
         with self._changed:
             self.version = None
+            self.checked = None
             self._held = {}
             self._received = {}
             self._assembled = {}
@@ -225,9 +229,9 @@ class VersionStager:
 
 
 class WeightStaging:
-    """The receiving actor's side of the weight sync (async_rl/api/weights.py `WeightHolder`, all
-    but its load): a `VersionStager` for the trainer's layout and the calls that fill it. Timings
-    in seconds, `{recv_s, register_s}`.
+    """A `VersionStager` for the trainer's layout and the calls that fill it (the holder bases of
+    param_update/holder.py expose them as `WeightHolder` methods). Timings in seconds,
+    `{recv_s, register_s}`.
 
     Args:
         expected: canonical name -> (dtype, shape) of every tensor a version carries.

@@ -23,10 +23,9 @@ import pytest
 import ray
 import torch
 
-from async_rl.api.weights import Bucket
+from async_rl.api.weights import Bucket, ReceiverSetup
 from async_rl.core.errors import WeightSyncError
 from param_update.buckets import pack_buckets, tensors_from_buckets
-from param_update.receivers import handle_for
 from param_update.transports.object_store import ObjectStore
 from param_update.transports.shared_memory import (
     PREFIX,
@@ -213,11 +212,11 @@ class RecordingReceiver:
 
     async def stage(self, bucket) -> dict:
         self.calls.append(("stage", bucket.index))
-        return self.staging.stage_bucket(bucket.version, bucket.index, handle_for(self.link, bucket), bucket.slices)
+        return self.staging.stage_bucket(bucket.version, bucket.index, bucket.handle_for(self.link), bucket.slices)
 
     async def stage_version(self, version: int, buckets: list, num_buckets: int) -> dict:
         self.calls.append(("stage_version", [b.index for b in buckets], num_buckets))
-        return self.staging.stage_version(version, [(b.index, handle_for(self.link, b), b.slices) for b in buckets],
+        return self.staging.stage_version(version, [(b.index, b.handle_for(self.link), b.slices) for b in buckets],
                                           num_buckets)
 
     async def check(self, version: int, num_buckets: int) -> None:
@@ -429,7 +428,7 @@ def test_a_restarted_server_gets_the_newest_version_from_the_retained_region(two
     (copied there from the region on the trainer's node); the next version reaches it by its link."""
     head, other = two_nodes
     stage = start_stage([start_server(model_dir, True, head)], restartable=True)
-    ray.get(stage.configure_rollout_servers.remote(True, 4096), timeout=TIMEOUT_S)
+    ray.get(stage.configure_rollout_servers.remote(ReceiverSetup(True, 4096)), timeout=TIMEOUT_S)
     trainer = Trainer.options(**on_node(head)).remote(seed=1)
     want = ray.get(trainer.digests.remote(), timeout=TIMEOUT_S)
     sync(stage, trainer, 1)
