@@ -122,6 +122,7 @@ class OverlappedWeightSync(WeightSync):
         self.table = transports if isinstance(transports, TransportTable) else TransportTable(transports)
         self.transports = {cls.name: cls() for cls in self.table.classes}  # this stage's side of each
         self.sender_node: Optional[str] = None  # Ray node id of the trainer's sending process
+        self._processes: dict[str, int] = {}  # receiver name -> its processes (as located)
         self.trace = trace or TraceRecorder("weight sync")  # each receiver call as a span on the receiver's track
 
     def _live(self) -> list:
@@ -185,19 +186,24 @@ class OverlappedWeightSync(WeightSync):
         """The sender's first question about `version`: its route, transport name -> (transport class,
         ticket), for the links of the live receivers (a transport may wait for room:
         `WeightTransport.open`). Receivers are located once, at the first version (each restarted one at
-        its `replace`)."""
+        its `replace`); each transport learns who reads through it first (`WeightTransport.members`)."""
         if self.sender_node is None:
             self.sender_node = sender_node
             await self._locate(self.receivers, version)
-        links = [name for name in self.transports if any(r.link == name for r in self._live())]
-        return {name: (type(self.transports[name]), await self.transports[name].open(version, 3 * self.timeout_s))
-                for name in links}
+        route = {}
+        for name, transport in self.transports.items():
+            readers = {r.name: self._processes.get(r.name, 1) for r in self._live() if r.link == name}
+            transport.members(readers)
+            if readers:
+                route[name] = (type(transport), await transport.open(version, 3 * self.timeout_s))
+        return route
 
     async def _locate(self, receivers: list, version: int) -> None:
         """Each receiver's link: the first transport of the table that reaches every process of it."""
         found = await self._on_all("locate", version, lambda r: r.nodes(), receivers)
         for r in receivers:
             r.link = self.table.link_of(found.get(r.name), self.sender_node)
+            self._processes[r.name] = len(found.get(r.name) or ()) or 1
 
     def _at_end(self, receiver, bucket: BucketRef) -> bool:
         """`receiver` stages `bucket` with the whole version at its end (its link announces whole
@@ -205,8 +211,9 @@ class OverlappedWeightSync(WeightSync):
         return receiver.link in bucket.handles and not self.transports[receiver.link].announces_each_bucket
 
     def _reads_link(self, receiver, bucket: BucketRef) -> bool:
-        """`receiver` reads `bucket` through its link: the bucket went through it."""
-        return receiver.link in bucket.handles
+        """`receiver` reads `bucket` through its link: the bucket went through it and it serves the receiver."""
+        link = receiver.link
+        return link in bucket.handles and self.transports[link].serves(receiver.name, bucket.handles[link])
 
     def _view_for(self, receiver, bucket: BucketRef) -> BucketRef:
         """`bucket` as `receiver` reads it: through its link, else (restarted since its version's route)
@@ -312,6 +319,8 @@ class OverlappedWeightSync(WeightSync):
         async with self.lock:
             version, buckets, num_buckets = self.retained or (None, [], 0)
             self._lost.discard(receiver.name)
+            for transport in self.transports.values():  # the process it replaces holds and reads nothing
+                transport.drop(receiver.name)
             if self.sender_node is not None:
                 await self._locate([receiver], version)
             if version is not None:  # its buckets: in the retained region, or kept in the object store

@@ -141,6 +141,14 @@ class WeightTransport(ABC):
     def drop(self, name: str) -> None:
         """Receiver `name` is gone: it holds nothing."""
 
+    def members(self, readers: dict[str, int]) -> None:
+        """The receivers whose link this is, for the next version on: name -> its processes."""
+
+    def serves(self, name: str, handle: Any) -> bool:
+        """Whether receiver `name` can read `handle` through this transport now (one that delivers each
+        bucket once, to the members it was sent to, cannot serve a receiver restarted since)."""
+        return True
+
     # ---- the trainer's send thread --------------------------------------------------------------
     @abstractmethod
     def write(self, ticket: Any, bucket: Bucket, pool=None, parts: int = 1) -> BucketHandle:

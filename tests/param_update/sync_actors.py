@@ -89,16 +89,23 @@ class Trainer:
 
 @ray.remote
 class VersionLog:
-    """Stands in for the generate stage: records `set_served_version` calls."""
+    """Stands in for the generate stage: records `set_served_version` and `server_lost` calls."""
 
     def __init__(self):
         self.versions = []
+        self.losses = []
 
     def set_served_version(self, version: int) -> None:
         self.versions.append(version)
 
+    def server_lost(self, index: int, handle, cause: str, hung: bool) -> None:
+        self.losses.append((index, cause))
+
     def get(self) -> list:
         return self.versions
+
+    def lost(self) -> list:
+        return self.losses
 
 
 TIMEOUT_S = 180
@@ -119,13 +126,13 @@ def start_server(model_dir: str, dual: bool, node_id=None, configure: bool = Tru
     return server
 
 
-def start_stage(servers, restartable: bool = False, node_id=None, transports=None):
+def start_stage(servers, restartable: bool = False, node_id=None, transports=None, log=None):
     """A running param_update stage syncing `servers` (`transports`: its transport classes, default the
-    registered ones)."""
+    registered ones; `log`: the VersionLog standing in for the generate stage)."""
     receivers = [ActorReceiver(f"rollout_server_{i}", s, True, replica_index=i if restartable else None)
                  for i, s in enumerate(servers)]
     stage = ray.remote(ParamUpdateStage).options(max_concurrency=64, num_cpus=0, **on_node(node_id)).remote(
-        receivers, VersionLog.remote(), restartable_servers=restartable, transports=transports)
+        receivers, log or VersionLog.remote(), restartable_servers=restartable, transports=transports)
     ray.get(stage.connect.remote([], 1), timeout=TIMEOUT_S)
     stage.run.remote()
     return stage

@@ -115,7 +115,8 @@ def test_object_store_must_hold_the_staged_versions():
 
 def test_the_links_follow_the_placement_and_each_link_checks_its_own_room():
     """One node: every receiver maps the trainer's shared memory, the object store holds no version; generate
-    on the second node: its servers go through the store; verl's GPU replicas always do."""
+    on the second node: its servers get the versions in the collective group; verl's GPU replicas, whose
+    nodes are unknown, through the store."""
     from omegaconf import OmegaConf
 
     from async_rl.core.config import read_async_config
@@ -128,8 +129,8 @@ def test_the_links_follow_the_placement_and_each_link_checks_its_own_room():
 
     one_node, two_nodes = placement(1, [0.5, 0.5, 0.5, 0.5]), placement(2, [0.5, 0.5, 0.5, 0.5])
     assert planned_links(one_node, replicas_read_same_node=True, logp_receives=True) == {"shm"}
-    assert planned_links(two_nodes, replicas_read_same_node=True, logp_receives=True) == {"shm", "store"}  # logp: node 0
-    assert planned_links(two_nodes, replicas_read_same_node=True, logp_receives=False) == {"store"}
+    assert planned_links(two_nodes, replicas_read_same_node=True, logp_receives=True) == {"shm", "collective"}
+    assert planned_links(two_nodes, replicas_read_same_node=True, logp_receives=False) == {"collective"}
     assert planned_links(one_node, replicas_read_same_node=False, logp_receives=False) == {"store"}
 
     # shared memory only: an object store too small for two versions does not matter, a small /dev/shm does
