@@ -20,7 +20,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from verl.trainer.ppo.utils import need_reference_policy
 
 import param_update.transports  # noqa: F401 - registers the built-in transports
-from async_rl.api.weights import ReceiverSetup, transports_by_rank
+from async_rl.api.weights import ReceiverSetup, TransportTable, transports_by_rank
 from async_rl.checkpoints import (CheckpointDir, ResumePoint, RunCheckpointer, dataloader_workers_in_state,
                                   find_resume_point)
 from async_rl.core.devices import GroupDevices, reserve_nodes
@@ -218,7 +218,7 @@ def build_stages(built: BuiltPipeline) -> None:
     param_update = built.stage("param_update", ParamUpdateStage, built.receivers, generate,
                                restartable_servers=bool(restarts),
                                server_timeout_s=min(300.0, settings.request_timeout_s),
-                               transports=transports_by_rank())
+                               transports=TransportTable(transports_by_rank(), delta=settings.delta_sync))
     critic = None
     if run.critic:
         critic = built.stage("critic_train", CriticTrainStage, cfg, devices["critic"], built.start_step)

@@ -86,6 +86,10 @@ class AsyncStagedWeights(StagedWeights):
     async def stage_weight_buckets(self, version: int, buckets: list, num_buckets: int) -> dict:
         return await asyncio.to_thread(StagedWeights.stage_weight_buckets, self, version, buckets, num_buckets)
 
+    async def check_weights(self, version: int, num_buckets: int) -> None:
+        """(A delta is put together here: a thread, while generation goes on.)"""
+        await asyncio.to_thread(StagedWeights.check_weights, self, version, num_buckets)
+
     async def commit_weights(self, version: int, num_buckets: int, *args: Any) -> Any:
         self.staging.check(version, num_buckets)
         return await self.load_staged(version, self.staging.stager, *args)

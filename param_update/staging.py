@@ -21,6 +21,10 @@ The load then either
 
 Either way nothing touches the serving weights before the version is complete, so a
 failed sync leaves the previous version serving.
+
+A version sent as a delta (param_update/delta.py: the values changed since the version the
+receiver serves, its base) is put together over that base as it is loaded: the base's tensor with
+the changed values written in, a new tensor; the load then swaps or copies it like any other.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import torch
 
 from async_rl.api.weights import Bucket, BucketHandle
 from param_update.buckets import as_tensor, slice_tensor, tensor_bytes, write_slices
+from param_update.delta import BASE, INDEX, VALUE, DeltaVersion, wire_name
 
 
 class StagingError(RuntimeError):
@@ -90,6 +95,10 @@ class VersionStager:
         self.aliases = dict(aliases or {})
         self.version: Optional[int] = None
         self.checked: Optional[int] = None  # the version `check_complete` found complete (until reset)
+        self.base: dict[str, torch.Tensor] = {}  # canonical name -> the tensor a delta applies to
+        self.base_version: Optional[int] = None  # the version `base` holds (the one loaded last)
+        self._sizes: dict[str, int] = {}  # incoming name -> its tensor's bytes
+        self._full: Optional[dict[str, torch.Tensor]] = None  # a checked delta's tensors, put together
         self._held: dict[int, Bucket] = {}  # bucket index -> bucket, of the version being staged
         self._serving: list[Bucket] = []  # buckets the swapped-in weights live in (kept pinned)
         self._registering: set[int] = set()  # buckets being registered right now (other threads)
@@ -99,11 +108,21 @@ class VersionStager:
 
     def _check_slices(self, version: int, bucket: Bucket) -> None:
         for s in bucket.slices:
-            name = self.aliases.get(s.name, s.name)
+            if s.name == BASE:
+                if s.dtype != torch.int64 or tuple(s.shape) != (1,):
+                    raise StagingError(f"version {version}: its delta base is {s.dtype} {tuple(s.shape)}")
+                continue
+            sent, part = wire_name(s.name)
+            name = self.aliases.get(sent, sent)
             if name not in self.expected:
                 raise StagingError(f"version {version}: unknown tensor {s.name!r}")
             dtype, shape = self.expected[name]
-            if s.dtype != dtype or tuple(s.shape) != tuple(shape):
+            if part is not None:  # a delta's changed values: int32 indices, values of the held dtype
+                want = torch.int32 if part == INDEX else dtype
+                if s.dtype != want or len(s.shape) != 1 or s.shape[0] > math.prod(shape):
+                    raise StagingError(f"version {version}: delta {s.name!r} is {s.dtype} {tuple(s.shape)}, "
+                                       f"expected {want} of at most {math.prod(shape)} values")
+            elif s.dtype != dtype or tuple(s.shape) != tuple(shape):
                 raise StagingError(
                     f"version {version}: tensor {s.name!r} is {s.dtype} {tuple(s.shape)}, "
                     f"expected {dtype} {tuple(shape)}"
@@ -136,6 +155,7 @@ class VersionStager:
             completed = []
             for s in bucket.slices:
                 self._received[s.name] = self._received.get(s.name, 0) + s.nbytes
+                self._sizes[s.name] = s.tensor_nbytes
                 if not s.whole and self._received[s.name] == s.tensor_nbytes:
                     completed.append(s.name)
             pieces = {name: self._pieces(name) for name in completed}
@@ -154,17 +174,32 @@ class VersionStager:
         with self._changed:
             if self.version != version:
                 raise StagingError(f"version {version} was never staged (staging {self.version})")
+            if self.checked == version:  # nothing arrives after a check
+                return
             missing_buckets = sorted(set(range(num_buckets)) - set(self._held))
             if missing_buckets:
                 raise StagingError(f"version {version}: buckets {missing_buckets[:10]} of {num_buckets} never arrived")
-            complete = {
-                self.aliases.get(name, name)
-                for name, got in self._received.items()
-                if got == _nbytes(*self.expected[self.aliases.get(name, name)])
-            }
+            done = {name for name, got in self._received.items() if got == self._sizes[name]}
+            complete = {self.aliases.get(name, name) for name in done
+                        if wire_name(name)[1] is None and name != BASE
+                        and self._sizes[name] == _nbytes(*self.expected[self.aliases.get(name, name)])}
+            complete |= {self.aliases.get(wire_name(name)[0], wire_name(name)[0]) for name in done
+                         if wire_name(name)[1] == INDEX and wire_name(name)[0] + VALUE in done}
             missing = sorted(set(self.expected) - complete)
             if missing:
                 raise StagingError(f"version {version}: tensors {missing[:10]} incomplete after {num_buckets} buckets")
+            wire = dict(self._assembled) if BASE in self._assembled else None
+        if wire is not None:  # a delta: its tensors put together now, while the base still serves
+            try:
+                delta = DeltaVersion(wire, self.base, self.base_version, self.aliases)
+            except ValueError as exc:
+                raise StagingError(f"version {version}: {exc}") from None
+            full = {name: delta.tensor(name) for name in self.expected}
+            with self._changed:
+                if self.version != version:
+                    raise StagingError(f"version {version} was dropped while its delta was applied")
+                self._full = full
+        with self._changed:
             self.checked = version
 
     def reset(self) -> None:
@@ -174,16 +209,27 @@ class VersionStager:
             self.checked = None
             self._held = {}
             self._received = {}
+            self._sizes = {}
+            self._full = None
             self._assembled = {}
 
     def _ordered(self) -> list[Bucket]:
         return [self._held[i] for i in sorted(self._held)]
 
+    @property
+    def is_delta(self) -> bool:
+        """The staged version was sent as a delta (its tensors are put together at the check)."""
+        return BASE in self._assembled
+
     def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The complete staged version as (canonical name, full tensor), each canonical name once.
 
-        Tensors inside one bucket are views of it (no copy); tensors split across buckets are assembled.
+        Tensors inside one bucket are views of it (no copy); tensors split across buckets are assembled;
+        a delta's are those `check_complete` put together over the base.
         """
+        if self._full is not None:
+            yield from self._full.items()
+            return
         seen = set()
         for bucket in self._ordered():
             for s, array in zip(bucket.slices, bucket.data):
@@ -192,6 +238,11 @@ class VersionStager:
                     continue
                 seen.add(canonical)
                 yield canonical, self._assembled[s.name]
+
+    def loaded(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        """`version` now serves as `tensors` (canonical name -> tensor, kept unchanged while it serves):
+        the base of the next delta."""
+        self.base, self.base_version = tensors, version
 
     def swap_into(self, params: dict[str, torch.Tensor]) -> None:
         """load (dual buffer): the staged tensors become `params` (`param.data = staged`), zero copy.
@@ -203,17 +254,26 @@ class VersionStager:
         for name, param in params.items():
             param.data = staged[name]
         self._serving = self._ordered()
+        self.loaded(self.version, staged)
         self.reset()
 
     def release_serving(self) -> None:
-        """The swapped-in weights were replaced by other means: unpin their buckets."""
+        """The swapped-in weights were replaced by other means: unpin their buckets (no delta base left)."""
         self._serving = []
+        self.base, self.base_version = {}, None
 
     def copy_into(self, params: dict[str, torch.Tensor], consume_bytes: int) -> int:
         """load (single buffer): copy the staged bytes into the live `params`, `consume_bytes` at a
         time; the buckets are released. Returns bytes copied."""
         views = {name: tensor_bytes(p.data) for name, p in params.items()}
-        copied = 0
+        version, copied = self.version, 0
+        if self.is_delta:  # whole tensors, put together over the base
+            for name, tensor in self.named_tensors():
+                views[name].copy_(tensor_bytes(tensor))
+                copied += tensor.nbytes
+            self.loaded(version, {name: p.data for name, p in params.items()})
+            self.reset()
+            return copied
         for bucket in self._ordered():
             destinations = {s.name: views[self.aliases.get(s.name, s.name)] for s in bucket.slices}
             group, size = [], 0
@@ -224,6 +284,7 @@ class VersionStager:
                 group.append(i)
                 size += s.nbytes
             copied += write_slices(bucket, destinations, group)
+        self.loaded(version, {name: p.data for name, p in params.items()})
         self.reset()
         return copied
 

@@ -24,10 +24,11 @@ from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import param_update.transports  # noqa: F401 - registers the built-in transports: the default table
-from async_rl.api.weights import BucketRef, TransportTable, WeightReceiver, WeightSync, WeightTransport
+from async_rl.api.weights import BucketRef, Route, TransportTable, WeightReceiver, WeightSync, WeightTransport
 from async_rl.core.errors import WeightSyncError, is_lost_server_error
 from async_rl.core.fault_points import hold_at
 from async_rl.core.trace import TraceRecorder
+from param_update.delta import BASE
 
 
 STAGE_BUCKET = "recv + register-buffer"  # a receiver call (its name in errors and in the timeline)
@@ -39,6 +40,7 @@ class VersionEnd:
     version: int
     num_buckets: int
     trainer_timings: dict  # seconds: gather, send
+    whole: tuple = ()  # with deltas and restarts: the whole version's BucketRefs, for restarted receivers
 
 
 class BucketStream:
@@ -182,11 +184,12 @@ class OverlappedWeightSync(WeightSync):
             self.trace.add(track, "recv", max(started, registered - result["recv_s"]), registered, version=version)
             self.trace.add(track, "register-buffer", registered, ended, version=version)
 
-    async def open_version(self, version: int, sender_node: str) -> dict[str, tuple]:
-        """The sender's first question about `version`: its route, transport name -> (transport class,
-        ticket), for the links of the live receivers (a transport may wait for room:
-        `WeightTransport.open`). Receivers are located once, at the first version (each restarted one at
-        its `replace`); each transport learns who reads through it first (`WeightTransport.members`)."""
+    async def open_version(self, version: int, sender_node: str) -> Route:
+        """The sender's first question about `version`: its `Route`, transport name -> (transport class,
+        ticket) for the links of the live receivers (a transport may wait for room:
+        `WeightTransport.open`) and the table's delta option. Receivers are located once, at the first
+        version (each restarted one at its `replace`); each transport learns who reads through it first
+        (`WeightTransport.members`)."""
         if self.sender_node is None:
             self.sender_node = sender_node
             await self._locate(self.receivers, version)
@@ -196,7 +199,9 @@ class OverlappedWeightSync(WeightSync):
             transport.members(readers)
             if readers:
                 route[name] = (type(transport), await transport.open(version, 3 * self.timeout_s))
-        return route
+        fallback = self.table.fallback
+        return Route(route, delta=self.table.delta, keep_whole=self.table.delta and self.on_lost is not None,
+                     fallback=(fallback.name, fallback))
 
     async def _locate(self, receivers: list, version: int) -> None:
         """Each receiver's link: the first transport of the table that reaches every process of it."""
@@ -287,8 +292,9 @@ class OverlappedWeightSync(WeightSync):
         loads = await self._on_all("load", version, lambda r: r.commit(version, item.num_buckets))
         total_s = time.time() - started_at  # every receiver serves it now; generate is told next
         read_through = self._note_loaded(version, loads, self._live(), buckets)
-        if self.on_lost is not None:
-            self.retained = (version, buckets, item.num_buckets)
+        if self.on_lost is not None:  # a delta is kept whole for restarted receivers
+            self.retained = (version, list(item.whole), len(item.whole)) if item.whole else (version, buckets,
+                                                                                             item.num_buckets)
             for transport in self.transports.values():
                 transport.retain(version)
         await self.generate_stage.set_served_version.remote(version)
@@ -309,6 +315,7 @@ class OverlappedWeightSync(WeightSync):
                                                    for r in generation), default=0.0),
             "async/param_update/num_buckets": float(item.num_buckets),
             "async/param_update/bytes": float(sum(s.nbytes for bucket in buckets for s in bucket.slices)),
+            "async/param_update/delta": float(any(s.name == BASE for bucket in buckets for s in bucket.slices)),
             **{f"async/param_update/{name}_receivers": float(count) for name, count in read_through.items()},
         }
 

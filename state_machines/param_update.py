@@ -67,8 +67,8 @@ class ParamUpdateStage(StateMachine):
         return self.synced_version if version is None else version
 
     # ---- called by the trainer's send thread -------------------------------------------
-    async def open_version(self, version: int, sender_node: str) -> dict[str, tuple]:
-        """How to send `version`: transport name -> (class, ticket) (param_update/sync.py); may wait for room."""
+    async def open_version(self, version: int, sender_node: str):
+        """How to send `version`: its `Route` (param_update/sync.py); may wait for room."""
         return await self.weight_sync.open_version(version, sender_node)
 
     async def put_bucket(self, version: int, index: int, handles: dict, slices: list) -> None:
@@ -76,10 +76,11 @@ class ParamUpdateStage(StateMachine):
         (backpressure on the sender)."""
         await self.stream.put_bucket(BucketRef(version, index, slices, handles))
 
-    def end_version(self, version: int, num_buckets: int, trainer_timings: dict, at_end: tuple = ()) -> None:
+    def end_version(self, version: int, num_buckets: int, trainer_timings: dict, at_end: tuple = (),
+                    whole: tuple = ()) -> None:
         """The last of `version`'s `num_buckets` buckets was sent; `at_end`: the BucketRefs of those
-        announced only now (not by `put_bucket`)."""
-        self.stream.end_version(VersionEnd(version, num_buckets, trainer_timings), tuple(at_end))
+        announced only now (not by `put_bucket`); `whole`: a delta's whole version, kept for restarts."""
+        self.stream.end_version(VersionEnd(version, num_buckets, trainer_timings, tuple(whole)), tuple(at_end))
 
     def sender_failed(self, version: int, message: str) -> None:
         self.stream.fail(version, message)

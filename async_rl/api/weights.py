@@ -210,9 +210,12 @@ class TransportTable:
 
     Args:
         classes: the transport classes (default: the registered ones, by rank).
+        delta: versions after the first go as deltas, the values changed since the version before as
+            receivers hold them (param_update/delta.py), on every link.
     """
 
-    def __init__(self, classes: Optional[Sequence[type[WeightTransport]]] = None):
+    def __init__(self, classes: Optional[Sequence[type[WeightTransport]]] = None, delta: bool = False):
+        self.delta = delta
         self.classes = list(classes) if classes else transports_by_rank()
         unknown = [cls for cls in self.classes if cls.reaches(None, None)]
         if not unknown:
@@ -231,6 +234,21 @@ class TransportTable:
             if cls.reaches(receiver_nodes, sender_node):
                 return cls.name
         raise RuntimeError(f"no weight transport of {self.names} reaches nodes {receiver_nodes} from {sender_node}")
+
+
+@dataclass(frozen=True)
+class Route:
+    """How the sender sends one version (the param_update stage's answer to `open_version`).
+
+    `transports`: transport name -> (class, ticket), one per link in use. `delta`: the table's delta
+    option. `keep_whole`: with deltas, also write the whole version (as receivers hold it) through
+    `fallback` (name, class) and announce it with the version's end: restarted receivers load it.
+    """
+
+    transports: dict
+    delta: bool = False
+    keep_whole: bool = False
+    fallback: Optional[tuple] = None
 
 
 def link_of(receiver_nodes: Optional[Sequence], sender_node: Any,

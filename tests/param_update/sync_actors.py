@@ -72,6 +72,13 @@ class Trainer:
             for p in self.model.parameters():
                 p.add_(1.0)
 
+    def nudge(self, fraction: float, seed: int) -> None:
+        """A step that moves `fraction` of each tensor's values (a delta sync's case)."""
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.add_((torch.rand(p.shape, generator=g) < fraction) * 0.05)
+
     def put_count(self) -> int:
         return self.puts
 

@@ -20,7 +20,7 @@ import pytest
 import ray
 import transformers
 
-from async_rl.api.weights import BucketRef, ReceiverSetup
+from async_rl.api.weights import BucketRef, ReceiverSetup, Route
 from async_rl.core.errors import WeightSyncError
 from async_rl.core.messages import NewWeights
 from async_rl.core.trace import TraceRecorder
@@ -455,13 +455,13 @@ class GatedSink:
         self.buckets, self.ended = [], None
 
     def open_version(self, version, sender_node):
-        return {"store": (ObjectStore, True)}  # no receiver on the sender's node: the object store
+        return Route({"store": (ObjectStore, True)})  # no receiver on the sender's node: the object store
 
     async def put_bucket(self, version, index, handles, slices):
         await self.gate.wait()
         self.buckets.append((index, handles["store"], slices))
 
-    def end_version(self, version, count, timings, at_end=()):
+    def end_version(self, version, count, timings, at_end=(), whole=()):
         self.ended = (version, count, len(at_end))
 
     def open(self):
