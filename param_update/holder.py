@@ -34,9 +34,10 @@ class StagedWeights:
 
     _staging: Optional[WeightStaging] = None
 
-    def start_staging(self, expected: dict, aliases: Optional[dict] = None) -> None:
-        """Stage versions of this layout from now on (canonical name -> (dtype, shape); alias -> canonical)."""
-        self._staging = WeightStaging(expected, aliases)
+    def start_staging(self, expected: dict, aliases: Optional[dict] = None, device: Optional[str] = None) -> None:
+        """Stage versions of this layout from now on (canonical name -> (dtype, shape); alias -> canonical), in
+        `device` memory when given (else as the transport hands them out)."""
+        self._staging = WeightStaging(expected, aliases, device)
 
     @property
     def staging(self) -> WeightStaging:

@@ -88,11 +88,16 @@ class VersionStager:
     Args:
         expected: canonical name -> (dtype, shape) of every tensor a version must carry.
         aliases: incoming name -> canonical name (tied weights); names not listed are canonical.
+        device: where the staged bytes live: None keeps zero-copy views of what the transport handed
+            out; a device (`"cuda"`: the register-buffer in GPU memory, so the load is a device-to-device
+            copy) copies each bucket there as it is staged.
     """
 
-    def __init__(self, expected: dict[str, tuple[torch.dtype, tuple[int, ...]]], aliases: Optional[dict] = None):
+    def __init__(self, expected: dict[str, tuple[torch.dtype, tuple[int, ...]]], aliases: Optional[dict] = None,
+                 device: Optional[str] = None):
         self.expected = dict(expected)
         self.aliases = dict(aliases or {})
+        self.device = device
         self.version: Optional[int] = None
         self.checked: Optional[int] = None  # the version `check_complete` found complete (until reset)
         self.base: dict[str, torch.Tensor] = {}  # canonical name -> the tensor a delta applies to
@@ -144,6 +149,9 @@ class VersionStager:
                 raise StagingError(f"version {version}: bucket {bucket.index} arrived twice")
             self._check_slices(version, bucket)
             self._registering.add(bucket.index)
+        if self.device is not None:  # register-buffer on the device: one copy, the transport's memory released
+            bucket = Bucket(bucket.version, bucket.index,
+                            [as_tensor(a).to(self.device, copy=True) for a in bucket.data], bucket.slices)
         # the tensors over its whole slices, built now so that the load only swaps them in
         views = {s.name: slice_tensor(s, array) for s, array in zip(bucket.slices, bucket.data) if s.whole}
         with self._changed:
@@ -160,7 +168,7 @@ class VersionStager:
                     completed.append(s.name)
             pieces = {name: self._pieces(name) for name in completed}
         for name, parts in pieces.items():  # the copy runs outside the lock
-            assembled = _assemble(parts)
+            assembled = _assemble(parts, self.device)
             with self._changed:
                 if self.version == version:
                     self._assembled[name] = assembled
@@ -297,10 +305,11 @@ class WeightStaging:
     Args:
         expected: canonical name -> (dtype, shape) of every tensor a version carries.
         aliases: incoming name -> canonical name (tied weights).
+        device: where staged versions live (`VersionStager`).
     """
 
-    def __init__(self, expected: dict, aliases: Optional[dict] = None):
-        self.stager = VersionStager(expected, aliases)
+    def __init__(self, expected: dict, aliases: Optional[dict] = None, device: Optional[str] = None):
+        self.stager = VersionStager(expected, aliases, device)
 
     def stage_bucket(self, version: int, index: int, source: BucketHandle, slices: list) -> dict[str, float]:
         """recv (bucket `index` of `version`, read through its transport's handle: zero-copy views
@@ -334,10 +343,10 @@ def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
     return math.prod(shape) * dtype.itemsize
 
 
-def _assemble(pieces) -> torch.Tensor:
-    """One tensor from its (TensorSlice, uint8 array) pieces."""
+def _assemble(pieces, device: Optional[str] = None) -> torch.Tensor:
+    """One tensor (on `device`, default the CPU) from its (TensorSlice, uint8 array or tensor) pieces."""
     first = pieces[0][0]
-    flat = torch.empty(first.tensor_nbytes, dtype=torch.uint8)
+    flat = torch.empty(first.tensor_nbytes, dtype=torch.uint8, device=device)
     for s, array in pieces:
         flat[s.start : s.start + s.nbytes].copy_(as_tensor(array))
     return flat.view(first.dtype).reshape(first.shape)

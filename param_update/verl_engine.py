@@ -90,10 +90,14 @@ class StagedCheckpointEngine(CheckpointEngine, StagedWeights):
         dual_buffer: stage into a second copy of the weights (else hold the buckets).
         is_master: trainer rank 0, the one that sends (verl sets it on the trainer's ranks).
         handoff_timeout_s: a receiver waits this long for the sender's next bucket.
+        staging_device: where the staged version lives (`"cuda"`: the register-buffer in the GPU's memory,
+            each bucket copied there as it arrives, so the server's load reads device memory); None: host
+            memory, views of the node's object store.
     """
 
     def __init__(self, bucket_size: int = 0, dual_buffer: bool = True, is_master: bool = False,
-                 handoff_timeout_s: float = HANDOFF_TIMEOUT_S, **kwargs: Any):
+                 handoff_timeout_s: float = HANDOFF_TIMEOUT_S, staging_device: Optional[str] = None, **kwargs: Any):
+        self.staging_device = staging_device
         self.bucket_size = bucket_size
         self.dual_buffer = dual_buffer
         self.is_master = is_master
@@ -183,7 +187,7 @@ class StagedCheckpointEngine(CheckpointEngine, StagedWeights):
         buckets stay in the node's object store until then."""
         if dual_buffer is not None:
             self.dual_buffer = dual_buffer
-        self.start_staging(expected)
+        self.start_staging(expected, device=self.staging_device)
 
 
 def load_versions_as_adapter(worker, peft_config: dict) -> None:
@@ -204,15 +208,17 @@ def load_versions_as_adapter(worker, peft_config: dict) -> None:
     adapter.update_weights = update_weights
 
 
-def use_staged_checkpoint_engine(config, consume_bucket_mb: float, dual_buffer: bool) -> None:
+def use_staged_checkpoint_engine(config, consume_bucket_mb: float, dual_buffer: bool,
+                                 staging_device: Optional[str] = None) -> None:
     """Point verl's checkpoint-engine config at this backend (GPU rollout backends only), in place.
 
     The replicas' `CheckpointEngineWorker`s then build a `StagedCheckpointEngine` and their
-    server adapters load in buckets of the consume size.
+    server adapters load in buckets of the consume size; `staging_device`: `StagedCheckpointEngine`'s.
     """
     section = config.actor_rollout_ref.rollout.checkpoint_engine
     with open_dict(section):
         section.backend = BACKEND
         section.custom_backend_module = __name__
         section.update_weights_bucket_megabytes = max(1, int(round(consume_bucket_mb)))
-        section.engine_kwargs = {**section.get("engine_kwargs", {}), BACKEND: {"dual_buffer": dual_buffer}}
+        kwargs = {"dual_buffer": dual_buffer, **({"staging_device": staging_device} if staging_device else {})}
+        section.engine_kwargs = {**section.get("engine_kwargs", {}), BACKEND: kwargs}

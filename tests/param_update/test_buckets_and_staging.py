@@ -11,6 +11,7 @@ import pytest
 import torch
 import transformers
 
+from async_rl.api.weights import Bucket
 from async_rl.core.config import MB
 from async_rl.core.errors import BucketSizeError
 from async_rl.rollout.cpu.engine import ContinuousBatchingEngine
@@ -184,6 +185,31 @@ def test_staged_version_loads_bit_identical(swap, bucket_bytes):
     assert stager.version is None  # ready for the next version
     if swap and bucket_bytes == 1 << 20:  # zero copy: the weights are the staged memory itself
         assert serving.model.norm.weight.data_ptr() == trained.model.norm.weight.data_ptr()
+
+
+@pytest.mark.parametrize("swap", [True, False])
+def test_a_device_staging_buffer_holds_its_own_copy_of_each_bucket(swap):
+    """`device` puts the register-buffer in that device's memory (a GPU's; here "cpu", the same code):
+    each bucket is copied there as it is staged, so what the transport handed out can be reused at once,
+    and the load still gives the version's bytes."""
+    serving, trained = tiny_model(0), tiny_model(1)
+    expected, aliases, tensors = layout(serving)
+    stager = VersionStager(expected, aliases, device="cpu")
+    buckets = [Bucket(1, b.index, [a.copy() for a in b.data], b.slices)  # as a transport hands them out
+               for b in pack_buckets(trained.state_dict().items(), 512, version=1)]
+    for bucket in buckets:
+        stager.stage(1, bucket)
+    for bucket in buckets:  # the transport's memory reused
+        for array in bucket.data:
+            array[:] = 0
+    stager.check_complete(1, len(buckets))
+    if swap:
+        stager.swap_into(tensors)
+    else:
+        stager.copy_into(tensors, consume_bytes=1000)
+    assert {n: digest(t) for n, t in serving.state_dict().items()} == {
+        n: digest(t) for n, t in trained.state_dict().items()
+    }
 
 
 def test_incomplete_version_is_refused_and_serving_untouched():
