@@ -81,6 +81,11 @@ class CollectiveBucket:
     world: int
     tag: int
 
+    @property
+    def group(self) -> tuple:
+        """The group it was sent in: (the sender's store address, port, epoch)."""
+        return self.address, self.port, self.epoch
+
     def read(self, slices: list) -> list[np.ndarray]:
         """The bucket's arrays: on the sender's node read from the shared buffer (zero copy); elsewhere
         received in the group (joined at the first read), or, when this process's group broke, fetched
@@ -114,13 +119,13 @@ _RANK_KEY = "receiving_ranks"
 
 
 class ReceivingSide:
-    """The groups this process joined (one at a time: joining a newer one leaves the older), and those
-    that broke here (read through the fallback from then on)."""
+    """The groups this process joined (one per sender: joining a newer one leaves the older), and those
+    that broke here (read through the fallback from then on), by `CollectiveBucket.group`."""
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._joined: dict[int, _Joined] = {}
-        self._broken: set[int] = set()
+        self._joined: dict[tuple, _Joined] = {}
+        self._broken: set[tuple] = set()
         self._node: Optional[str] = None
 
     def _this_node(self) -> Optional[str]:
@@ -129,18 +134,21 @@ class ReceivingSide:
         return self._node
 
     def _group(self, handle: CollectiveBucket) -> Optional[_Joined]:
+        key = handle.group
         with self._lock:
-            if handle.epoch in self._broken:
+            if key in self._broken:
                 return None
-            if handle.epoch not in self._joined:
+            if key not in self._joined:
                 try:
                     joined = _Joined(handle, datetime.timedelta(seconds=GROUP_TIMEOUT_S))
                 except Exception:  # noqa: BLE001 - the fallback reads it
-                    logger.exception("could not join weight group %d", handle.epoch)
-                    self._broken.add(handle.epoch)
+                    logger.exception("could not join weight group %s", key)
+                    self._broken.add(key)
                     return None
-                self._joined = {handle.epoch: joined}  # an older group's members changed: leave it
-            return self._joined[handle.epoch]
+                # a newer group of the same sender replaces its older one (its members changed)
+                self._joined = {k: v for k, v in self._joined.items() if k[:2] != key[:2]}
+                self._joined[key] = joined
+            return self._joined[key]
 
     def read(self, handle: CollectiveBucket, slices: list) -> list[np.ndarray]:
         if self._this_node() == handle.sender_node:
@@ -153,10 +161,10 @@ class ReceivingSide:
                 joined.group.recv([flat], 0, handle.tag).wait(datetime.timedelta(seconds=GROUP_TIMEOUT_S))
                 return _split(flat.numpy(), slices)
             except Exception:  # noqa: BLE001 - the sender or the group is gone: read it from the sender's node
-                logger.exception("weight group %d broke at bucket tag %d", handle.epoch, handle.tag)
+                logger.exception("weight group %s broke at bucket tag %d", handle.group, handle.tag)
                 with self._lock:
-                    self._broken.add(handle.epoch)
-                    self._joined.pop(handle.epoch, None)
+                    self._broken.add(handle.group)
+                    self._joined.pop(handle.group, None)
         if nbytes == 0:
             return _split(np.empty(0, dtype=np.uint8), slices)
         on_sender = NodeAffinitySchedulingStrategy(handle.sender_node, soft=False)
