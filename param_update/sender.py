@@ -8,11 +8,12 @@ is sent (copied) before training may change it.
 
 send: a background thread of rank 0 copies each bucket once per transport its route names
 (the sink's `open_version`, asked at the start of each gather; param_update/transports/): into a
-region of its shared buffer for receivers on its Ray node, into Ray's object store for the
-others (off the accelerator, no collective), and announces it to the sink (the param_update
-stage), so the next training step runs while the buckets travel. A bucket written through a
-transport that announces each bucket (the store) is announced at once (`put_bucket`, which
-returns only when the sink has room: that bounds the buckets in flight); one only in shared
+region of its shared buffer for receivers on its Ray node, into a gloo group for those on other
+nodes, into Ray's object store for receivers whose nodes are unknown, and announces it to the
+sink (the param_update stage), so the next training step runs while the buckets travel. A bucket
+written through a transport that announces each bucket (the collective, the store) is announced
+at once (`put_bucket`, which returns only when the sink has room: that bounds the buckets in
+flight); one only in shared
 memory is announced with the version's end (`end_version`), one call for all of them, so no
 round trip competes with the copy.
 

@@ -2,9 +2,10 @@
 
 Buckets of version v arrive from the trainer's send thread (`BucketStream`). Each receiver
 reads through its link, the first transport of the table that reaches it (async_rl/api/weights.py
-`TransportTable`: shared memory on the sender's Ray node, Ray's object store elsewhere), or through
-the table's fallback when the version's route did not reach it (a server restarted since). A bucket written through a
-transport that announces each bucket (the object store) is handed to its receivers as soon as it
+`TransportTable`: shared memory on the sender's Ray node, a gloo group on other nodes), or through
+the table's fallback (Ray's object store) when its link did not get the bucket for it (a receiver
+whose nodes are unknown, or one restarted since). A bucket written through a transport that
+announces each bucket (the collective, the object store) is handed to its receivers as soon as it
 arrives; they fetch it (recv) and register it in their staging buffer (register-buffer) while
 generation and logp go on with v - 1, then check that v is complete. A receiver whose link
 announces whole versions (shared memory) gets the whole version in one call once the last bucket
