@@ -22,7 +22,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from verl.trainer.ppo.utils import need_reference_policy
 
 import param_update.transports  # noqa: F401 - registers the built-in transports
-from async_rl.api.weights import transports_by_rank
+from async_rl.api.weights import ReceiverSetup, TransportTable, transports_by_rank
 from async_rl.checkpoints import (CheckpointDir, ResumePoint, RunCheckpointer, dataloader_workers_in_state,
                                   find_resume_point)
 from async_rl.core.devices import GroupDevices, reserve_nodes
@@ -197,7 +197,7 @@ class StageInputs:
         self.sampling_pool = state.sampling_pool if state is not None else None
         self.kl_coef = state.kl_coef if state is not None else None
         self.ref_enabled = need_reference_policy(self.config)
-        self.transports = transports_by_rank()
+        self.transports = TransportTable(transports_by_rank(), delta=self.settings.delta_sync)
         self.step_parts = step_parts(self.run.edges)
 
     @cached_property
@@ -288,8 +288,8 @@ def start_weight_sync(built: BuiltPipeline) -> None:
     layout, built.adapter = built.wait({ACTOR_TRAIN: trainer.weight_layout.remote()}, CALL_TIMEOUT_S,
                                        "read the trainer's weight layout")[ACTOR_TRAIN]
     settings = built.run.async_cfg
-    setup = built.stages[PARAM_UPDATE].configure_rollout_servers.remote(
-        settings.enable_dual_buffer, built.bucket_bytes["consume"], layout, settings.partial_rollout, built.adapter)
+    setup = built.stages[PARAM_UPDATE].configure_rollout_servers.remote(ReceiverSetup(
+        settings.enable_dual_buffer, built.bucket_bytes["consume"], layout, settings.partial_rollout, built.adapter))
     built.wait({PARAM_UPDATE: setup}, SETUP_TIMEOUT_S, "set up the rollout servers' weight staging")
 
 

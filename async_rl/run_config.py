@@ -17,7 +17,8 @@ from verl.trainer.ppo.utils import need_reference_policy
 import async_rl.rollout.backends  # noqa: F401 - registers the built-in rollout backends
 from async_rl.api.rollout import RolloutBackend, registered_backends, rollout_backend
 from async_rl.checkpoints import CheckpointConfig, read_checkpoint_config
-from async_rl.core.config import AsyncPipelineConfig, critic_enabled, read_async_config, runs_on_cpu, strip_async_keys
+from async_rl.core.config import (DELTA_SYNC_KEY, AsyncPipelineConfig, critic_enabled, read_async_config, runs_on_cpu,
+                                    strip_async_keys)
 from async_rl.core.data_checks import agent_names_in, check_rl_files
 from async_rl.core.decoupled_ppo import apply_to_config, uses_behaviour_as_old
 from async_rl.core.errors import AsyncConfigError
@@ -101,6 +102,7 @@ def read_run_config(config: DictConfig) -> RunConfig:
             f"True with rollout.name={backend.name} (its server aborts requests around a weight load; waiting for "
             "them instead needs a backend that can: cpu, vllm)",
         )
+    _check_delta_sync(config, async_cfg, backend)
     check_files(config)
     check_agent_loops(config, agent_names_in(config.data.train_files) | agent_names_in(config.data.get("val_files") or []))
 
@@ -152,6 +154,22 @@ def size_dataloader_workers(config: DictConfig) -> bool:
         with open_dict(config.data):
             config.data.dataloader_num_workers = SIZED_DATALOADER_WORKERS
     return False
+
+
+def _check_delta_sync(config: DictConfig, async_cfg: AsyncPipelineConfig, backend: RolloutBackend) -> None:
+    """A delta applies to the full weights a receiver serves: the CPU rollout servers' (their load swaps or
+    copies whole tensors); a LoRA version is an adapter merged at load, logp ranks load into shards."""
+    if not async_cfg.delta_sync:
+        return
+    why = []
+    if backend.name != "cpu":
+        why.append(f"rollout.name={backend.name} (its replicas load through verl's update_weights, which keeps no base)")
+    if int(OmegaConf.select(config, "actor_rollout_ref.model.lora_rank", default=0) or 0) > 0:
+        why.append("actor_rollout_ref.model.lora_rank > 0 (a version is an adapter, merged at its load)")
+    if async_cfg.proximal_logp_workers == "logp":
+        why.append("algorithm.proximal_logp_workers=logp (its ranks load into FSDP shards and keep no base)")
+    if why:
+        raise AsyncConfigError(DELTA_SYNC_KEY, True, "False with " + "; ".join(why))
 
 
 def _replica_restarts(async_cfg: AsyncPipelineConfig, backend: RolloutBackend) -> int:

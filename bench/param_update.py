@@ -11,9 +11,14 @@ raylets and object stores on this machine, told apart by node id as two machines
   version in its dual buffer (views, one call) while it keeps generating; the load swaps
   the halves between two decoding steps.
 - pipeline, other node: the same with the server on the second node: buckets travel
-  through Ray's object store (put on the trainer's node, fetched to the server's).
+  through Ray's object store (put on the trainer's node, fetched to the server's); then, to the
+  same server from a second param_update stage, through the collective transport (each bucket
+  copied once into the trainer's shared buffer and sent in a gloo group to the server's process).
 - naive: stop-the-world, as verl's standalone sync does it (abort and pause generation,
   gather everything, one put, load in full, resume): generation is blocked throughout.
+- raw link: the same bytes sent once in a gloo group from the trainer's process to a process on
+  the second node (the collective transport's link: loopback TCP between the two raylets' processes
+  here), until that process has them (a one-byte answer closes the timing), the best of three.
 - raw copy: a copy of the same bytes in one process, the physical limit here: the faster
   of torch's `copy_` (on its intra-op threads) and memcpy split across every core
   (`np.copyto` per core; 1.5-1.7x faster than torch's at 100M and 500M here), each the best
@@ -92,6 +97,7 @@ MAX_WARMUP_SYNCS = 40  # small models: the store's allocator reuses freed pages 
 TOTAL = "timing_s/param_update/total"
 STEP_WAIT = "async/param_update/step_wait_s"
 SETTLE_STEPS = 2  # server steps after a load (its re-prefill, one decoding step) before the next sync starts
+LINK_NAMES = ("shm", "collective", "store")  # the transports a link row counts receivers of
 
 
 def model_config(size: str):
@@ -144,9 +150,28 @@ class Trainer:
         return sender.gather_and_send(state.items(), version, bucket_bytes, sink, True, live)["gather_s"]
 
     def close(self) -> None:
-        """Unlink the senders' shared-memory files."""
-        for transport in self.transports.values():
-            transport.close()
+        """Unlink the senders' shared-memory files (the collective's buffer too)."""
+        for sender in self.senders.values():
+            sender.close()
+
+    def raw_link_s(self, nbytes: int, probe, repeats: int = 3) -> float:
+        """The fastest of `repeats` gloo sends of `nbytes` to `probe` (on the other node) until it has them (s)."""
+        import datetime
+
+        import torch.distributed as dist
+
+        timeout = datetime.timedelta(seconds=TIMEOUT_S)
+        store = dist.TCPStore(ray.util.get_node_ip_address(), 0, 2, True, timeout=timeout, wait_for_workers=False)
+        joined = probe.receive.remote(ray.util.get_node_ip_address(), store.port, nbytes, repeats)
+        group = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), 0, 2, timeout)
+        data, ack, times = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(1, dtype=torch.uint8), []
+        for i in range(repeats):
+            start = time.perf_counter()
+            group.send([data], 1, 2 * i).wait()
+            group.recv([ack], 1, 2 * i + 1).wait()
+            times.append(time.perf_counter() - start)
+        ray.get(joined, timeout=TIMEOUT_S)
+        return min(times)
 
     def gather_all(self):
         """naive gather + put: every tensor in one object (one copy, as the pipeline's put)."""
@@ -191,6 +216,24 @@ class VersionLog:
 
     def set_served_version(self, version: int) -> None:
         self.versions.append(version)
+
+
+@ray.remote
+class LinkProbe:
+    """The receiving end of `Trainer.raw_link_s`, on the other node."""
+
+    def receive(self, address: str, port: int, nbytes: int, repeats: int) -> None:
+        import datetime
+
+        import torch.distributed as dist
+
+        timeout = datetime.timedelta(seconds=TIMEOUT_S)
+        store = dist.TCPStore(address, port, 2, False, timeout=timeout)
+        group = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), 1, 2, timeout)
+        data, ack = torch.empty(nbytes, dtype=torch.uint8), torch.ones(1, dtype=torch.uint8)
+        for i in range(repeats):
+            group.recv([data], 0, 2 * i).wait()
+            group.send([ack], 0, 2 * i + 1).wait()
 
 
 @ray.remote
@@ -317,13 +360,23 @@ def on_node(node_id: str) -> dict:
     return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
 
 
-def start_link(model_dir: str, consume_mb: float, node: str, stage_node: str) -> tuple:
-    """A CPU rollout server on `node`, decoding (a LoadGenerator beside it), and a param_update stage on
-    `stage_node` syncing it. Returns (server, stage, load, load's run)."""
-    from verl.workers.config import HFModelConfig, RolloutConfig
-
+def start_stage(server, stage_node: str, transports: list):
+    """A param_update stage on `stage_node` syncing `server` through a table of `transports`."""
     from param_update.receivers import ActorReceiver
     from state_machines.param_update import ParamUpdateStage
+
+    stage = ray.remote(ParamUpdateStage).options(max_concurrency=64, **on_node(stage_node)).remote(
+        receivers=[ActorReceiver("rollout_server", server, True)], clock=VersionLog.remote(), transports=transports
+    )
+    ray.get(stage.connect.remote([], 1), timeout=TIMEOUT_S)
+    stage.run.remote()
+    return stage
+
+
+def start_link(model_dir: str, consume_mb: float, node: str, stage_node: str, transports: list) -> tuple:
+    """A CPU rollout server on `node`, decoding (a LoadGenerator beside it), and a param_update stage on
+    `stage_node` syncing it through a table of `transports`. Returns (server, stage, load, load's run)."""
+    from verl.workers.config import HFModelConfig, RolloutConfig
 
     config = RolloutConfig(name="cpu", tensor_model_parallel_size=1, prompt_length=8, response_length=32)
     server = ray.remote(rollout_server_class()).options(max_concurrency=64, **on_node(node)).remote(
@@ -331,11 +384,7 @@ def start_link(model_dir: str, consume_mb: float, node: str, stage_node: str) ->
     )
     ray.get(server.launch_server.remote(), timeout=TIMEOUT_S)
     ray.get(server.configure_weight_sync.remote(True, int(consume_mb * (1 << 20))), timeout=TIMEOUT_S)
-    stage = ray.remote(ParamUpdateStage).options(max_concurrency=64, **on_node(stage_node)).remote(
-        receivers=[ActorReceiver("rollout_server", server, True)], clock=VersionLog.remote()
-    )
-    ray.get(stage.connect.remote([], 1), timeout=TIMEOUT_S)
-    stage.run.remote()
+    stage = start_stage(server, stage_node, transports)
     load = LoadGenerator.options(**on_node(node)).remote(server)
     load_run = load.run.remote()
     wait_for(lambda: ray.get(load.count.remote(), timeout=TIMEOUT_S), "the first generated tokens", poll_s=0.05)
@@ -357,15 +406,16 @@ def link_row(first: dict, runs: list[dict], naive: dict, raw_copy_s: float, warm
         "step_wait_s": best[STEP_WAIT], "total_with_wait_s": best[TOTAL], "blocked_s": blocked,
         "naive_total_s": naive["total_s"], "naive_blocked_s": naive["blocked_s"],
         "total_over_raw": net_total(best) / raw_copy_s, "blocked_over_naive": blocked / naive["blocked_s"],
-        "shm_receivers": best["async/param_update/shm_receivers"],
-        "store_receivers": best["async/param_update/store_receivers"],
+        **{f"{name}_receivers": best[f"async/param_update/{name}_receivers"] for name in LINK_NAMES},
     }
 
 
 def bench_size(size: str, bucket_mb: float, consume_mb: float, put_threads: list[int], nodes: tuple) -> dict:
     """Every measurement of one model size; `nodes`: (the trainer's node id, the other node's)."""
     from param_update.capacity import model_weight_bytes
-    from param_update.transports.shared_memory import REGIONS
+    from param_update.transports.collective import Collective
+    from param_update.transports.object_store import ObjectStore
+    from param_update.transports.shared_memory import REGIONS, SharedMemory
 
     head, other = nodes
     trainer = Trainer.options(**on_node(head)).remote(size, seed=1, put_threads=put_threads)
@@ -377,7 +427,7 @@ def bench_size(size: str, bucket_mb: float, consume_mb: float, put_threads: list
         model_bytes = model_weight_bytes(model_dir)
         params = ray.get(trainer.num_params.remote(), timeout=TIMEOUT_S)
         # ---- same node: the server on the trainer's node, buckets through shared memory
-        server, stage, load, load_run = start_link(model_dir, consume_mb, head, head)
+        server, stage, load, load_run = start_link(model_dir, consume_mb, head, head, [SharedMemory, ObjectStore])
         first, _ = pipeline_sync(trainer, stage, next(versions), bucket_bytes, main_threads, decoding_server=server)
         warmup = REGIONS  # every region of the shared buffer written once
         for k in range(2, warmup + 1):
@@ -409,7 +459,7 @@ def bench_size(size: str, bucket_mb: float, consume_mb: float, put_threads: list
             ray.kill(actor, no_restart=True)
         ray.get(trainer.close.remote(), timeout=TIMEOUT_S)  # the shared buffer's memory goes back
         # ---- other node: the server on the second node, buckets through Ray's object store
-        server, stage, load, load_run = start_link(model_dir, consume_mb, other, head)
+        server, stage, load, load_run = start_link(model_dir, consume_mb, other, head, [SharedMemory, ObjectStore])
         cross_first, _ = pipeline_sync(trainer, stage, next(versions), bucket_bytes, main_threads,
                                        decoding_server=server)
         cross_warmup = warmup_syncs(model_bytes)  # until the stores have cycled once
@@ -419,9 +469,22 @@ def bench_size(size: str, bucket_mb: float, consume_mb: float, put_threads: list
                                decoding_server=server)[0] for _ in range(3)]
         naive_sync(trainer, server, next(versions))
         cross_naive = min((naive_sync(trainer, server, next(versions)) for _ in range(2)), key=lambda r: r["total_s"])
+        # ---- the same server through the collective transport (a stage whose table has it)
+        ray.kill(stage, no_restart=True)
+        stage = start_stage(server, head, [SharedMemory, Collective, ObjectStore])
+        group_first, _ = pipeline_sync(trainer, stage, next(versions), bucket_bytes, main_threads,
+                                       decoding_server=server)
+        for _ in range(2, REGIONS + 1):  # every region of the sender's buffer written once
+            pipeline_sync(trainer, stage, next(versions), bucket_bytes, main_threads, decoding_server=server)
+        group = [pipeline_sync(trainer, stage, next(versions), bucket_bytes, main_threads,
+                               decoding_server=server)[0] for _ in range(3)]
         ray.get(load.stop.remote(), timeout=TIMEOUT_S)
         ray.get(load_run, timeout=TIMEOUT_S)
-        for actor in (stage, server, load, trainer):
+        group_idle = [pipeline_sync(trainer, stage, next(versions), bucket_bytes, main_threads)[0] for _ in range(3)]
+        probe = LinkProbe.options(**on_node(other)).remote()
+        raw_link = ray.get(trainer.raw_link_s.remote(model_bytes, probe), timeout=TIMEOUT_S)
+        ray.get(trainer.close.remote(), timeout=TIMEOUT_S)
+        for actor in (stage, server, load, trainer, probe):
             ray.kill(actor, no_restart=True)
     by_threads = {}
     for n in put_threads:
@@ -459,9 +522,16 @@ def bench_size(size: str, bucket_mb: float, consume_mb: float, put_threads: list
         "parts_s": main["parts_s"],
         "by_put_threads": by_threads,
         "tokens_generated": tokens,
+        "raw_link_s": raw_link,
         "links": {
             "same_node": link_row(first, runs[main_threads], naive, raw, warmup),
             "other_node": link_row(cross_first, cross, cross_naive, raw, cross_warmup),
+            "other_node_collective": {
+                **link_row(group_first, group, cross_naive, raw, REGIONS),
+                "total_idle_s": min(net_total(t) for t in group_idle),
+                "idle_over_raw_link": min(net_total(t) for t in group_idle) / raw_link,
+                "total_over_raw_link": min(net_total(t) for t in group) / raw_link,
+            },
         },
     }
 
@@ -516,20 +586,32 @@ def main(argv=None) -> list[dict]:
           "swaps between steps; not in any total); 'w/ train': the same with a "
           "training step beside it (median); 'decoding': the raw copy in the trainer process while the "
           "rollout server decodes, as the pipeline's syncs run")
-    link_header = (f"{'size':>5} {'link':<28} | {'shm/store':>9} {'first sync':>10} {'total':>8} {'step wait':>9} "
-                   f"{'blocked':>8} {'naive blocked':>13} | {'total/raw':>9} {'blocked/naive':>13}")
+    link_header = (f"{'size':>5} {'link':<30} | {'shm/coll/store':>14} {'first sync':>10} {'total':>8} "
+                   f"{'step wait':>9} {'blocked':>8} {'naive blocked':>13} | {'total/raw':>9} {'blocked/naive':>13}")
     print(f"\nper link (a server on the trainer's Ray node, then one on the other node), generation decoding:\n"
           f"{link_header}\n{'-' * len(link_header)}")
+    names = {"same_node": "same node (shared memory)", "other_node": "other node (object store)",
+             "other_node_collective": "other node (collective, gloo)"}
     for r in rows:
         for name, link in r["links"].items():
-            what = {"same_node": "same node (shared memory)", "other_node": "other node (object store)"}[name]
-            print(f"{r['size']:>5} {what:<28} | {link['shm_receivers']:>4.0f}/{link['store_receivers']:<4.0f} "
+            counts = "/".join(f"{link[f'{n}_receivers']:.0f}" for n in LINK_NAMES)
+            print(f"{r['size']:>5} {names[name]:<30} | {counts:>14} "
                   f"{link['first_sync_s']:>9.3f}s {link['total_s']:>7.3f}s {link['step_wait_s']:>8.3f}s "
                   f"{link['blocked_s']:>7.4f}s {link['naive_blocked_s']:>12.3f}s | {link['total_over_raw']:>9.2f} "
                   f"{link['blocked_over_naive']:>13.4f}")
     print("goal: total/raw <= 2.0 on the same node, blocked/naive <= 0.1; 'total': gather start to loaded, "
           "without the step wait; 'naive blocked': the stop-the-world sync of the same server; "
-          "'shm/store': receivers that got the version through shared memory / the object store")
+          "'shm/coll/store': receivers that got the version through shared memory / the collective / the object store")
+    print("\nacross nodes, the collective against the link it uses (gloo, the bytes sent once to the other node):")
+    for r in rows:
+        link = r["links"]["other_node_collective"]
+        store = r["links"]["other_node"]
+        print(f"{r['size']}: raw link {r['raw_link_s']:.3f}s; collective sync {link['total_s']:.3f}s decoding "
+              f"({link['total_over_raw_link']:.2f}x the raw link), {link['total_idle_s']:.3f}s idle "
+              f"({link['idle_over_raw_link']:.2f}x), object store {store['total_s']:.3f}s "
+              f"({store['total_s'] / r['raw_link_s']:.2f}x); generation blocked {link['blocked_s']:.4f}s = "
+              f"{link['blocked_over_naive']:.4f} of the naive sync's {link['naive_blocked_s']:.3f}s")
+    print("goal across nodes: the whole sync <= 3x the raw link, generation blocked <= 0.01 of the naive sync")
     for r in rows:
         parts = ", ".join(f"{k} {v:.3f}s" for k, v in r["parts_s"].items())
         print(f"{r['size']}: pipeline parts: {parts}")

@@ -29,9 +29,11 @@ def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def as_tensor(array: np.ndarray) -> torch.Tensor:
-    """A uint8 tensor over an array's bytes, no copy. Arrays fetched from Ray's object store
-    are read-only and are only ever read from, so torch's warning about that is silenced."""
+def as_tensor(array: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """A uint8 tensor over an array's bytes, no copy (a tensor: itself). Arrays fetched from Ray's object
+    store are read-only and are only ever read from, so torch's warning about that is silenced."""
+    if isinstance(array, torch.Tensor):
+        return array
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         return torch.from_numpy(np.asarray(array))

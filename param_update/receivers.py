@@ -1,7 +1,7 @@
 """The two kinds of `WeightReceiver` (async_rl/api/weights.py) the param_update stage syncs.
 
-- `ActorReceiver`: any Ray actor with the `WeightHolder` methods, which `WeightStaging`
-  (param_update/staging.py) implements: the CPU rollout servers and the logp stage.
+- `ActorReceiver`: any Ray actor with the `WeightHolder` methods, which the holder bases
+  (param_update/holder.py) implement: the CPU rollout servers and the logp stage.
 - `VerlReplicaReceiver`: a verl rollout replica (vllm, sglang) whose `CheckpointEngineWorker`s
   stage the buckets through this package's verl checkpoint-engine backend
   (param_update/verl_engine.py) and load them with verl's `update_weights`.
@@ -15,15 +15,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Optional
 
-from async_rl.api.weights import BucketRef
-from param_update.lora import LoraAdapter
-from param_update.transports.object_store import ObjectStore
+from async_rl.api.weights import BucketRef, ReceiverSetup
 from param_update.verl_engine import load_versions_as_adapter
-
-
-def handle_for(link: str, bucket: BucketRef):
-    """The handle a receiver on `link` reads `bucket` through: its link's, else the object store's."""
-    return bucket.handles.get(link) or bucket.handles[ObjectStore.name]
 
 
 class ActorReceiver:
@@ -38,28 +31,27 @@ class ActorReceiver:
         self.handle = handle
         self.serves_generation = serves_generation
         self.replica_index = replica_index
-        self.link = ObjectStore.name
+        self.link: Optional[str] = None
 
     def restarted(self, handle: Any, replica_actors: Optional[tuple] = None) -> "ActorReceiver":
         """This receiver for a restarted server `handle`."""
         return ActorReceiver(self.name, handle, self.serves_generation, self.replica_index)
 
-    async def configure(self, dual_buffer: bool, consume_bytes: int, layout: Optional[dict] = None,
-                        partial_rollout: bool = True, adapter: Optional[LoraAdapter] = None) -> None:
-        """Set up its staging (`consume_bytes`: bytes loaded at a time) for the trainer's `layout` (name ->
-        (dtype, shape); a mismatch fails here; None: not checked). `adapter` (LoRA): versions carry the
-        adapter's tensors, which the receiver merges onto its own base weights (param_update/lora.py)."""
-        await self.handle.configure_weight_sync.remote(dual_buffer, consume_bytes, layout, partial_rollout, adapter)
+    async def configure(self, setup: ReceiverSetup) -> None:
+        """Set up its staging for the trainer's layout (a mismatch fails here). Under LoRA versions carry
+        the adapter's tensors, which the receiver merges onto its own base weights (param_update/lora.py)."""
+        await self.handle.configure_weight_sync.remote(setup.dual_buffer, setup.consume_bytes, setup.layout,
+                                                       setup.partial_rollout, setup.adapter)
 
     async def nodes(self) -> Optional[list]:
         return await self.handle.weight_sync_nodes.remote()
 
     async def stage(self, bucket: BucketRef) -> dict:
-        source = handle_for(self.link, bucket)
+        source = bucket.handle_for(self.link)
         return await self.handle.stage_weight_bucket.remote(bucket.version, bucket.index, source, bucket.slices)
 
     async def stage_version(self, version: int, buckets: list, num_buckets: int) -> dict:
-        sources = [(b.index, handle_for(self.link, b), b.slices) for b in buckets]
+        sources = [(b.index, b.handle_for(self.link), b.slices) for b in buckets]
         return await self.handle.stage_weight_buckets.remote(version, sources, num_buckets)
 
     async def check(self, version: int, num_buckets: int) -> None:
@@ -94,7 +86,7 @@ class VerlReplicaReceiver:
         self.replica_index = replica_index
         self.drain = drain
         self.serves_generation = True
-        self.link = ObjectStore.name
+        self.link: Optional[str] = None
 
     @property
     def handle(self):
@@ -111,24 +103,24 @@ class VerlReplicaReceiver:
     def _on_workers(self, method: str, *args) -> list:
         return [w.execute_checkpoint_engine.remote(method, *args) for w in self.replica.workers]
 
-    async def configure(self, dual_buffer: bool, consume_bytes: int, layout: Optional[dict] = None,
-                        partial_rollout: bool = True, adapter: Optional[LoraAdapter] = None) -> None:
-        """`adapter` (LoRA): versions carry the adapter's tensors, which the replica serves as an adapter
-        over the base it loaded (verl's LoRA path for its servers: param_update/verl_engine.py)."""
+    async def configure(self, setup: ReceiverSetup) -> None:
+        """Under LoRA versions carry the adapter's tensors, which the replica serves as an adapter over
+        the base it loaded (verl's LoRA path for its servers: param_update/verl_engine.py)."""
+        adapter = setup.adapter
         if adapter is not None:
             if adapter.peft_config is None:
                 raise ValueError(f"{self.name}: the adapter has no PEFT config to serve it with")
             await asyncio.gather(*(w.__ray_call__.remote(load_versions_as_adapter, adapter.peft_config)
                                    for w in self.replica.workers))
-        await asyncio.gather(*self._on_workers("configure", layout, dual_buffer))
+        await asyncio.gather(*self._on_workers("configure", setup.layout, setup.dual_buffer))
 
     async def nodes(self) -> Optional[list]:
         return None
 
     async def stage(self, bucket: BucketRef) -> dict:
-        source = handle_for(self.link, bucket)
+        source = bucket.handle_for(self.link)
         results = await asyncio.gather(
-            *self._on_workers("stage_bucket", bucket.version, bucket.index, source, bucket.slices)
+            *self._on_workers("stage_weight_bucket", bucket.version, bucket.index, source, bucket.slices)
         )
         return {key: max(r[key] for r in results) for key in results[0]}
 
@@ -141,7 +133,7 @@ class VerlReplicaReceiver:
         return totals
 
     async def check(self, version: int, num_buckets: int) -> None:
-        await asyncio.gather(*self._on_workers("check", version, num_buckets))
+        await asyncio.gather(*self._on_workers("check_weights", version, num_buckets))
 
     async def commit(self, version: int, num_buckets: int) -> dict:
         start = time.perf_counter()
@@ -157,4 +149,4 @@ class VerlReplicaReceiver:
         return {"load_s": load_s, "blocked_s": load_s}
 
     async def discard(self, version: int) -> None:
-        await asyncio.gather(*self._on_workers("discard", version))
+        await asyncio.gather(*self._on_workers("discard_weights", version))

@@ -8,16 +8,23 @@ is sent (copied) before training may change it.
 
 send: a background thread of rank 0 copies each bucket once per transport its route names
 (the sink's `open_version`, asked at the start of each gather; param_update/transports/): into a
-region of its shared buffer for receivers on its Ray node, into Ray's object store for the
-others (off the accelerator, no collective), and announces it to the sink (the param_update
-stage), so the next training step runs while the buckets travel. A bucket written through a
-transport that announces each bucket (the store) is announced at once (`put_bucket`, which
-returns only when the sink has room: that bounds the buckets in flight); one only in shared
+region of its shared buffer for receivers on its Ray node, into a gloo group for those on other
+nodes, into Ray's object store for receivers whose nodes are unknown, and announces it to the
+sink (the param_update stage), so the next training step runs while the buckets travel. A bucket
+written through a transport that announces each bucket (the collective, the store) is announced
+at once (`put_bucket`, which returns only when the sink has room: that bounds the buckets in
+flight); one only in shared
 memory is announced with the version's end (`end_version`), one call for all of them, so no
 round trip competes with the copy.
 
 Every write of a bucket is split into `put_threads` pieces written at once from a thread pool
 (`PUT_THREADS`; why four, measured: bench/README.md#param_updatepy-the-weight-sync).
+
+Deltas (the table's `delta` option, learnt from the first version's route): each version after the
+first is packed as the values changed since the one before, as receivers hold them
+(param_update/delta.py); the sender keeps the previous version for that. With restartable
+receivers (`Route.keep_whole`) the whole version is also written through the table's fallback,
+announced with its end, for a restarted receiver to load.
 """
 
 from __future__ import annotations
@@ -28,20 +35,54 @@ import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Optional, Union
 
 import ray
 import torch
 
-from async_rl.api.weights import Bucket, WeightTransport
+from async_rl.api.weights import Bucket, BucketRef, Route, WeightTransport
 from param_update.buckets import pack_buckets
+from param_update.delta import DeltaEncoder, as_held
 
 logger = logging.getLogger(__name__)
 
 SINK_TIMEOUT_S = 600.0  # one announce may wait this long for room at the sink
 ROUTE_TIMEOUT_S = 1800.0  # the route of a version may wait this long (the sink bounds its wait for a region)
 PUT_THREADS = 4  # objects per bucket, put at once
-_END = object()
+
+
+@dataclass
+class QueuedBucket:
+    """A packed bucket waiting for the send thread. `route`: the ObjectRef of the sink's route for its
+    version; `sent`: its handles when the gather already sent it (it aliases the live weights)."""
+
+    bucket: Bucket
+    sink: Any
+    route: Any
+    sent: Optional[dict] = None
+
+    @property
+    def version(self) -> int:
+        return self.bucket.version
+
+
+@dataclass
+class VersionDone:
+    """The end of a version's buckets: `count` buckets, gathered in `gather_s` seconds. `whole`: with
+    deltas, the version as receivers hold it (name -> tensor), written for restarts when the route asks;
+    `bucket_bytes`: the size of its buckets."""
+
+    version: int
+    count: int
+    gather_s: float
+    sink: Any
+    route: Any = None
+    whole: Optional[dict] = None
+    bucket_bytes: int = 0
+
+
+_Queued = Union[QueuedBucket, VersionDone]
 
 
 class BucketSender:
@@ -52,10 +93,13 @@ class BucketSender:
         put_threads: a bucket is written in this many pieces, from this many threads at once.
         transports: name -> the transport to write through (default: one of each class a route names,
             made at its first use; senders used in turn may share them).
+        held_dtypes: tensor name -> the dtype receivers hold it in (a bf16 rollout of a float32 trainer):
+            tensors are cast to it before they are packed (default: sent as the trainer holds them).
     """
 
     def __init__(self, max_queued: int = 2, put_threads: int = PUT_THREADS,
-                 transports: Optional[dict[str, WeightTransport]] = None):
+                 transports: Optional[dict[str, WeightTransport]] = None,
+                 held_dtypes: Optional[dict[str, torch.dtype]] = None):
         if put_threads < 1:
             raise ValueError(f"put_threads must be at least 1, got {put_threads}")
         self._put_threads = put_threads
@@ -63,6 +107,9 @@ class BucketSender:
         self._queue: queue.Queue = queue.Queue(maxsize=max_queued)
         self._transports: dict[str, WeightTransport] = dict(transports or {})
         self._error: Optional[BaseException] = None
+        self._held_dtypes = dict(held_dtypes or {})
+        self._encoder = DeltaEncoder(self._held_dtypes)
+        self._delta: Optional[bool] = None  # the table's delta option, from the first route
         self._thread = threading.Thread(target=self._run, name="weight-bucket-sender", daemon=True)
         self._thread.start()
 
@@ -91,14 +138,23 @@ class BucketSender:
                 yield name, tensor
 
         route = sink.open_version.remote(version, ray.get_runtime_context().get_node_id())  # resolved when needed
+        if self._delta is None:  # the first version: whether the table sends deltas (its route, waited for once)
+            self._delta = ray.get(route, timeout=ROUTE_TIMEOUT_S).delta
+        if self._delta:
+            tensors = self._encoder.encode(named_tensors, version, self._encoder.version)
+        elif self._held_dtypes:
+            tensors = ((name, as_held(t, self._held_dtypes.get(name))) for name, t in named_tensors)
+        else:
+            tensors = named_tensors
         count = 0
-        for bucket in pack_buckets(note_live(named_tensors), bucket_bytes, version):
+        for bucket in pack_buckets(note_live(tensors), bucket_bytes, version):
             aliases_live = any(s.name in live_names for s in bucket.slices)
             sent = self.send(bucket, route) if aliases_live else None
-            self._queue.put((bucket, (sink, route, sent)))
+            self._queue.put(QueuedBucket(bucket, sink, route, sent))
             count += 1
         gather_s = time.perf_counter() - start
-        self._queue.put((_END, (version, count, gather_s, sink)))
+        whole = self._encoder.previous if self._delta else None
+        self._queue.put(VersionDone(version, count, gather_s, sink, route, whole, bucket_bytes))
         return {"gather_s": gather_s}
 
     def _transport(self, name: str, cls: type[WeightTransport]) -> WeightTransport:
@@ -107,11 +163,23 @@ class BucketSender:
         return self._transports[name]
 
     def send(self, bucket: Bucket, route) -> dict:
-        """Copy `bucket` once through each transport of `route` (an ObjectRef of the sink's route:
-        transport name -> (class, ticket)). Returns transport name -> the bucket's handle there."""
-        plan = ray.get(route, timeout=ROUTE_TIMEOUT_S)
+        """Copy `bucket` once through each transport of `route` (an ObjectRef of the sink's `Route`).
+        Returns transport name -> the bucket's handle there."""
+        plan: Route = ray.get(route, timeout=ROUTE_TIMEOUT_S)
         return {name: self._transport(name, cls).write(ticket, bucket, self._put_pool, self._put_threads)
-                for name, (cls, ticket) in plan.items()}
+                for name, (cls, ticket) in plan.transports.items()}
+
+    def _whole_for_restarts(self, done: VersionDone) -> list[BucketRef]:
+        """With deltas and restartable receivers, the version as receivers hold it written through the
+        table's fallback (its ticket: none asked), as BucketRefs."""
+        plan: Route = ray.get(done.route, timeout=ROUTE_TIMEOUT_S)
+        if not (plan.keep_whole and done.whole is not None and plan.fallback is not None):
+            return []
+        name, cls = plan.fallback
+        fallback = self._transport(name, cls)
+        return [BucketRef(b.version, b.index, b.slices,
+                          {name: fallback.write(True, b, self._put_pool, self._put_threads)}, counted=False)
+                for b in pack_buckets(done.whole.items(), done.bucket_bytes, done.version)]
 
     def close(self) -> None:
         """Free what the transports hold (the pipeline's shutdown: shared-memory files are unlinked,
@@ -125,32 +193,31 @@ class BucketSender:
 
     def _run(self) -> None:
         send_s = 0.0
-        at_end: list = []  # (index, slices, handles) of this version's buckets announced with its end
+        at_end: list[BucketRef] = []  # this version's buckets announced with its end
         while True:
-            item, payload = self._queue.get()
+            item: _Queued = self._queue.get()
             try:
-                if item is _END:
-                    version, count, gather_s, sink = payload
-                    ray.get(sink.end_version.remote(version, count, {"gather": gather_s, "send": send_s}, at_end),
+                if isinstance(item, VersionDone):
+                    whole = self._whole_for_restarts(item)
+                    ray.get(item.sink.end_version.remote(item.version, item.count,
+                                                         {"gather": item.gather_s, "send": send_s}, at_end, whole),
                             timeout=SINK_TIMEOUT_S)
                     send_s, at_end = 0.0, []
                     continue
-                sink, route, sent = payload
+                bucket = item.bucket
                 start = time.perf_counter()
-                handles = self.send(item, route) if sent is None else sent
+                handles = self.send(bucket, item.route) if item.sent is None else item.sent
                 if any(self._transports[name].announces_each_bucket for name in handles):
-                    ray.get(sink.put_bucket.remote(item.version, item.index, handles, item.slices),
+                    ray.get(item.sink.put_bucket.remote(bucket.version, bucket.index, handles, bucket.slices),
                             timeout=SINK_TIMEOUT_S)
                 else:  # nothing in flight to bound: announced with the version's end
-                    at_end.append((item.index, item.slices, handles))
+                    at_end.append(BucketRef(bucket.version, bucket.index, bucket.slices, handles, counted=False))
                 send_s += time.perf_counter() - start
             except BaseException as exc:  # noqa: BLE001 - reported to the sink and to the next gather
                 self._error = exc
                 logger.exception("weight send failed")
-                sink = payload[3] if item is _END else payload[0]
-                version = payload[0] if item is _END else item.version
                 try:
-                    sink.sender_failed.remote(version, f"{type(exc).__name__}: {exc}")
+                    item.sink.sender_failed.remote(item.version, f"{type(exc).__name__}: {exc}")
                 except Exception:  # noqa: BLE001 - the sink may be gone too
                     pass
 

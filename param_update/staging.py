@@ -7,7 +7,8 @@ bucket is not copied: the receiver keeps zero-copy views of what its transport h
 (the sender's shared buffer on the sender's node, Ray's object store elsewhere:
 param_update/transports/), so a node's shared memory holds each version once for all its
 receivers. `WeightStaging` is the receiving actor's side of the sync, the one implementation
-every weight holder (CPU rollout server, logp worker, verl checkpoint-engine worker) uses.
+every weight holder (CPU rollout server, logp worker, verl checkpoint-engine worker) uses,
+through the holder bases of param_update/holder.py.
 
 The load then either
 - swaps (`swap_into`, the dual buffer, `enable_dual_buffer=True`): the staged tensors
@@ -20,6 +21,10 @@ The load then either
 
 Either way nothing touches the serving weights before the version is complete, so a
 failed sync leaves the previous version serving.
+
+A version sent as a delta (param_update/delta.py: the values changed since the version the
+receiver serves, its base) is put together over that base as it is loaded: the base's tensor with
+the changed values written in, a new tensor; the load then swaps or copies it like any other.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import torch
 
 from async_rl.api.weights import Bucket, BucketHandle
 from param_update.buckets import as_tensor, slice_tensor, tensor_bytes, write_slices
+from param_update.delta import BASE, INDEX, VALUE, DeltaVersion, wire_name
 
 
 class StagingError(RuntimeError):
@@ -82,12 +88,22 @@ class VersionStager:
     Args:
         expected: canonical name -> (dtype, shape) of every tensor a version must carry.
         aliases: incoming name -> canonical name (tied weights); names not listed are canonical.
+        device: where the staged bytes live: None keeps zero-copy views of what the transport handed
+            out; a device (`"cuda"`: the register-buffer in GPU memory, so the load is a device-to-device
+            copy) copies each bucket there as it is staged.
     """
 
-    def __init__(self, expected: dict[str, tuple[torch.dtype, tuple[int, ...]]], aliases: Optional[dict] = None):
+    def __init__(self, expected: dict[str, tuple[torch.dtype, tuple[int, ...]]], aliases: Optional[dict] = None,
+                 device: Optional[str] = None):
         self.expected = dict(expected)
         self.aliases = dict(aliases or {})
+        self.device = device
         self.version: Optional[int] = None
+        self.checked: Optional[int] = None  # the version `check_complete` found complete (until reset)
+        self.base: dict[str, torch.Tensor] = {}  # canonical name -> the tensor a delta applies to
+        self.base_version: Optional[int] = None  # the version `base` holds (the one loaded last)
+        self._sizes: dict[str, int] = {}  # incoming name -> its tensor's bytes
+        self._full: Optional[dict[str, torch.Tensor]] = None  # a checked delta's tensors, put together
         self._held: dict[int, Bucket] = {}  # bucket index -> bucket, of the version being staged
         self._serving: list[Bucket] = []  # buckets the swapped-in weights live in (kept pinned)
         self._registering: set[int] = set()  # buckets being registered right now (other threads)
@@ -97,11 +113,21 @@ class VersionStager:
 
     def _check_slices(self, version: int, bucket: Bucket) -> None:
         for s in bucket.slices:
-            name = self.aliases.get(s.name, s.name)
+            if s.name == BASE:
+                if s.dtype != torch.int64 or tuple(s.shape) != (1,):
+                    raise StagingError(f"version {version}: its delta base is {s.dtype} {tuple(s.shape)}")
+                continue
+            sent, part = wire_name(s.name)
+            name = self.aliases.get(sent, sent)
             if name not in self.expected:
                 raise StagingError(f"version {version}: unknown tensor {s.name!r}")
             dtype, shape = self.expected[name]
-            if s.dtype != dtype or tuple(s.shape) != tuple(shape):
+            if part is not None:  # a delta's changed values: int32 indices, values of the held dtype
+                want = torch.int32 if part == INDEX else dtype
+                if s.dtype != want or len(s.shape) != 1 or s.shape[0] > math.prod(shape):
+                    raise StagingError(f"version {version}: delta {s.name!r} is {s.dtype} {tuple(s.shape)}, "
+                                       f"expected {want} of at most {math.prod(shape)} values")
+            elif s.dtype != dtype or tuple(s.shape) != tuple(shape):
                 raise StagingError(
                     f"version {version}: tensor {s.name!r} is {s.dtype} {tuple(s.shape)}, "
                     f"expected {dtype} {tuple(shape)}"
@@ -123,6 +149,9 @@ class VersionStager:
                 raise StagingError(f"version {version}: bucket {bucket.index} arrived twice")
             self._check_slices(version, bucket)
             self._registering.add(bucket.index)
+        if self.device is not None:  # register-buffer on the device: one copy, the transport's memory released
+            bucket = Bucket(bucket.version, bucket.index,
+                            [as_tensor(a).to(self.device, copy=True) for a in bucket.data], bucket.slices)
         # the tensors over its whole slices, built now so that the load only swaps them in
         views = {s.name: slice_tensor(s, array) for s, array in zip(bucket.slices, bucket.data) if s.whole}
         with self._changed:
@@ -134,11 +163,12 @@ class VersionStager:
             completed = []
             for s in bucket.slices:
                 self._received[s.name] = self._received.get(s.name, 0) + s.nbytes
+                self._sizes[s.name] = s.tensor_nbytes
                 if not s.whole and self._received[s.name] == s.tensor_nbytes:
                     completed.append(s.name)
             pieces = {name: self._pieces(name) for name in completed}
         for name, parts in pieces.items():  # the copy runs outside the lock
-            assembled = _assemble(parts)
+            assembled = _assemble(parts, self.device)
             with self._changed:
                 if self.version == version:
                     self._assembled[name] = assembled
@@ -152,34 +182,62 @@ class VersionStager:
         with self._changed:
             if self.version != version:
                 raise StagingError(f"version {version} was never staged (staging {self.version})")
+            if self.checked == version:  # nothing arrives after a check
+                return
             missing_buckets = sorted(set(range(num_buckets)) - set(self._held))
             if missing_buckets:
                 raise StagingError(f"version {version}: buckets {missing_buckets[:10]} of {num_buckets} never arrived")
-            complete = {
-                self.aliases.get(name, name)
-                for name, got in self._received.items()
-                if got == _nbytes(*self.expected[self.aliases.get(name, name)])
-            }
+            done = {name for name, got in self._received.items() if got == self._sizes[name]}
+            complete = {self.aliases.get(name, name) for name in done
+                        if wire_name(name)[1] is None and name != BASE
+                        and self._sizes[name] == _nbytes(*self.expected[self.aliases.get(name, name)])}
+            complete |= {self.aliases.get(wire_name(name)[0], wire_name(name)[0]) for name in done
+                         if wire_name(name)[1] == INDEX and wire_name(name)[0] + VALUE in done}
             missing = sorted(set(self.expected) - complete)
             if missing:
                 raise StagingError(f"version {version}: tensors {missing[:10]} incomplete after {num_buckets} buckets")
+            wire = dict(self._assembled) if BASE in self._assembled else None
+        if wire is not None:  # a delta: its tensors put together now, while the base still serves
+            try:
+                delta = DeltaVersion(wire, self.base, self.base_version, self.aliases)
+            except ValueError as exc:
+                raise StagingError(f"version {version}: {exc}") from None
+            full = {name: delta.tensor(name) for name in self.expected}
+            with self._changed:
+                if self.version != version:
+                    raise StagingError(f"version {version} was dropped while its delta was applied")
+                self._full = full
+        with self._changed:
+            self.checked = version
 
     def reset(self) -> None:
         """Forget the staged version (after a load, or to drop a failed one); its buckets are released."""
         with self._changed:
             self.version = None
+            self.checked = None
             self._held = {}
             self._received = {}
+            self._sizes = {}
+            self._full = None
             self._assembled = {}
 
     def _ordered(self) -> list[Bucket]:
         return [self._held[i] for i in sorted(self._held)]
 
+    @property
+    def is_delta(self) -> bool:
+        """The staged version was sent as a delta (its tensors are put together at the check)."""
+        return BASE in self._assembled
+
     def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The complete staged version as (canonical name, full tensor), each canonical name once.
 
-        Tensors inside one bucket are views of it (no copy); tensors split across buckets are assembled.
+        Tensors inside one bucket are views of it (no copy); tensors split across buckets are assembled;
+        a delta's are those `check_complete` put together over the base.
         """
+        if self._full is not None:
+            yield from self._full.items()
+            return
         seen = set()
         for bucket in self._ordered():
             for s, array in zip(bucket.slices, bucket.data):
@@ -188,6 +246,11 @@ class VersionStager:
                     continue
                 seen.add(canonical)
                 yield canonical, self._assembled[s.name]
+
+    def loaded(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        """`version` now serves as `tensors` (canonical name -> tensor, kept unchanged while it serves):
+        the base of the next delta."""
+        self.base, self.base_version = tensors, version
 
     def swap_into(self, params: dict[str, torch.Tensor]) -> None:
         """load (dual buffer): the staged tensors become `params` (`param.data = staged`), zero copy.
@@ -199,17 +262,26 @@ class VersionStager:
         for name, param in params.items():
             param.data = staged[name]
         self._serving = self._ordered()
+        self.loaded(self.version, staged)
         self.reset()
 
     def release_serving(self) -> None:
-        """The swapped-in weights were replaced by other means: unpin their buckets."""
+        """The swapped-in weights were replaced by other means: unpin their buckets (no delta base left)."""
         self._serving = []
+        self.base, self.base_version = {}, None
 
     def copy_into(self, params: dict[str, torch.Tensor], consume_bytes: int) -> int:
         """load (single buffer): copy the staged bytes into the live `params`, `consume_bytes` at a
         time; the buckets are released. Returns bytes copied."""
         views = {name: tensor_bytes(p.data) for name, p in params.items()}
-        copied = 0
+        version, copied = self.version, 0
+        if self.is_delta:  # whole tensors, put together over the base
+            for name, tensor in self.named_tensors():
+                views[name].copy_(tensor_bytes(tensor))
+                copied += tensor.nbytes
+            self.loaded(version, {name: p.data for name, p in params.items()})
+            self.reset()
+            return copied
         for bucket in self._ordered():
             destinations = {s.name: views[self.aliases.get(s.name, s.name)] for s in bucket.slices}
             group, size = [], 0
@@ -220,22 +292,24 @@ class VersionStager:
                 group.append(i)
                 size += s.nbytes
             copied += write_slices(bucket, destinations, group)
+        self.loaded(version, {name: p.data for name, p in params.items()})
         self.reset()
         return copied
 
 
 class WeightStaging:
-    """The receiving actor's side of the weight sync (async_rl/api/weights.py `WeightHolder`, all
-    but its load): a `VersionStager` for the trainer's layout and the calls that fill it. Timings
-    in seconds, `{recv_s, register_s}`.
+    """A `VersionStager` for the trainer's layout and the calls that fill it (the holder bases of
+    param_update/holder.py expose them as `WeightHolder` methods). Timings in seconds,
+    `{recv_s, register_s}`.
 
     Args:
         expected: canonical name -> (dtype, shape) of every tensor a version carries.
         aliases: incoming name -> canonical name (tied weights).
+        device: where staged versions live (`VersionStager`).
     """
 
-    def __init__(self, expected: dict, aliases: Optional[dict] = None):
-        self.stager = VersionStager(expected, aliases)
+    def __init__(self, expected: dict, aliases: Optional[dict] = None, device: Optional[str] = None):
+        self.stager = VersionStager(expected, aliases, device)
 
     def stage_bucket(self, version: int, index: int, source: BucketHandle, slices: list) -> dict[str, float]:
         """recv (bucket `index` of `version`, read through its transport's handle: zero-copy views
@@ -269,10 +343,10 @@ def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
     return math.prod(shape) * dtype.itemsize
 
 
-def _assemble(pieces) -> torch.Tensor:
-    """One tensor from its (TensorSlice, uint8 array) pieces."""
+def _assemble(pieces, device: Optional[str] = None) -> torch.Tensor:
+    """One tensor (on `device`, default the CPU) from its (TensorSlice, uint8 array or tensor) pieces."""
     first = pieces[0][0]
-    flat = torch.empty(first.tensor_nbytes, dtype=torch.uint8)
+    flat = torch.empty(first.tensor_nbytes, dtype=torch.uint8, device=device)
     for s, array in pieces:
         flat[s.start : s.start + s.nbytes].copy_(as_tensor(array))
     return flat.view(first.dtype).reshape(first.shape)

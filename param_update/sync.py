@@ -1,9 +1,11 @@
 """recv + register-buffer + load: the receiving half of the five-part weight sync.
 
 Buckets of version v arrive from the trainer's send thread (`BucketStream`). Each receiver
-reads through its link, the first registered transport that reaches it (async_rl/api/weights.py:
-shared memory on the sender's Ray node, Ray's object store elsewhere). A bucket written through a
-transport that announces each bucket (the object store) is handed to its receivers as soon as it
+reads through its link, the first transport of the table that reaches it (async_rl/api/weights.py
+`TransportTable`: shared memory on the sender's Ray node, a gloo group on other nodes), or through
+the table's fallback (Ray's object store) when its link did not get the bucket for it (a receiver
+whose nodes are unknown, or one restarted since). A bucket written through a transport that
+announces each bucket (the collective, the object store) is handed to its receivers as soon as it
 arrives; they fetch it (recv) and register it in their staging buffer (register-buffer) while
 generation and logp go on with v - 1, then check that v is complete. A receiver whose link
 announces whole versions (shared memory) gets the whole version in one call once the last bucket
@@ -19,14 +21,15 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
-from async_rl.api.weights import BucketRef, WeightReceiver, WeightSync, WeightTransport, link_of, transports_by_rank
+import param_update.transports  # noqa: F401 - registers the built-in transports: the default table
+from async_rl.api.weights import BucketRef, Route, TransportTable, WeightReceiver, WeightSync, WeightTransport
 from async_rl.core.errors import WeightSyncError, is_lost_server_error
 from async_rl.core.fault_points import hold_at
 from async_rl.core.trace import TraceRecorder
-from param_update.transports.object_store import ObjectStore
+from param_update.delta import BASE
 
 
 STAGE_BUCKET = "recv + register-buffer"  # a receiver call (its name in errors and in the timeline)
@@ -38,6 +41,7 @@ class VersionEnd:
     version: int
     num_buckets: int
     trainer_timings: dict  # seconds: gather, send
+    whole: tuple = ()  # with deltas and restarts: the whole version's BucketRefs, for restarted receivers
 
 
 class BucketStream:
@@ -100,13 +104,14 @@ class OverlappedWeightSync(WeightSync):
             kept (each transport keeps it readable: `WeightTransport.retain`) so that `replace` can
             load them into its restarted server.
         lost_after_s: the wait for such a receiver (default `timeout_s`).
-        transports: the transport classes to choose links from, preferred first (default: the registered
-            ones, `transports_by_rank`); they travel to the sender with each version's route.
+        transports: the table to choose links from (`TransportTable`, or its transport classes, preferred
+            first; default: the registered ones); they travel to the sender with each version's route.
     """
 
     def __init__(self, receivers: list[WeightReceiver], clock: Any, stream: BucketStream, timeout_s: float = 300.0,
                  on_lost: Optional[Callable[[Any, str, bool], None]] = None, lost_after_s: Optional[float] = None,
-                 transports: Optional[list[type[WeightTransport]]] = None, trace: Optional[TraceRecorder] = None):
+                 transports: TransportTable | list[type[WeightTransport]] | None = None,
+                 trace: Optional[TraceRecorder] = None):
         if not receivers:
             raise ValueError("weight sync needs at least one receiver")
         self.receivers = list(receivers)
@@ -118,8 +123,10 @@ class OverlappedWeightSync(WeightSync):
         self.lock = asyncio.Lock()  # one sync or one replacement at a time
         self.retained: Optional[tuple[int, list[BucketRef], int]] = None  # (version, buckets, num_buckets)
         self._lost: set[str] = set()
-        self.transports = {cls.name: cls() for cls in transports or transports_by_rank()}  # this stage's side of each
+        self.table = transports if isinstance(transports, TransportTable) else TransportTable(transports)
+        self.transports = {cls.name: cls() for cls in self.table.classes}  # this stage's side of each
         self.sender_node: Optional[str] = None  # Ray node id of the trainer's sending process
+        self._processes: dict[str, int] = {}  # receiver name -> its processes (as located)
         self.trace = trace or TraceRecorder("weight sync")  # each receiver call as a span on the receiver's track
 
     def _live(self) -> list:
@@ -179,42 +186,60 @@ class OverlappedWeightSync(WeightSync):
             self.trace.add(track, "recv", max(started, registered - result["recv_s"]), registered, version=version)
             self.trace.add(track, "register-buffer", registered, ended, version=version)
 
-    async def open_version(self, version: int, sender_node: str) -> dict[str, tuple]:
-        """The sender's first question about `version`: its route, transport name -> (transport class,
-        ticket), for the links of the live receivers (a transport may wait for room:
-        `WeightTransport.open`). Receivers are located once, at the first version (each restarted one at
-        its `replace`)."""
+    async def open_version(self, version: int, sender_node: str) -> Route:
+        """The sender's first question about `version`: its `Route`, transport name -> (transport class,
+        ticket) for the links of the live receivers (a transport may wait for room:
+        `WeightTransport.open`) and the table's delta option. Receivers are located once, at the first
+        version (each restarted one at its `replace`); each transport learns who reads through it first
+        (`WeightTransport.members`)."""
         if self.sender_node is None:
             self.sender_node = sender_node
             await self._locate(self.receivers, version)
-        links = [name for name in self.transports if any(r.link == name for r in self._live())]
-        return {name: (type(self.transports[name]), await self.transports[name].open(version, 3 * self.timeout_s))
-                for name in links}
+        route = {}
+        for name, transport in self.transports.items():
+            readers = {r.name: self._processes.get(r.name, 1) for r in self._live() if r.link == name}
+            transport.members(readers)
+            if readers:
+                route[name] = (type(transport), await transport.open(version, 3 * self.timeout_s))
+        fallback = self.table.fallback
+        return Route(route, delta=self.table.delta, keep_whole=self.table.delta and self.on_lost is not None,
+                     fallback=(fallback.name, fallback))
 
     async def _locate(self, receivers: list, version: int) -> None:
-        """Each receiver's link: the first transport that reaches every process of it (`link_of`)."""
+        """Each receiver's link: the first transport of the table that reaches every process of it."""
         found = await self._on_all("locate", version, lambda r: r.nodes(), receivers)
         for r in receivers:
-            r.link = link_of(found.get(r.name), self.sender_node, [type(t) for t in self.transports.values()])
+            r.link = self.table.link_of(found.get(r.name), self.sender_node)
+            self._processes[r.name] = len(found.get(r.name) or ()) or 1
 
     def _at_end(self, receiver, bucket: BucketRef) -> bool:
         """`receiver` stages `bucket` with the whole version at its end (its link announces whole
         versions and the bucket went through it), else as the bucket arrives."""
         return receiver.link in bucket.handles and not self.transports[receiver.link].announces_each_bucket
 
-    def _readable(self, bucket: BucketRef, receivers: list) -> None:
-        """A receiver whose link the bucket did not go through (restarted elsewhere since its version's
-        route) reads it from Ray's object store: copied there on the sender's node."""
-        if any(r.link not in bucket.handles for r in receivers) and ObjectStore.name not in bucket.handles:
+    def _reads_link(self, receiver, bucket: BucketRef) -> bool:
+        """`receiver` reads `bucket` through its link: the bucket went through it and it serves the receiver."""
+        link = receiver.link
+        return link in bucket.handles and self.transports[link].serves(receiver.name, bucket.handles[link])
+
+    def _view_for(self, receiver, bucket: BucketRef) -> BucketRef:
+        """`bucket` as `receiver` reads it: through its link, else (restarted since its version's route)
+        through the table's fallback, carried there from the sender's node when it did not go through it."""
+        fallback = self.table.fallback
+        bucket.fallback = fallback.name
+        if self._reads_link(receiver, bucket):
+            return bucket
+        if fallback.name not in bucket.handles:
             source = next(iter(bucket.handles.values()))
-            bucket.handles[ObjectStore.name] = ObjectStore.carry(source, bucket.slices, self.sender_node)
+            bucket.handles[fallback.name] = fallback.carry(source, bucket.slices, self.sender_node)
+        return replace(bucket, handles={fallback.name: bucket.handles[fallback.name]})
 
     async def _stage_bucket(self, bucket: BucketRef, totals: dict) -> None:
         """recv + register-buffer of one bucket on the receivers that stage it as it arrives."""
         try:
             receivers = [r for r in self._live() if not self._at_end(r, bucket)]
-            self._readable(bucket, receivers)
-            results = await self._on_all(STAGE_BUCKET, bucket.version, lambda r: r.stage(bucket), receivers)
+            views = {r.name: self._view_for(r, bucket) for r in receivers}
+            results = await self._on_all(STAGE_BUCKET, bucket.version, lambda r: r.stage(views[r.name]), receivers)
         finally:
             if bucket.counted:
                 self.stream.release()
@@ -223,7 +248,7 @@ class OverlappedWeightSync(WeightSync):
     def _note_loaded(self, version: int, loads: dict, receivers: list, buckets: list) -> dict[str, int]:
         """Tell every transport who loaded `version` and who serves it from that transport now; returns
         how many loaded it through each transport."""
-        read_through = {r.name: (r.link if buckets and r.link in buckets[0].handles else ObjectStore.name)
+        read_through = {r.name: (r.link if buckets and self._reads_link(r, buckets[0]) else self.table.fallback.name)
                         for r in receivers if r.name in loads}
         for name, transport in self.transports.items():
             keeping = [r for r, link in read_through.items() if link == name and loads[r].get("keeps_buffer", True)]
@@ -269,8 +294,9 @@ class OverlappedWeightSync(WeightSync):
         loads = await self._on_all("load", version, lambda r: r.commit(version, item.num_buckets))
         total_s = time.time() - started_at  # every receiver serves it now; the clock is told next
         read_through = self._note_loaded(version, loads, self._live(), buckets)
-        if self.on_lost is not None:
-            self.retained = (version, buckets, item.num_buckets)
+        if self.on_lost is not None:  # a delta is kept whole for restarted receivers
+            self.retained = (version, list(item.whole), len(item.whole)) if item.whole else (version, buckets,
+                                                                                             item.num_buckets)
             for transport in self.transports.values():
                 transport.retain(version)
         await self.clock.set_served_version.remote(version)
@@ -291,6 +317,7 @@ class OverlappedWeightSync(WeightSync):
                                                    for r in generation), default=0.0),
             "async/param_update/num_buckets": float(item.num_buckets),
             "async/param_update/bytes": float(sum(s.nbytes for bucket in buckets for s in bucket.slices)),
+            "async/param_update/delta": float(any(s.name == BASE for bucket in buckets for s in bucket.slices)),
             **{f"async/param_update/{name}_receivers": float(count) for name, count in read_through.items()},
         }
 
@@ -301,12 +328,14 @@ class OverlappedWeightSync(WeightSync):
         async with self.lock:
             version, buckets, num_buckets = self.retained or (None, [], 0)
             self._lost.discard(receiver.name)
+            for transport in self.transports.values():  # the process it replaces holds and reads nothing
+                transport.drop(receiver.name)
             if self.sender_node is not None:
                 await self._locate([receiver], version)
             if version is not None:  # its buckets: in the retained region, or kept in the object store
                 for bucket in buckets:
-                    self._readable(bucket, [receiver])
-                    await self._on_all(STAGE_BUCKET, version, lambda r, b=bucket: r.stage(b), [receiver])
+                    view = self._view_for(receiver, bucket)
+                    await self._on_all(STAGE_BUCKET, version, lambda r, b=view: r.stage(b), [receiver])
                 await self._on_all("check", version, lambda r: r.check(version, num_buckets), [receiver])
                 loads = await self._on_all("load", version, lambda r: r.commit(version, num_buckets), [receiver])
                 self._note_loaded(version, loads, [receiver], buckets)

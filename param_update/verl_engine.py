@@ -32,8 +32,7 @@ import torch
 from omegaconf import open_dict
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
-from async_rl.api.weights import BucketHandle
-from param_update.staging import WeightStaging
+from param_update.holder import StagedWeights
 
 BACKEND = "async_rl"
 
@@ -79,25 +78,31 @@ class WeightHandoff:
 
 
 @CheckpointEngineRegistry.register(BACKEND)
-class StagedCheckpointEngine(CheckpointEngine):
+class StagedCheckpointEngine(CheckpointEngine, StagedWeights):
     """Checkpoint engine whose buckets travel through Ray's object store, not a collective.
+
+    A weight holder (param_update/holder.py): the param_update stage calls its `WeightHolder`
+    methods through the worker's `execute_checkpoint_engine`; its load is verl's own
+    `update_weights`, which reads the checked version from `receive_weights`.
 
     Args:
         bucket_size: verl's bucket size in bytes (the send side's buckets; unused by staging).
         dual_buffer: stage into a second copy of the weights (else hold the buckets).
         is_master: trainer rank 0, the one that sends (verl sets it on the trainer's ranks).
         handoff_timeout_s: a receiver waits this long for the sender's next bucket.
+        staging_device: where the staged version lives (`"cuda"`: the register-buffer in the GPU's memory,
+            each bucket copied there as it arrives, so the server's load reads device memory); None: host
+            memory, views of the node's object store.
     """
 
     def __init__(self, bucket_size: int = 0, dual_buffer: bool = True, is_master: bool = False,
-                 handoff_timeout_s: float = HANDOFF_TIMEOUT_S, **kwargs: Any):
+                 handoff_timeout_s: float = HANDOFF_TIMEOUT_S, staging_device: Optional[str] = None, **kwargs: Any):
+        self.staging_device = staging_device
         self.bucket_size = bucket_size
         self.dual_buffer = dual_buffer
         self.is_master = is_master
         self.handoff_timeout_s = handoff_timeout_s
-        self.staging: Optional[WeightStaging] = None
         self.handoff = None  # verl's manager: the WeightHandoff actor trainer rank 0 made
-        self._ready: Optional[tuple[int, int]] = None  # (version, num_buckets) checked complete
 
     # ---- verl's CheckpointEngine interface --------------------------------------------------
     def prepare(self) -> dict:
@@ -150,7 +155,7 @@ class StagedCheckpointEngine(CheckpointEngine):
     def receive_weights(self, global_steps: int | None = None):
         """The complete staged version (the pipeline's param_update), else, under verl's manager, the
         buckets trainer rank 0 sends now (an async iterator); (name, tensor) pairs."""
-        if self._ready is None and self.handoff is not None:
+        if not self._checked() and self.handoff is not None:
             return self._handed_over()
         return self._staged_version()
 
@@ -161,37 +166,28 @@ class StagedCheckpointEngine(CheckpointEngine):
                 yield name, tensor
             index += 1
 
+    def _checked(self) -> bool:
+        return self._staging is not None and self._staging.stager.checked is not None
+
     def _staged_version(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The complete staged version, tensor by tensor; the staging buffer is freed for the next one."""
-        if self._ready is None:
+        if not self._checked():
             raise RuntimeError("receive_weights() before a staged version was checked complete")
         try:
             yield from self.staging.stager.named_tensors()
         finally:
-            self._ready = None
             self.staging.stager.reset()
 
     # ---- called by the param_update stage (execute_checkpoint_engine) ------------------------------
     def configure(self, expected: dict, dual_buffer: Optional[bool] = None) -> None:
-        """Set up staging for the trainer's layout (name -> (dtype, shape)).
+        """Set up staging for the trainer's layout (name -> (dtype, shape)); the other calls are the
+        `WeightHolder` methods of `StagedWeights`.
 
         A GPU engine always loads by copying (its own weight loader); the staged version's
         buckets stay in the node's object store until then."""
         if dual_buffer is not None:
             self.dual_buffer = dual_buffer
-        self.staging = WeightStaging(expected)
-
-    def stage_bucket(self, version: int, index: int, source: BucketHandle, slices: list) -> dict[str, float]:
-        return self.staging.stage_bucket(version, index, source, slices)
-
-    def check(self, version: int, num_buckets: int) -> None:
-        self.staging.check(version, num_buckets)
-        self._ready = (version, num_buckets)
-
-    def discard(self, version: int) -> None:
-        if self.staging is not None and self.staging.stager.version == version:
-            self._ready = None
-            self.staging.discard(version)
+        self.start_staging(expected, device=self.staging_device)
 
 
 def load_versions_as_adapter(worker, peft_config: dict) -> None:
@@ -212,15 +208,17 @@ def load_versions_as_adapter(worker, peft_config: dict) -> None:
     adapter.update_weights = update_weights
 
 
-def use_staged_checkpoint_engine(config, consume_bucket_mb: float, dual_buffer: bool) -> None:
+def use_staged_checkpoint_engine(config, consume_bucket_mb: float, dual_buffer: bool,
+                                 staging_device: Optional[str] = None) -> None:
     """Point verl's checkpoint-engine config at this backend (GPU rollout backends only), in place.
 
     The replicas' `CheckpointEngineWorker`s then build a `StagedCheckpointEngine` and their
-    server adapters load in buckets of the consume size.
+    server adapters load in buckets of the consume size; `staging_device`: `StagedCheckpointEngine`'s.
     """
     section = config.actor_rollout_ref.rollout.checkpoint_engine
     with open_dict(section):
         section.backend = BACKEND
         section.custom_backend_module = __name__
         section.update_weights_bucket_megabytes = max(1, int(round(consume_bucket_mb)))
-        section.engine_kwargs = {**section.get("engine_kwargs", {}), BACKEND: {"dual_buffer": dual_buffer}}
+        kwargs = {"dual_buffer": dual_buffer, **({"staging_device": staging_device} if staging_device else {})}
+        section.engine_kwargs = {**section.get("engine_kwargs", {}), BACKEND: kwargs}

@@ -25,14 +25,11 @@ from async_rl.core.devices import world_size_of
 from async_rl.core.messages import LogpResult, RolloutBatch
 from async_rl.training import engine_calls
 from async_rl.training.worker_groups import make_worker_group
+from param_update.holder import RelayedWeights
 from state_machines.base import StateMachine
 
 
-def _slowest(per_rank: list[dict]) -> dict:
-    return {key: max(r[key] for r in per_rank) for key in per_rank[0]}
-
-
-class LogpStage(StateMachine):
+class LogpStage(StateMachine, RelayedWeights):
     """Recomputes response log-probs with the pre-update weights of their step (verl `compute_log_prob`).
 
     Args:
@@ -69,25 +66,7 @@ class LogpStage(StateMachine):
             raise RuntimeError("the logp stage holds no weights (algorithm.proximal_logp_workers is not logp)")
         return self.worker_group.weight_digests()[0]
 
-    # ---- weight receiver ---------------------------------------------------------------
-    async def weight_sync_nodes(self) -> list[str]:
-        """The Ray node of each worker (all on the trainer's: buckets arrive through shared memory)."""
-        return await asyncio.to_thread(self.worker_group.node_id)
-
-    async def stage_weight_bucket(self, version: int, index: int, source, slices: list) -> dict:
-        per_rank = await asyncio.to_thread(self.worker_group.stage_weight_bucket, version, index, source, slices)
-        return _slowest(per_rank)
-
-    async def stage_weight_buckets(self, version: int, buckets: list, num_buckets: int) -> dict:
-        per_rank = await asyncio.to_thread(self.worker_group.stage_weight_buckets, version, buckets, num_buckets)
-        return _slowest(per_rank)
-
-    async def check_weights(self, version: int, num_buckets: int) -> None:
-        await asyncio.to_thread(self.worker_group.check_weights, version, num_buckets)
-
-    async def discard_weights(self, version: int) -> None:
-        await asyncio.to_thread(self.worker_group.discard_weights, version)
-
+    # ---- weight receiver (param_update/holder.py `RelayedWeights`: staging on every worker) ----------
     async def commit_weights(self, version: int, num_buckets: int) -> dict:
         """load: waits for the forward in progress, then loads `version` into every rank."""
         loop = asyncio.get_running_loop()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
-from async_rl.api.weights import BucketRef
+from async_rl.api.weights import BucketRef, ReceiverSetup
 from async_rl.core.messages import NewWeights
 from param_update.sync import BucketStream, OverlappedWeightSync, VersionEnd
 from state_machines.base import StateMachine
@@ -43,15 +43,14 @@ class ParamUpdateStage(StateMachine):
                                                 lost_after_s=server_timeout_s, transports=transports, trace=self.trace)
         self.synced_version = 0
         self.timings: dict[int, dict[str, float]] = {}
-        self._server_setup: tuple = ()
+        self._server_setup: ReceiverSetup | None = None
 
     # ---- rollout servers restarted by the generate stage ------------------------------------
-    async def configure_rollout_servers(self, *setup_args) -> None:
+    async def configure_rollout_servers(self, setup: ReceiverSetup) -> None:
         """Set up weight staging on every rollout receiver for the trainer's layout (a mismatch fails
-        here, naming the server); `setup_args` = (dual, consume_bytes, layout, partial, adapter), kept for the
-        servers restarted later."""
-        self._server_setup = setup_args
-        await asyncio.gather(*(r.configure(*setup_args) for r in self.weight_sync.receivers if r.serves_generation))
+        here, naming the server); `setup` is kept for the servers restarted later."""
+        self._server_setup = setup
+        await asyncio.gather(*(r.configure(setup) for r in self.weight_sync.receivers if r.serves_generation))
 
     def _server_lost(self, receiver, cause: str, hung: bool) -> None:
         self.policy_clock.report_lost.remote(receiver.replica_index, receiver.handle, cause, hung)
@@ -62,13 +61,15 @@ class ParamUpdateStage(StateMachine):
         (workers, servers) of a restarted verl replica, whose workers receive the weights."""
         old = next(r for r in self.weight_sync.receivers if r.replica_index == index)
         receiver = old.restarted(handle, replica_actors)
-        await receiver.configure(*self._server_setup)
+        if self._server_setup is None:
+            raise RuntimeError("a rollout server was replaced before configure_rollout_servers set them up")
+        await receiver.configure(self._server_setup)
         version = await self.weight_sync.replace(receiver)
         return self.synced_version if version is None else version
 
     # ---- called by the trainer's send thread -------------------------------------------
-    async def open_version(self, version: int, sender_node: str) -> dict[str, tuple]:
-        """How to send `version`: transport name -> (class, ticket) (param_update/sync.py); may wait for room."""
+    async def open_version(self, version: int, sender_node: str):
+        """How to send `version`: its `Route` (param_update/sync.py); may wait for room."""
         return await self.weight_sync.open_version(version, sender_node)
 
     async def put_bucket(self, version: int, index: int, handles: dict, slices: list) -> None:
@@ -76,11 +77,11 @@ class ParamUpdateStage(StateMachine):
         (backpressure on the sender)."""
         await self.stream.put_bucket(BucketRef(version, index, slices, handles))
 
-    def end_version(self, version: int, num_buckets: int, trainer_timings: dict, at_end: tuple = ()) -> None:
-        """The last of `version`'s `num_buckets` buckets was sent; `at_end`: (index, slices, handles) of
-        those announced only now (not by `put_bucket`)."""
-        buckets = [BucketRef(version, index, slices, handles, counted=False) for index, slices, handles in at_end]
-        self.stream.end_version(VersionEnd(version, num_buckets, trainer_timings), buckets)
+    def end_version(self, version: int, num_buckets: int, trainer_timings: dict, at_end: tuple = (),
+                    whole: tuple = ()) -> None:
+        """The last of `version`'s `num_buckets` buckets was sent; `at_end`: the BucketRefs of those
+        announced only now (not by `put_bucket`); `whole`: a delta's whole version, kept for restarts."""
+        self.stream.end_version(VersionEnd(version, num_buckets, trainer_timings, tuple(whole)), tuple(at_end))
 
     def sender_failed(self, version: int, message: str) -> None:
         self.stream.fail(version, message)

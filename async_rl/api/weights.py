@@ -75,6 +75,32 @@ class BucketRef:
     slices: list
     handles: dict[str, Any] = field(default_factory=dict)
     counted: bool = True  # announced on its own: holds a place among the buckets in flight
+    fallback: Optional[str] = None  # the table's fallback transport (set by the sync before staging)
+
+    def handle_for(self, link: Optional[str]) -> Any:
+        """The handle a receiver on `link` reads through: its link's, else the fallback's."""
+        if link in self.handles:
+            return self.handles[link]
+        if self.fallback in self.handles:
+            return self.handles[self.fallback]
+        raise KeyError(f"bucket {self.index} of version {self.version} went through {sorted(self.handles)}, "
+                       f"not through link {link!r} nor the fallback {self.fallback!r}")
+
+
+@dataclass(frozen=True)
+class ReceiverSetup:
+    """How a rollout receiver stages and loads versions (`WeightReceiver.configure`).
+
+    `consume_bytes`: bytes loaded at a time. `layout`: the trainer's name -> (dtype, shape), checked
+    against the receiver's model (None: not checked). `partial_rollout`: a load interrupts running
+    requests (else waits for them). `adapter` (LoRA, a `param_update.lora.LoraAdapter`): versions carry
+    the adapter's tensors only."""
+
+    dual_buffer: bool
+    consume_bytes: int
+    layout: Optional[dict] = None
+    partial_rollout: bool = True
+    adapter: Any = None
 
 
 class WeightTransport(ABC):
@@ -115,6 +141,14 @@ class WeightTransport(ABC):
     def drop(self, name: str) -> None:
         """Receiver `name` is gone: it holds nothing."""
 
+    def members(self, readers: dict[str, int]) -> None:
+        """The receivers whose link this is, for the next version on: name -> its processes."""
+
+    def serves(self, name: str, handle: Any) -> bool:
+        """Whether receiver `name` can read `handle` through this transport now (one that delivers each
+        bucket once, to the members it was sent to, cannot serve a receiver restarted since)."""
+        return True
+
     # ---- the trainer's send thread --------------------------------------------------------------
     @abstractmethod
     def write(self, ticket: Any, bucket: Bucket, pool=None, parts: int = 1) -> BucketHandle:
@@ -123,6 +157,14 @@ class WeightTransport(ABC):
 
     def close(self) -> None:
         """Free what `write` holds (the pipeline's shutdown)."""
+
+    # ---- the table's fallback ---------------------------------------------------------------------
+    @classmethod
+    def carry(cls, handle: BucketHandle, slices: list, sender_node: Any) -> BucketHandle:
+        """The bucket behind `handle` (written through another transport, readable on `sender_node`)
+        made readable through this one: how the table's fallback reaches a receiver its version's
+        route did not plan for (a server restarted since)."""
+        raise NotImplementedError(f"the {cls.name!r} weight transport cannot carry buckets of another")
 
     # ---- the driver, at start ---------------------------------------------------------------------
     @staticmethod
@@ -159,15 +201,60 @@ def transports_by_rank() -> list[type[WeightTransport]]:
     return sorted(_TRANSPORTS.values(), key=lambda cls: (cls.rank, cls.name))
 
 
+class TransportTable:
+    """The weight transports a sync chooses from, by link, preferred first.
+
+    A receiver's link is the first transport that reaches all its processes (`link_of`). The
+    fallback is the last one that reaches receivers on unknown nodes: a bucket a receiver cannot read
+    through its link (its version's route went elsewhere) is carried there (`WeightTransport.carry`).
+
+    Args:
+        classes: the transport classes (default: the registered ones, by rank).
+        delta: versions after the first go as deltas, the values changed since the version before as
+            receivers hold them (param_update/delta.py), on every link.
+    """
+
+    def __init__(self, classes: Optional[Sequence[type[WeightTransport]]] = None, delta: bool = False):
+        self.delta = delta
+        self.classes = list(classes) if classes else transports_by_rank()
+        unknown = [cls for cls in self.classes if cls.reaches(None, None)]
+        if not unknown:
+            raise ValueError(f"no weight transport of {[c.name for c in self.classes]} reaches a receiver on "
+                             "unknown nodes: the table has no fallback")
+        self.fallback: type[WeightTransport] = unknown[-1]
+
+    @property
+    def names(self) -> list[str]:
+        return [cls.name for cls in self.classes]
+
+    def link_of(self, receiver_nodes: Optional[Sequence], sender_node: Any) -> str:
+        """The name of the first transport that reaches processes on `receiver_nodes` (None or empty:
+        unknown) from a sender on `sender_node`."""
+        for cls in self.classes:
+            if cls.reaches(receiver_nodes, sender_node):
+                return cls.name
+        raise RuntimeError(f"no weight transport of {self.names} reaches nodes {receiver_nodes} from {sender_node}")
+
+
+@dataclass(frozen=True)
+class Route:
+    """How the sender sends one version (the param_update stage's answer to `open_version`).
+
+    `transports`: transport name -> (class, ticket), one per link in use. `delta`: the table's delta
+    option. `keep_whole`: with deltas, also write the whole version (as receivers hold it) through
+    `fallback` (name, class) and announce it with the version's end: restarted receivers load it.
+    """
+
+    transports: dict
+    delta: bool = False
+    keep_whole: bool = False
+    fallback: Optional[tuple] = None
+
+
 def link_of(receiver_nodes: Optional[Sequence], sender_node: Any,
             transports: Optional[list[type[WeightTransport]]] = None) -> str:
-    """A receiver's link: the name of the first transport of `transports` (default: the registered
-    ones, by rank) that reaches its processes on `receiver_nodes` (None or empty: unknown) from a
-    sender on `sender_node`."""
-    for cls in transports or transports_by_rank():
-        if cls.reaches(receiver_nodes, sender_node):
-            return cls.name
-    raise RuntimeError(f"no registered weight transport reaches nodes {receiver_nodes} from {sender_node}")
+    """A receiver's link in the table of `transports` (default: the registered ones, by rank)."""
+    return TransportTable(transports).link_of(receiver_nodes, sender_node)
 
 
 @runtime_checkable
@@ -184,7 +271,10 @@ class WeightReceiver(Protocol):
     name: str
     serves_generation: bool
     replica_index: Optional[int]
-    link: str
+    link: Optional[str]
+
+    async def configure(self, setup: ReceiverSetup) -> None:
+        """Set up staging and loading (rollout receivers; a layout mismatch fails here)."""
 
     async def nodes(self) -> Optional[list]:
         """The Ray node id of each of its processes (None: unknown)."""
@@ -207,8 +297,8 @@ class WeightReceiver(Protocol):
 
 class WeightHolder(Protocol):
     """The Ray methods of an actor holding weights (a CPU rollout server, the logp stage), which
-    `param_update.receivers.ActorReceiver` calls; `param_update.staging.WeightStaging` implements
-    all but `commit_weights` (the holder's own load)."""
+    `param_update.receivers.ActorReceiver` calls; `param_update.holder.StagedWeights` implements
+    all of them over a staging buffer, a holder writes its own load (`load_staged`)."""
 
     def weight_sync_nodes(self) -> list: ...
     def stage_weight_bucket(self, version: int, index: int, handle: BucketHandle, slices: list) -> dict: ...

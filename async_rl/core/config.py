@@ -29,6 +29,7 @@ CRITIC_ROLE = "critic"  # the optional 5th number of use_nodes_ratios (default: 
 PROXIMAL_LOGP_WORKERS = ("train", "logp")
 PREDUCE_BUCKET_KEY = "actor_rollout_ref.rollout.param_update_preduce_bucket_size_mb"
 CONSUME_BUCKET_KEY = "actor_rollout_ref.rollout.param_update_consume_bucket_size_mb"
+DELTA_SYNC_KEY = "actor_rollout_ref.rollout.param_update_delta_sync"
 MB = 1 << 20  # the bucket sizes' unit
 STAGE_PROCESSES = ("per_node", "per_stage")  # the stages of a node share one Ray actor process, or not
 REWARD_ON_ERROR = ("stop", "zero")  # a raising / hanging reward function: fail the run, or score 0 and count
@@ -157,6 +158,8 @@ KEYS = (
         _as_positive_number, "> 0", "MB per bucket when gathering weights on the trainer", "`512`"),
     Key(CONSUME_BUCKET_KEY, "consume_bucket_size_mb", 128.0,
         _as_positive_number, "> 0", "MB per bucket when loading weights into the engine", "`128`"),
+    Key(DELTA_SYNC_KEY, "delta_sync", False, _as_bool, "bool",
+        "versions carry only the values that changed ([docs](docs/weight_sync.md#delta-sync))"),
     Key("trainer.generate_ahead_steps", "generate_ahead_steps", 2, _as_ahead_steps, "int >= 1",
         "k: staleness bound eta = k - 1 (1 = synchronous on-policy, 2 = one-step-off)"),
     Key("trainer.async_stall_timeout_s", "stall_timeout_s", 600.0, _as_positive_number, "> 0",
@@ -215,6 +218,7 @@ class AsyncPipelineConfig:
     enable_dual_buffer: bool = _DEFAULTS["enable_dual_buffer"]
     preduce_bucket_size_mb: float = _DEFAULTS["preduce_bucket_size_mb"]
     consume_bucket_size_mb: float = _DEFAULTS["consume_bucket_size_mb"]
+    delta_sync: bool = _DEFAULTS["delta_sync"]
     generate_ahead_steps: int = _DEFAULTS["generate_ahead_steps"]
     stall_timeout_s: float = _DEFAULTS["stall_timeout_s"]
     stop_deadline_s: float = _DEFAULTS["stop_deadline_s"]  # first stop signal -> process exit

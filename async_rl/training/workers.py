@@ -6,10 +6,10 @@ backward) plus what the pipeline needs:
 - CPU runs: verl's small CPU patches (`verl_patches.cpu_patches`) applied in the
   worker process before verl builds its engine.
 - the training side of the weight sync (`send_weight_buckets`: gather + send,
-  param_update/sender.py) and the receiving side for logp workers (stage, check,
-  commit, discard: param_update/staging.py). Staging runs in its own concurrency group
-  ("weights"), so a logp worker registers buckets of version v while it computes with
-  v - 1; loading runs in the default group, never beside a forward.
+  param_update/sender.py) and the receiving side for logp workers
+  (param_update/holder.py `RankStagedWeights`; its load is `load_staged`, into the FSDP2 shards).
+  Staging runs in its own concurrency group ("weights"), so a logp worker registers buckets of
+  version v while it computes with v - 1; loading runs in the default group, never beside a forward.
 - checkpoints written beside training (`snapshot_checkpoint`, async_rl/training/checkpoint_writer.py):
   verl's own `save_checkpoint` with its writes deferred to a thread; the wait for that
   thread runs in its own concurrency group ("checkpoint"). Loading is verl's `load_checkpoint`.
@@ -24,19 +24,19 @@ from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
 from async_rl.training.checkpoint_writer import CheckpointWriter
 from param_update.buckets import tensor_digest
+from param_update.holder import WEIGHTS_GROUP, RankStagedWeights
 from param_update.lora import LoraAdapter, adapter_of, is_adapter_key, sent_name, served_state
 from param_update.sender import BucketSender, live_storage_addresses
-from param_update.staging import WeightStaging
+from param_update.staging import VersionStager
 from verl_patches.cpu_patches import apply_cpu_worker_patches
 from verl_patches.deferred_checkpoint_write import hold_optimizer_step
 from verl_patches.tensordict_threads import patch_per_thread_device_recorder
 
-WEIGHTS_GROUP = "weights"  # Ray concurrency group of the staging calls
 CHECKPOINT_GROUP = "checkpoint"  # waits for a checkpoint's background write, beside training
 CONCURRENCY_GROUPS = {WEIGHTS_GROUP: 1, CHECKPOINT_GROUP: 1}
 
 
-class PipelineWorker(ActorRolloutRefWorker):
+class PipelineWorker(ActorRolloutRefWorker, RankStagedWeights):
     """`ActorRolloutRefWorker` with CPU patches and bucketed weight send / receive."""
 
     def __init__(self, config, role: str, on_cpu: bool = False, **kwargs):
@@ -45,7 +45,6 @@ class PipelineWorker(ActorRolloutRefWorker):
         patch_per_thread_device_recorder()  # its concurrency groups' calls run beside the default group's
         super().__init__(config, role, **kwargs)
         self._bucket_sender = None
-        self._staging = None
         self._checkpoint_writer = None
         self._adapter = None  # LoraAdapter under LoRA (found once), False without
 
@@ -157,7 +156,7 @@ class PipelineWorker(ActorRolloutRefWorker):
             return {}
         return self._checkpoint_writer.wait(timeout_s)
 
-    # ---- receiving side (logp): stage, check, commit ---------------------------------------
+    # ---- receiving side (logp): staging set up, the load ----------------------------------
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def configure_weight_sync(self) -> None:
         """Set up this rank's staging (a load into FSDP2 shards is always a copy).
@@ -167,46 +166,17 @@ class PipelineWorker(ActorRolloutRefWorker):
         """
         sent = self._sent_keys()
         self._module_key = {name: key for name, (key, _) in sent.items()}  # sent name -> module key
-        self._staging = WeightStaging({name: (t.dtype, tuple(t.shape)) for name, (_, t) in sent.items()})
+        self.start_staging({name: (t.dtype, tuple(t.shape)) for name, (_, t) in sent.items()})
 
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    @ray.method(concurrency_group=WEIGHTS_GROUP)
-    def node_id(self) -> str:
-        """This rank's Ray node (the weight sync reads shared memory on the sender's node)."""
-        return ray.get_runtime_context().get_node_id()
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    @ray.method(concurrency_group=WEIGHTS_GROUP)
-    def stage_weight_bucket(self, version: int, index: int, source, slices: list) -> dict[str, float]:
-        """recv + register-buffer (param_update.staging.WeightStaging); runs beside compute."""
-        return self._staging.stage_bucket(version, index, source, slices)
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    @ray.method(concurrency_group=WEIGHTS_GROUP)
-    def stage_weight_buckets(self, version: int, buckets: list, num_buckets: int) -> dict[str, float]:
-        """recv + register-buffer of a whole version, then its check."""
-        return self._staging.stage_version(version, buckets, num_buckets)
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    @ray.method(concurrency_group=WEIGHTS_GROUP)
-    def check_weights(self, version: int, num_buckets: int) -> None:
-        self._staging.check(version, num_buckets)
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    @ray.method(concurrency_group=WEIGHTS_GROUP)
-    def discard_weights(self, version: int) -> None:
-        self._staging.discard(version)
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def commit_weights(self, version: int, num_buckets: int, consume_bytes: int) -> int:
-        """load: the staged version into this rank's FSDP2 shards, `consume_bytes` at a time; returns tensors."""
+    def load_staged(self, version: int, staged: VersionStager, consume_bytes: int) -> int:
+        """load (`commit_weights`): the staged version into this rank's FSDP2 shards, `consume_bytes` at
+        a time; returns tensors loaded."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        self._staging.check(version, num_buckets)
         module = self._engine().module
         options = StateDictOptions(full_state_dict=True, strict=False)
         loaded, group, group_bytes = 0, {}, 0
-        for name, tensor in self._staging.stager.named_tensors():
+        for name, tensor in staged.named_tensors():
             group[self._module_key[name]] = tensor
             group_bytes += tensor.nbytes
             if group_bytes >= consume_bytes:
@@ -215,7 +185,7 @@ class PipelineWorker(ActorRolloutRefWorker):
         if group:
             set_model_state_dict(module, group, options=options)
             loaded += len(group)
-        self._staging.stager.reset()
+        staged.reset()
         return loaded
 
 

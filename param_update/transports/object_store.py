@@ -76,8 +76,8 @@ class ObjectStore(WeightTransport):
         futures = [pool.submit(ray.put, run) for run in runs]
         return StoredBucket([future.result() for future in futures])
 
-    @staticmethod
-    def carry(handle, slices: list, sender_node: str) -> StoredBucket:
+    @classmethod
+    def carry(cls, handle, slices: list, sender_node: str) -> StoredBucket:
         """A bucket written through another transport, copied into the store from `sender_node`: for a
         receiver its version's route did not plan for (a server restarted on another node)."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy

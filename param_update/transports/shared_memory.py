@@ -88,6 +88,10 @@ class SharedBuffer:
             list(pool.map(partial(_copy_run, self._files[path]), runs))
         return SharedBucket(path, bucket.nbytes)
 
+    def flat(self, shared: SharedBucket) -> np.ndarray:
+        """The bytes of a bucket this buffer wrote, as its own writable mapping (uint8, no copy)."""
+        return self._files[shared.path][: shared.nbytes] if shared.nbytes else np.empty(0, dtype=np.uint8)
+
     def close(self) -> None:
         """Unlink every file (receivers' mappings stay valid until they drop them)."""
         self._unlink()

@@ -39,15 +39,22 @@ def test_bench_prints_table_and_json(tmp_path):
     # wait for a running decoding step is reported apart and left out of the totals
     assert row["pipeline_step_wait_s"] >= 0 and "step wait" in proc.stdout
     links = row["links"]
-    assert set(links) == {"same_node", "other_node"} and "same node (shared memory)" in proc.stdout
+    assert set(links) == {"same_node", "other_node", "other_node_collective"}
+    assert "same node (shared memory)" in proc.stdout and "other node (collective, gloo)" in proc.stdout
     for link in links.values():
         assert all(isinstance(v, (int, float)) for v in link.values())
         assert link["total_s"] > 0 and link["step_wait_s"] >= 0 and link["total_with_wait_s"] >= link["total_s"]
         assert link["total_over_raw"] == link["total_s"] / row["raw_copy_s"]
         assert 0 < link["blocked_over_naive"] == link["blocked_s"] / link["naive_blocked_s"]
-    assert (links["same_node"]["shm_receivers"], links["same_node"]["store_receivers"]) == (1, 0)
-    assert (links["other_node"]["shm_receivers"], links["other_node"]["store_receivers"]) == (0, 1)
+    receivers = {name: tuple(link[f"{n}_receivers"] for n in ("shm", "collective", "store"))
+                 for name, link in links.items()}
+    assert receivers == {"same_node": (1, 0, 0), "other_node": (0, 0, 1), "other_node_collective": (0, 1, 0)}
     assert links["same_node"]["total_s"] == row["pipeline_total_s"]
+    # the collective against the link it uses: the bytes sent once in a gloo group to the other node
+    group = links["other_node_collective"]
+    assert row["raw_link_s"] > 0 and group["total_over_raw_link"] == group["total_s"] / row["raw_link_s"]
+    assert group["idle_over_raw_link"] == group["total_idle_s"] / row["raw_link_s"]
+    assert "the collective against the link it uses" in proc.stdout
 
 
 def test_the_recorded_command_is_what_a_newcomer_types(monkeypatch):

@@ -34,8 +34,9 @@ STOP_DEADLINE = "trainer.stop_deadline_s"
 TRACE_PATH = "trainer.async_trace_path"
 TOOL_POOL_SIZE = "actor_rollout_ref.rollout.multi_turn.tool_pool_size"
 REPLICA_RESTARTS = "actor_rollout_ref.rollout.max_restarts"
+DELTA = "actor_rollout_ref.rollout.param_update_delta_sync"
 
-BOOL_KEYS = (ENABLED, DUAL, DECOUPLED, PARTIAL)
+BOOL_KEYS = (ENABLED, DUAL, DECOUPLED, PARTIAL, DELTA)
 POSITIVE_KEYS = (PREDUCE, CONSUME, STALL, REWARD, REQUEST_TIMEOUT, TOOL_TIMEOUT, STOP_DEADLINE)
 
 
@@ -102,7 +103,7 @@ def test_config_keys_listed():
                                                                 "trainer.max_restarts", "trainer.async_stages",
                                                                 REPLICA_RESTARTS, TOOL_POOL_SIZE, TRACE_PATH,
                                                                 STAGE_PROCESSES))
-    assert len(CONFIG_KEYS) == 22
+    assert len(CONFIG_KEYS) == 23
 
 
 def test_every_key_is_read():
@@ -264,7 +265,8 @@ def test_error_message_format():
 @pytest.mark.parametrize("value", [True, False])
 def test_booleans_accepted(key, value):
     c = read_async_config(cfg({key: value}))
-    field = {ENABLED: "enabled", DUAL: "enable_dual_buffer", DECOUPLED: "decoupled_ppo", PARTIAL: "partial_rollout"}
+    field = {ENABLED: "enabled", DUAL: "enable_dual_buffer", DECOUPLED: "decoupled_ppo", PARTIAL: "partial_rollout",
+             DELTA: "delta_sync"}
     assert getattr(c, field[key]) is value
 
 

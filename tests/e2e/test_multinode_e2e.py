@@ -1,7 +1,9 @@
 """The demo on a 3-node local Ray cluster (`ray.cluster_utils.Cluster`): a head for the driver and
 two job nodes of 2 devices each. `use_nodes_ratios=[0.5,0.5,0.5,0.5]` must put train and ref_logp
 on one job node (sharing its devices) and both rollout replicas on the other, and every stage
-beside its workers, the stages of a node in one process (`trainer.stage_processes=per_node`); a placement the cluster cannot hold fails at start, naming the nodes."""
+beside its workers, the stages of a node in one process (`trainer.stage_processes=per_node`), and the
+weights cross to the serving node in the collective transport's gloo group every step; a placement the
+cluster cannot hold fails at start, naming the nodes."""
 
 from __future__ import annotations
 
@@ -51,6 +53,9 @@ def test_stages_and_workers_run_where_use_nodes_ratios_places_them(cluster, demo
     assert "placement: node 0: train x2, ref_logp x2; node 1: generate x2 replica(s)" in out
     for step, metrics in every_step_with(rows, steps, ["critic/score/mean", "actor/kl_loss"]).items():
         assert metrics["async/param_version"] == step  # weights crossed nodes every step
+        # in the collective group (gloo), both servers, nothing through the object store or shared memory
+        assert (metrics["async/param_update/collective_receivers"], metrics["async/param_update/store_receivers"],
+                metrics["async/param_update/shm_receivers"]) == (2.0, 0.0, 0.0)
         assert (metrics["async/devices/train"], metrics["async/devices/ref_logp"], metrics["async/devices/generate"],
                 metrics["async/devices/shared"]) == (2.0, 2.0, 2.0, 1.0)
 

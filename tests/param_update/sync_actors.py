@@ -72,6 +72,13 @@ class Trainer:
             for p in self.model.parameters():
                 p.add_(1.0)
 
+    def nudge(self, fraction: float, seed: int) -> None:
+        """A step that moves `fraction` of each tensor's values (a delta sync's case)."""
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.add_((torch.rand(p.shape, generator=g) < fraction) * 0.05)
+
     def put_count(self) -> int:
         return self.puts
 
@@ -89,16 +96,23 @@ class Trainer:
 
 @ray.remote
 class VersionLog:
-    """Stands in for the generate stage: records `set_served_version` calls."""
+    """Stands in for the policy clock: records `set_served_version` and `report_lost` calls."""
 
     def __init__(self):
         self.versions = []
+        self.losses = []
 
     def set_served_version(self, version: int) -> None:
         self.versions.append(version)
 
+    def report_lost(self, index: int, handle, cause: str, hung: bool = False) -> None:
+        self.losses.append((index, cause))
+
     def get(self) -> list:
         return self.versions
+
+    def lost(self) -> list:
+        return self.losses
 
 
 TIMEOUT_S = 180
@@ -119,13 +133,13 @@ def start_server(model_dir: str, dual: bool, node_id=None, configure: bool = Tru
     return server
 
 
-def start_stage(servers, restartable: bool = False, node_id=None, transports=None):
+def start_stage(servers, restartable: bool = False, node_id=None, transports=None, log=None):
     """A running param_update stage syncing `servers` (`transports`: its transport classes, default the
-    registered ones)."""
+    registered ones; `log`: the VersionLog standing in for the generate stage)."""
     receivers = [ActorReceiver(f"rollout_server_{i}", s, True, replica_index=i if restartable else None)
                  for i, s in enumerate(servers)]
     stage = ray.remote(ParamUpdateStage).options(max_concurrency=64, num_cpus=0, **on_node(node_id)).remote(
-        receivers=receivers, clock=VersionLog.remote(), restartable_servers=restartable, transports=transports)
+        receivers=receivers, clock=log or VersionLog.remote(), restartable_servers=restartable, transports=transports)
     ray.get(stage.connect.remote([], 1), timeout=TIMEOUT_S)
     stage.run.remote()
     return stage

@@ -87,3 +87,17 @@ def test_a_new_transport_carries_a_version_bit_for_bit(small_objects_ray, file_t
     assert set(os.listdir(file_transport)) == {f"v1-b{i}" for i in range(int(timings["async/param_update/num_buckets"]))}
     assert ray.get(trainer.put_count.remote(), timeout=TIMEOUT_S) == 0  # nothing through the object store
     assert ray.get(trainer.files.remote(), timeout=TIMEOUT_S) == []  # nor shared memory
+
+
+def test_the_fallback_is_a_property_of_the_table(file_transport):
+    """The table's fallback is its last transport that reaches receivers on unknown nodes (it carries
+    buckets a receiver's link did not get); a table without one is refused when made."""
+    from async_rl.api.weights import TransportTable
+    from param_update.transports.object_store import ObjectStore
+    from param_update.transports.shared_memory import SharedMemory
+
+    table = TransportTable()
+    assert table.classes[0] is FileTransport and table.fallback is ObjectStore
+    assert TransportTable([FileTransport]).fallback is FileTransport
+    with pytest.raises(ValueError, match="no weight transport of \\['shm'\\] reaches a receiver on unknown nodes"):
+        TransportTable([SharedMemory])

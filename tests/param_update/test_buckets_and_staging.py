@@ -11,6 +11,7 @@ import pytest
 import torch
 import transformers
 
+from async_rl.api.weights import Bucket
 from async_rl.core.config import MB
 from async_rl.core.errors import BucketSizeError
 from async_rl.rollout.cpu.engine import ContinuousBatchingEngine
@@ -115,7 +116,8 @@ def test_object_store_must_hold_the_staged_versions():
 
 def test_the_links_follow_the_placement_and_each_link_checks_its_own_room():
     """One node: every receiver maps the trainer's shared memory, the object store holds no version; generate
-    on the second node: its servers go through the store; verl's GPU replicas always do."""
+    on the second node: its servers get the versions in the collective group; verl's GPU replicas, whose
+    nodes are unknown, through the store."""
     from omegaconf import OmegaConf
 
     from async_rl.core.config import read_async_config
@@ -128,8 +130,8 @@ def test_the_links_follow_the_placement_and_each_link_checks_its_own_room():
 
     one_node, two_nodes = placement(1, [0.5, 0.5, 0.5, 0.5]), placement(2, [0.5, 0.5, 0.5, 0.5])
     assert planned_links(one_node, replicas_read_same_node=True, logp_receives=True) == {"shm"}
-    assert planned_links(two_nodes, replicas_read_same_node=True, logp_receives=True) == {"shm", "store"}  # logp: node 0
-    assert planned_links(two_nodes, replicas_read_same_node=True, logp_receives=False) == {"store"}
+    assert planned_links(two_nodes, replicas_read_same_node=True, logp_receives=True) == {"shm", "collective"}
+    assert planned_links(two_nodes, replicas_read_same_node=True, logp_receives=False) == {"collective"}
     assert planned_links(one_node, replicas_read_same_node=False, logp_receives=False) == {"store"}
 
     # shared memory only: an object store too small for two versions does not matter, a small /dev/shm does
@@ -183,6 +185,31 @@ def test_staged_version_loads_bit_identical(swap, bucket_bytes):
     assert stager.version is None  # ready for the next version
     if swap and bucket_bytes == 1 << 20:  # zero copy: the weights are the staged memory itself
         assert serving.model.norm.weight.data_ptr() == trained.model.norm.weight.data_ptr()
+
+
+@pytest.mark.parametrize("swap", [True, False])
+def test_a_device_staging_buffer_holds_its_own_copy_of_each_bucket(swap):
+    """`device` puts the register-buffer in that device's memory (a GPU's; here "cpu", the same code):
+    each bucket is copied there as it is staged, so what the transport handed out can be reused at once,
+    and the load still gives the version's bytes."""
+    serving, trained = tiny_model(0), tiny_model(1)
+    expected, aliases, tensors = layout(serving)
+    stager = VersionStager(expected, aliases, device="cpu")
+    buckets = [Bucket(1, b.index, [a.copy() for a in b.data], b.slices)  # as a transport hands them out
+               for b in pack_buckets(trained.state_dict().items(), 512, version=1)]
+    for bucket in buckets:
+        stager.stage(1, bucket)
+    for bucket in buckets:  # the transport's memory reused
+        for array in bucket.data:
+            array[:] = 0
+    stager.check_complete(1, len(buckets))
+    if swap:
+        stager.swap_into(tensors)
+    else:
+        stager.copy_into(tensors, consume_bytes=1000)
+    assert {n: digest(t) for n, t in serving.state_dict().items()} == {
+        n: digest(t) for n, t in trained.state_dict().items()
+    }
 
 
 def test_incomplete_version_is_refused_and_serving_untouched():

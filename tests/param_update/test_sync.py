@@ -20,7 +20,7 @@ import pytest
 import ray
 import transformers
 
-from async_rl.api.weights import BucketRef
+from async_rl.api.weights import BucketRef, ReceiverSetup, Route
 from async_rl.core.errors import WeightSyncError
 from async_rl.core.messages import NewWeights
 from async_rl.core.trace import TraceRecorder
@@ -398,7 +398,7 @@ def test_verl_replica_receiver_stages_then_loads_through_verl_update_weights(sma
     assert max(len(r) for r in refs) > 1
 
     async def main():
-        await receiver.configure(dual, 0, layout)
+        await receiver.configure(ReceiverSetup(dual, 0, layout))
         await announce(stream, buckets, refs)
         stream.end_version(VersionEnd(1, len(buckets), {"gather": 0.0, "send": 0.0}))
         return await sync.sync(1, time.time())
@@ -430,12 +430,12 @@ def test_a_lost_verl_replica_is_left_out_and_its_restart_loads_the_kept_version(
     new_workers = [FakeCheckpointEngineWorker.remote()]
 
     async def main():
-        await receiver.configure(True, 0, layout)
+        await receiver.configure(ReceiverSetup(True, 0, layout))
         await announce(stream, buckets, refs)
         stream.end_version(VersionEnd(1, len(buckets), {"gather": 0.0, "send": 0.0}))
         await sync.sync(1, time.time())  # the load meets the dead server: left out, not a failure
         restarted = receiver.restarted("new server", (new_workers, ["new server"]))
-        await restarted.configure(True, 0, layout)
+        await restarted.configure(ReceiverSetup(True, 0, layout))
         return restarted, await sync.replace(restarted)
 
     restarted, version = asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
@@ -455,13 +455,13 @@ class GatedSink:
         self.buckets, self.ended = [], None
 
     def open_version(self, version, sender_node):
-        return {"store": (ObjectStore, True)}  # no receiver on the sender's node: the object store
+        return Route({"store": (ObjectStore, True)})  # no receiver on the sender's node: the object store
 
     async def put_bucket(self, version, index, handles, slices):
         await self.gate.wait()
         self.buckets.append((index, handles["store"], slices))
 
-    def end_version(self, version, count, timings, at_end=()):
+    def end_version(self, version, count, timings, at_end=(), whole=()):
         self.ended = (version, count, len(at_end))
 
     def open(self):

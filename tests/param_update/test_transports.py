@@ -1,12 +1,13 @@
 """The weight sync's built-in transports (param_update/transports/): shared memory on the trainer's
-Ray node, the object store across nodes.
+Ray node, a gloo group or the object store across nodes.
 
 Without Ray: the shared buffer (bytes round trip, files unlinked, a dead run's files swept, a full
 tmpfs) and the region handshake (a region still serving, syncing or retained is never handed out). With Ray: a CPU rollout server on
 the trainer's node gets a version bit-identical with no object-store put, and the sender waits
 while the region it would overwrite still serves; on a 2-node `ray.cluster_utils.Cluster` a
-server on the other node gets it through the object store, and a restarted server gets the
-newest version from the retained region, on either node.
+server on the other node gets it through the object store (a table without the collective), servers
+there get every version bit-identical through the collective group, which is rebuilt when one is lost
+and restarted, and a restarted server gets the newest version from the retained region, on either node.
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ import pytest
 import ray
 import torch
 
-from async_rl.api.weights import Bucket
+from async_rl.api.weights import Bucket, ReceiverSetup
 from async_rl.core.errors import WeightSyncError
 from param_update.buckets import pack_buckets, tensors_from_buckets
-from param_update.receivers import handle_for
+from param_update.transports.collective import Collective
 from param_update.transports.object_store import ObjectStore
 from param_update.transports.shared_memory import (
     PREFIX,
@@ -38,9 +39,20 @@ from param_update.transports.shared_memory import (
     shared_arrays,
     sweep_stale,
 )
-from sync_actors import Trainer, digests, on_node, served, start_server, start_stage, sync, tiny_model, wait_for_timings
+from sync_actors import (
+    Trainer,
+    VersionLog,
+    digests,
+    on_node,
+    served,
+    start_server,
+    start_stage,
+    sync,
+    tiny_model,
+    wait_for_timings,
+)
 
-SHM, STORE = SharedMemory.name, ObjectStore.name
+SHM, STORE, COLLECTIVE = SharedMemory.name, ObjectStore.name, Collective.name
 
 # generous: beside the end-to-end lane a call here can wait minutes for the 2 cores (one test of this module
 # failed once there on 2026-11-28, load average 12, and passed alone)
@@ -124,6 +136,26 @@ def test_a_full_tmpfs_fails_at_the_write_naming_the_room(tmp_path, monkeypatch):
     bucket = next(pack_buckets(mixed_tensors(0), 1 << 20, version=1))
     with pytest.raises(OSError, match="no room for .* MB of weights in"):
         buffer.write(0, bucket)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_gloo_group_carries_buckets_bit_identical_in_any_order(tmp_path):
+    """Without Ray: the collective's sending side writes each bucket once into its shared buffer and sends
+    it in a gloo group of two (the receiving rank joins in this process at its first read); the receiving
+    side reads them last first, each arriving bit-identical."""
+    from param_update.transports.collective import GroupTicket, ReceivingSide
+
+    tmp_path.mkdir(exist_ok=True)
+    collective = Collective(str(tmp_path))
+    tensors = mixed_tensors(2)
+    buckets = list(pack_buckets(tensors, 100, version=1))
+    handles = [collective.write(GroupTicket(region=0, epoch=1, world=2), b) for b in buckets]
+    assert [h.tag for h in handles] == list(range(len(buckets))) and len(buckets) > 3
+    side = ReceivingSide()
+    got = {b.index: Bucket(1, b.index, side.read(h, b.slices), b.slices)
+           for b, h in reversed(list(zip(buckets, handles)))}
+    assert digests(dict(tensors_from_buckets([got[i] for i in range(len(buckets))]))) == digests(dict(tensors))
+    collective.close()
     assert os.listdir(tmp_path) == []
 
 
@@ -213,11 +245,11 @@ class RecordingReceiver:
 
     async def stage(self, bucket) -> dict:
         self.calls.append(("stage", bucket.index))
-        return self.staging.stage_bucket(bucket.version, bucket.index, handle_for(self.link, bucket), bucket.slices)
+        return self.staging.stage_bucket(bucket.version, bucket.index, bucket.handle_for(self.link), bucket.slices)
 
     async def stage_version(self, version: int, buckets: list, num_buckets: int) -> dict:
         self.calls.append(("stage_version", [b.index for b in buckets], num_buckets))
-        return self.staging.stage_version(version, [(b.index, handle_for(self.link, b), b.slices) for b in buckets],
+        return self.staging.stage_version(version, [(b.index, b.handle_for(self.link), b.slices) for b in buckets],
                                           num_buckets)
 
     async def check(self, version: int, num_buckets: int) -> None:
@@ -403,10 +435,11 @@ def two_nodes(cluster):
 
 @pytest.mark.ray  # a Ray of its own
 def test_a_server_on_another_node_gets_the_version_through_the_object_store(two_nodes, model_dir):
-    """Two servers, one on the trainer's node and one on the other node: one sync, both links."""
+    """Two servers, one on the trainer's node and one on the other node: one sync, both links (a table
+    without the collective: the object store is the cross-node link)."""
     head, other = two_nodes
     servers = [start_server(model_dir, True, head), start_server(model_dir, True, other)]
-    stage = start_stage(servers, node_id=other)
+    stage = start_stage(servers, node_id=other, transports=[SharedMemory, ObjectStore])
     trainer = Trainer.options(**on_node(head)).remote(seed=1)
     want = ray.get(trainer.digests.remote(), timeout=TIMEOUT_S)
     timings = sync(stage, trainer, 1)
@@ -416,7 +449,7 @@ def test_a_server_on_another_node_gets_the_version_through_the_object_store(two_
     ray.get(trainer.close.remote(), timeout=TIMEOUT_S)
 
     # only a receiver on the other node (the one above, now version 2's only receiver): no shared buffer is made
-    remote_only = start_stage([servers[1]])
+    remote_only = start_stage([servers[1]], transports=[SharedMemory, ObjectStore])
     sender = Trainer.options(**on_node(head)).remote(seed=2)
     timings = sync(remote_only, sender, 2)
     assert (timings["async/param_update/shm_receivers"], timings["async/param_update/store_receivers"]) == (0, 1)
@@ -431,7 +464,7 @@ def test_a_restarted_server_gets_the_newest_version_from_the_retained_region(two
     (copied there from the region on the trainer's node); the next version reaches it by its link."""
     head, other = two_nodes
     stage = start_stage([start_server(model_dir, True, head)], restartable=True)
-    ray.get(stage.configure_rollout_servers.remote(True, 4096), timeout=TIMEOUT_S)
+    ray.get(stage.configure_rollout_servers.remote(ReceiverSetup(True, 4096)), timeout=TIMEOUT_S)
     trainer = Trainer.options(**on_node(head)).remote(seed=1)
     want = ray.get(trainer.digests.remote(), timeout=TIMEOUT_S)
     sync(stage, trainer, 1)
@@ -442,6 +475,44 @@ def test_a_restarted_server_gets_the_newest_version_from_the_retained_region(two
         assert served(restarted) == (1, want)
     ray.get(trainer.step.remote(), timeout=TIMEOUT_S)
     timings = sync(stage, trainer, 2)
-    assert (timings["async/param_update/shm_receivers"], timings["async/param_update/store_receivers"]) == (0, 1)
+    assert (timings["async/param_update/shm_receivers"], timings["async/param_update/collective_receivers"]) == (0, 1)
     assert served(restarted) == (2, ray.get(trainer.digests.remote(), timeout=TIMEOUT_S))
+    assert ray.get(trainer.put_count.remote(), timeout=TIMEOUT_S) == 0
+    ray.get(trainer.close.remote(), timeout=TIMEOUT_S)
+
+
+def test_servers_on_another_node_get_every_version_through_a_group_rebuilt_across_a_restart(two_nodes, model_dir):
+    """Restarts on, two servers on the other node: every version reaches both through the collective
+    group bit-identical, nothing through the object store; one server dies, the next version reaches the
+    survivor (the dead one is reported lost) and the server restarted in its place loads that version
+    (carried from the sender's buffer); the version after reaches both through a new group."""
+    head, other = two_nodes
+    servers = [start_server(model_dir, True, other) for _ in range(2)]
+    log = VersionLog.remote()
+    stage = start_stage(servers, restartable=True, node_id=other, log=log)
+    ray.get(stage.configure_rollout_servers.remote(ReceiverSetup(True, 4096)), timeout=TIMEOUT_S)
+    trainer = Trainer.options(**on_node(head)).remote(seed=1)
+
+    def next_version(version: int, receivers: int) -> dict:
+        if version > 1:
+            ray.get(trainer.step.remote(), timeout=TIMEOUT_S)
+        timings = sync(stage, trainer, version)
+        assert (timings["async/param_update/collective_receivers"], timings["async/param_update/store_receivers"],
+                timings["async/param_update/shm_receivers"]) == (receivers, 0, 0)
+        return ray.get(trainer.digests.remote(), timeout=TIMEOUT_S)
+
+    for version in (1, 2):
+        want = next_version(version, receivers=2)
+        assert served(servers[0]) == served(servers[1]) == (version, want)
+    ray.kill(servers[1], no_restart=True)
+    want = next_version(3, receivers=1)
+    assert served(servers[0]) == (3, want)
+    assert [index for index, _ in ray.get(log.lost.remote(), timeout=TIMEOUT_S)] == [1]
+    restarted = start_server(model_dir, True, other, configure=False)
+    assert ray.get(stage.replace_rollout_server.remote(1, restarted), timeout=TIMEOUT_S) == 3
+    assert served(restarted) == (3, want)
+    for version in (4, 5):
+        want = next_version(version, receivers=2)
+        assert served(servers[0]) == served(restarted) == (version, want)
+    assert ray.get(trainer.put_count.remote(), timeout=TIMEOUT_S) == 0  # the restart's carry is a task's return
     ray.get(trainer.close.remote(), timeout=TIMEOUT_S)

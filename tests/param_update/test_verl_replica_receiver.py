@@ -10,6 +10,7 @@ import types
 
 import pytest
 
+from async_rl.api.weights import ReceiverSetup
 from async_rl.rollout import vllm
 from param_update.lora import AdaptedLinear, LoraAdapter
 from param_update.receivers import VerlReplicaReceiver
@@ -163,8 +164,8 @@ def test_under_lora_every_version_loads_as_an_adapter_with_verls_arguments():
     receiver = vllm.receiver(0, replica, partial=True, replica_index=None)
 
     async def main():
-        await receiver.configure(True, 1 << 20, {"a": None, "b": None}, adapter=adapter)
-        await receiver.configure(True, 1 << 20, {"a": None, "b": None}, adapter=adapter)  # a restart: no double wrap
+        await receiver.configure(ReceiverSetup(True, 1 << 20, {"a": None, "b": None}, adapter=adapter))
+        await receiver.configure(ReceiverSetup(True, 1 << 20, {"a": None, "b": None}, adapter=adapter))  # a restart: no double wrap
         await receiver.commit(version=4, num_buckets=1)
 
     asyncio.run(asyncio.wait_for(main(), 10))
@@ -176,7 +177,7 @@ def test_an_adapter_without_its_peft_config_is_refused_naming_the_replica():
     adapter = LoraAdapter((AdaptedLinear("m.q_proj.weight", "a", "b", 2.0),))
     receiver = vllm.receiver(2, FakeReplica([FakeServer(running=0)], []), partial=True, replica_index=None)
     with pytest.raises(ValueError, match="rollout_replica_2: the adapter has no PEFT config"):
-        asyncio.run(receiver.configure(True, 1 << 20, None, adapter=adapter))
+        asyncio.run(receiver.configure(ReceiverSetup(True, 1 << 20, None, adapter=adapter)))
 
 
 def test_lora_on_vllm_loads_the_base_from_the_model_path_and_keeps_a_users_load_format():

@@ -25,14 +25,16 @@ from async_rl.core.fault_points import delay_for
 from async_rl.rollout.cpu.engine import ContinuousBatchingEngine
 from async_rl.rollout.cpu.requests import STOP_ABORTED
 from param_update.buckets import tensor_digest
+from param_update.holder import AsyncStagedWeights
 from param_update.lora import LoraAdapter, MergedVersion, adapter_from_peft_config, base_weights
-from param_update.staging import WeightStaging, layout_mismatches
+from param_update.staging import VersionStager, layout_mismatches
 
 logger = logging.getLogger(__name__)
 
 
-class CPURolloutServer:
-    """Serve one rollout replica on CPU.
+class CPURolloutServer(AsyncStagedWeights):
+    """Serve one rollout replica on CPU; a weight holder (param_update/holder.py) whose load swaps or
+    copies a staged version into the engine between decoding steps.
 
     Args:
         config: verl ``RolloutConfig`` (dataclass or DictConfig). Used: ``max_model_len``,
@@ -64,7 +66,6 @@ class CPURolloutServer:
         self.engine: Optional[ContinuousBatchingEngine] = None
         self.max_model_len: Optional[int] = self.config.max_model_len
         self._rejecting = False  # set by abort_all_requests(reject_request=True) until resume_generation()
-        self._staging = None  # param_update.staging.WeightStaging, set by configure_weight_sync()
         self._consume_bytes = 0
         self._adapter: Optional[LoraAdapter] = None  # LoRA: versions are adapters, merged onto _lora_base
         self._lora_base: dict[str, torch.Tensor] = {}  # HF name -> base weight (as loaded) an adapter changes
@@ -263,32 +264,15 @@ class CPURolloutServer:
             raise ValueError(
                 f"rollout server {self.replica_rank} cannot take the trainer's weights: " + "; ".join(problems[:5])
             )
-        self._staging = WeightStaging(expected, aliases)
+        self.start_staging(expected, aliases)
         self._dual_buffer = dual_buffer
         self._consume_bytes = int(consume_bucket_bytes)
         self._interrupt = partial_rollout
 
-    def weight_sync_nodes(self) -> list[str]:
-        """This server's Ray node: on the trainer's, buckets arrive through shared memory."""
-        return [ray.get_runtime_context().get_node_id()]
-
-    async def stage_weight_bucket(self, version: int, index: int, source, slices: list) -> dict[str, float]:
-        """recv + register-buffer of bucket `index` of `version` (param_update.staging.WeightStaging)."""
-        return await asyncio.to_thread(self._staging.stage_bucket, version, index, source, slices)
-
-    async def stage_weight_buckets(self, version: int, buckets: list, num_buckets: int) -> dict[str, float]:
-        """recv + register-buffer of every (index, source, slices) of `version`, then its check."""
-        return await asyncio.to_thread(self._staging.stage_version, version, buckets, num_buckets)
-
-    def check_weights(self, version: int, num_buckets: int) -> None:
-        self._staging.check(version, num_buckets)
-
-    async def commit_weights(self, version: int, num_buckets: int) -> dict[str, float]:
+    async def load_staged(self, version: int, staged: VersionStager) -> dict[str, float]:
         """load: serve the staged `version` from the next decoding step on. `keeps_buffer`: the
         staged views now serve (dual buffer), else they were copied and released."""
-        self._staging.check(version, num_buckets)
         start = time.perf_counter()
-        staged = self._staging.stager
         if self._adapter is not None:  # merged before the load, while the old weights still serve
             adapter_tensors = dict(staged.named_tensors())
             merged = await asyncio.to_thread(lambda: dict(self._adapter.merged(self._lora_base, adapter_tensors)))
@@ -299,9 +283,6 @@ class CPURolloutServer:
         return {"load_s": time.perf_counter() - start, "blocked_s": blocked_s,
                 "keeps_buffer": self._dual_buffer and self._adapter is None,
                 "interrupted": self.engine.last_load_interrupted}
-
-    def discard_weights(self, version: int) -> None:
-        self._staging.discard(version)
 
     def weight_digests(self) -> dict[str, str]:
         """name -> digest of the served weights (bit-identity checks against the trainer)."""

@@ -1,0 +1,242 @@
+"""Benchmark: delta sync against a full sync, a float32 trainer and a bf16 rollout, across nodes.
+
+On a local two-node Ray cluster (`ray.cluster_utils.Cluster`), a synthetic float32 Qwen2 model
+trains with Adam (real forward and backward on random tokens) at each learning rate in turn. After
+every step the new version goes to two bf16 weight holders on the second node, each behind its own
+param_update stage and its own sender in the trainer process, over the same link (the table's
+cross-node link, the collective transport):
+
+- full: every tensor cast to bf16 and sent whole;
+- delta: the table's delta option: the values whose bf16 bits changed since the version before
+  (int32 index + bf16 value), or the tensor whole where that is no larger (param_update/delta.py).
+
+Per version: the bytes the sync carried (`async/param_update/bytes`) and its total (gather start to
+loaded everywhere, `timing_s/param_update/total`), and whether both holders hold exactly the
+trainer's weights cast to bf16 (per-tensor digests). The first version is full on both (nothing to
+diff against) and left out of the medians.
+
+    python bench/delta_sync.py [--size 100M] [--lrs 1e-6,1e-5] [--steps 4] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+# this folder holds a module named like the `param_update` package: the repository root comes first
+sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.command import command_line  # noqa: E402
+
+import ray  # noqa: E402
+import torch  # noqa: E402
+
+SIZES = {"2M": (64, 2), "10M": (256, 6), "100M": (768, 12), "500M": (1280, 24)}  # hidden, layers
+VOCAB = 8192
+TIMEOUT_S = 900
+BUCKET_MB = 512
+
+
+def build_model(size: str, seed: int):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    hidden, layers = SIZES[size]
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
+                         num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 128),
+                         max_position_embeddings=128, tie_word_embeddings=False, dtype="float32")
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(config).to(torch.float32)
+
+
+@ray.remote
+class Trainer:
+    """A float32 model, Adam, and one sender per sync kind (each keeps what it needs of the last version)."""
+
+    def __init__(self, size: str):
+        from param_update.sender import BucketSender
+
+        self.model = build_model(size, seed=1)
+        held = {name: torch.bfloat16 for name in self.model.state_dict()}
+        self.senders = {kind: BucketSender(held_dtypes=held) for kind in ("full", "delta")}
+        self.optimizer = None
+        self.batch = torch.randint(0, VOCAB, (4, 64))
+
+    def held_layout(self) -> dict:
+        return {name: (torch.bfloat16, tuple(t.shape)) for name, t in self.model.state_dict().items()}
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    def use_lr(self, lr: float) -> None:
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr)
+
+    def train_step(self) -> float:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.model(input_ids=self.batch, labels=self.batch).loss
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(loss)
+
+    def send(self, kind: str, version: int, sink) -> None:
+        state = self.model.state_dict()
+        self.senders[kind].gather_and_send(state.items(), version, BUCKET_MB << 20, sink, True)
+
+    def held_digests(self) -> dict:
+        from param_update.buckets import tensor_digest
+
+        return {name: tensor_digest(t.detach().to(torch.bfloat16)) for name, t in self.model.state_dict().items()}
+
+    def close(self) -> None:
+        for sender in self.senders.values():
+            sender.close()
+
+
+def holder_class():
+    from param_update.holder import StagedWeights
+
+    class HeldWeights(StagedWeights):
+        """A rollout's weights in bf16 (layout name -> (dtype, shape)); its load swaps the staged version in."""
+
+        def __init__(self, layout: dict):
+            self.start_staging(layout)
+            self.params = {name: torch.nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
+                           for name, (dtype, shape) in layout.items()}
+
+        def load_staged(self, version: int, staged) -> dict:
+            start = time.perf_counter()
+            staged.swap_into(self.params)
+            seconds = time.perf_counter() - start
+            return {"load_s": seconds, "blocked_s": seconds, "keeps_buffer": True}
+
+        def digests(self) -> dict:
+            from param_update.buckets import tensor_digest
+
+            return {name: tensor_digest(p.data) for name, p in self.params.items()}
+
+    return HeldWeights
+
+
+@ray.remote
+class VersionLog:
+    def set_served_version(self, version: int) -> None:
+        pass
+
+
+def on_node(node_id: str) -> dict:
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
+
+
+def start_stage(holder, node: str, delta: bool):
+    from async_rl.api.weights import TransportTable
+    from param_update.receivers import ActorReceiver
+    from state_machines.param_update import ParamUpdateStage
+
+    stage = ray.remote(ParamUpdateStage).options(max_concurrency=64, **on_node(node)).remote(
+        receivers=[ActorReceiver("holder", holder, True)], clock=VersionLog.remote(), transports=TransportTable(delta=delta))
+    ray.get(stage.connect.remote([], 1), timeout=TIMEOUT_S)
+    stage.run.remote()
+    return stage
+
+
+def sync(trainer, stage, kind: str, version: int) -> dict:
+    from async_rl.core.messages import NewWeights
+
+    ray.get(stage.put.remote(NewWeights(version=version, started_at=time.time())), timeout=TIMEOUT_S)
+    ray.get(trainer.send.remote(kind, version, stage), timeout=TIMEOUT_S)
+    deadline = time.time() + TIMEOUT_S
+    while (timings := ray.get(stage.pop_timings.remote(), timeout=TIMEOUT_S).get(version)) is None:
+        if time.time() > deadline:
+            raise TimeoutError(f"the {kind} sync of version {version} did not end in {TIMEOUT_S} s")
+        time.sleep(0.02)
+    return timings
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", default="100M", help=f"one of {list(SIZES)}")
+    parser.add_argument("--lrs", default="1e-6,1e-5", help="comma-separated Adam learning rates, run in turn")
+    parser.add_argument("--steps", type=int, default=4, help="training steps (versions) per learning rate")
+    parser.add_argument("--json", help="write the result here")
+    args = parser.parse_args(argv)
+    command = command_line()
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 16, "include_dashboard": False})
+    other = cluster.add_node(num_cpus=16)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    head, far = cluster.head_node.node_id, other.node_id
+    rows, versions = [], iter(range(1, 1 << 30))
+    try:
+        trainer = Trainer.options(**on_node(head)).remote(args.size)
+        layout = ray.get(trainer.held_layout.remote(), timeout=TIMEOUT_S)
+        params = ray.get(trainer.num_params.remote(), timeout=TIMEOUT_S)
+        Holder = ray.remote(holder_class())
+        holders = {kind: Holder.options(**on_node(far)).remote(layout) for kind in ("full", "delta")}
+        stages = {kind: start_stage(holders[kind], head, delta=kind == "delta") for kind in ("full", "delta")}
+        for lr in (float(x) for x in args.lrs.split(",")):
+            ray.get(trainer.use_lr.remote(lr), timeout=TIMEOUT_S)
+            for step in range(args.steps + 1):
+                if step:
+                    ray.get(trainer.train_step.remote(), timeout=TIMEOUT_S)
+                version = next(versions)
+                order = ("full", "delta") if version % 2 else ("delta", "full")  # neither always goes first
+                timings = {kind: sync(trainer, stages[kind], kind, version) for kind in order}
+                want = ray.get(trainer.held_digests.remote(), timeout=TIMEOUT_S)
+                held = {kind: ray.get(h.digests.remote(), timeout=TIMEOUT_S) == want for kind, h in holders.items()}
+                row = {"lr": lr, "version": version, "first_of_lr": step == 0,
+                       **{f"{kind}_{key}": timings[kind][metric] for kind in ("full", "delta")
+                          for key, metric in (("bytes", "async/param_update/bytes"),
+                                              ("total_s", "timing_s/param_update/total"),
+                                              ("is_delta", "async/param_update/delta"),
+                                              ("collective", "async/param_update/collective_receivers"))},
+                       "full_bit_identical": held["full"], "delta_bit_identical": held["delta"]}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        ray.get(trainer.close.remote(), timeout=TIMEOUT_S)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    summary = {}
+    for lr in sorted({r["lr"] for r in rows}, reverse=True):
+        steady = [r for r in rows if r["lr"] == lr and r["delta_is_delta"]]
+        summary[lr] = {
+            "versions": len(steady),
+            "bytes_ratio": statistics.median(r["delta_bytes"] / r["full_bytes"] for r in steady),
+            "time_ratio": statistics.median(r["delta_total_s"] / r["full_total_s"] for r in steady),
+            "full_total_s": statistics.median(r["full_total_s"] for r in steady),
+            "delta_total_s": statistics.median(r["delta_total_s"] for r in steady),
+            "full_mb": statistics.median(r["full_bytes"] for r in steady) / (1 << 20),
+            "delta_mb": statistics.median(r["delta_bytes"] for r in steady) / (1 << 20),
+            "bit_identical": all(r["full_bit_identical"] and r["delta_bit_identical"] for r in rows if r["lr"] == lr),
+        }
+    print(f"\ncommand: {command}\ncpus: {os.cpu_count()}, torch {torch.__version__}, {args.size} ({params:,} "
+          f"float32 parameters), rollout held in bf16, Adam, {args.steps} steps per lr, buckets {BUCKET_MB} MB, "
+          "both syncs through the collective transport to the second node")
+    header = (f"{'lr':>7} | {'full MB':>8} {'delta MB':>9} {'bytes':>6} | {'full s':>7} {'delta s':>8} {'time':>6} | "
+              f"{'bit-identical':>13}")
+    print(f"{header}\n{'-' * len(header)}")
+    for lr, s in summary.items():
+        print(f"{lr:>7.0e} | {s['full_mb']:>8.1f} {s['delta_mb']:>9.1f} {s['bytes_ratio']:>6.3f} | "
+              f"{s['full_total_s']:>6.3f}s {s['delta_total_s']:>7.3f}s {s['time_ratio']:>6.3f} | "
+              f"{'yes' if s['bit_identical'] else 'NO':>13}")
+    print("medians over the versions after each lr's first; 'bytes', 'time': delta / full; bit-identical: both "
+          "holders held the trainer's weights cast to bf16 after every version. goal at lr 1e-6: bytes <= 0.10, "
+          "time < 1")
+    result = {"command": command, "size": args.size, "params": params, "rows": rows,
+              "summary": {str(lr): s for lr, s in summary.items()}}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Delta sync: a version sent as the values that changed since the one before, as receivers hold them.
+
+The trainer holds float32; a receiver may hold another dtype (a bf16 rollout). What a receiver
+serves is the trainer's weights cast to its dtype, so "changed" is decided there: the new version
+cast to the held dtype against the previous one as it was sent (bit for bit, so -0.0 against 0.0
+and NaN payloads count as changes). At bf16 and small learning rates most steps move a weight by
+less than half a bf16 step, and its held value stays the same.
+
+`DeltaEncoder` (the sender) keeps the previous version as sent and turns each tensor into what
+goes on the wire, ordinary named tensors packed into buckets like a full version:
+
+- `<name>` itself (in the held dtype) when it is new or when sending it whole is no larger;
+- else `<name>` + `INDEX` (int32 flat indices of the changed values, ascending) and `<name>` +
+  `VALUE` (those values, held dtype), empty when nothing changed;
+- and first `BASE`, an int64 tensor holding the version the delta applies to.
+
+`DeltaVersion` (the receiver) puts a staged version together from its base, the version it
+serves: the base's tensor with the changed values written in, or the tensor sent whole. Applying a
+delta gives exactly the bytes a full sync of the same version gives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Optional
+
+import torch
+
+INDEX = "\x00delta_index"
+VALUE = "\x00delta_value"
+BASE = "\x00delta_base"  # the wire name of the base version's tensor
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def as_held(tensor: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """`tensor` as a receiver holding `dtype` holds it (None: as it is), contiguous, on the CPU."""
+    out = tensor.detach().to("cpu")
+    if dtype is not None and out.dtype != dtype:
+        out = out.to(dtype)
+    return out.contiguous()
+
+
+def changed_indices(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """Flat int32 indices where `new` and `old` (same dtype and shape) differ bit for bit, ascending."""
+    bits = _BITS[new.element_size()]
+    return (new.reshape(-1).view(bits) != old.reshape(-1).view(bits)).nonzero().reshape(-1).to(torch.int32)
+
+
+def wire_name(name: str) -> tuple[str, Optional[str]]:
+    """(tensor name, INDEX / VALUE / None) of a name on the wire."""
+    for part in (INDEX, VALUE):
+        if name.endswith(part):
+            return name[: -len(part)], part
+    return name, None
+
+
+class DeltaEncoder:
+    """The sender's side: the previous version as sent, and the next one as a delta from it.
+
+    Args:
+        held_dtypes: tensor name -> the dtype receivers hold it in (a name not listed: as the trainer
+            holds it).
+    """
+
+    def __init__(self, held_dtypes: Optional[dict[str, torch.dtype]] = None):
+        self.held_dtypes = dict(held_dtypes or {})
+        self.version: Optional[int] = None  # the version `previous` holds
+        self.previous: dict[str, torch.Tensor] = {}
+
+    def encode(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
+               base: Optional[int]) -> Iterator[tuple[str, torch.Tensor]]:
+        """`version` on the wire: a delta from `base` (which must be the version kept), or whole (`base`
+        None); the version is kept as the next one's base as it goes. A tensor whose name repeats (tied
+        weights) is sent once per name, as a full sync sends it."""
+        if base is not None and base != self.version:
+            raise ValueError(f"a delta from version {base} asked, the sender keeps version {self.version}")
+        kept: dict[str, torch.Tensor] = {}
+        if base is not None:
+            yield BASE, torch.tensor([base], dtype=torch.int64)
+        for name, tensor in named_tensors:
+            held = as_held(tensor, self.held_dtypes.get(name))
+            if held.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
+                held = held.clone()  # the trainer's own memory, which training changes: keep a copy
+            old = self.previous.get(name) if base is not None else None
+            kept[name] = held
+            if old is None or old.shape != held.shape or old.dtype != held.dtype:
+                yield name, held
+                continue
+            index = changed_indices(held, old)
+            if index.numel() * (index.element_size() + held.element_size()) >= held.nbytes:
+                yield name, held
+            else:
+                yield name + INDEX, index
+                yield name + VALUE, held.reshape(-1)[index.long()]
+        self.previous, self.version = kept, version
+
+
+class DeltaVersion:
+    """The receiver's side of one version: its wire tensors (name -> tensor) over `base` (canonical name
+    -> the tensor it serves, of version `base_version`)."""
+
+    def __init__(self, wire: dict[str, torch.Tensor], base: dict[str, torch.Tensor], base_version: Optional[int],
+                 aliases: Optional[dict] = None):
+        self.wire = wire
+        self.base = base
+        self.aliases = dict(aliases or {})
+        sent_base = wire.get(BASE)
+        self.delta_from = int(sent_base[0]) if sent_base is not None else None
+        if self.delta_from is not None and self.delta_from != base_version:
+            raise ValueError(f"a delta from version {self.delta_from} arrived, the receiver holds version {base_version}")
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The full tensor `name` (canonical) of the version: sent whole, or its base with the changes."""
+        if name in self.wire:
+            return self.wire[name]
+        index, value = self.wire[name + INDEX], self.wire[name + VALUE]
+        out = self.base[name].detach().clone()
+        out.reshape(-1)[index.long()] = value
+        return out
