@@ -160,8 +160,8 @@ class Key:
 
 
 KEYS = (
-    Key(FLAG_KEY, "enabled", False, _as_flag, "bool (`1`/`0`, `yes`/`no`, `on`/`off` too)",
-        "run the async pipeline instead of verl's trainer; any other value is refused"),
+    Key(FLAG_KEY, "enabled", False, _as_flag, "bool",  # also 1/0, yes/no, on/off (docs/using_with_verl.md)
+        "run the async pipeline instead of verl's trainer"),
     Key("trainer.use_nodes_ratios", "use_nodes_ratios", (0.5, 0.5, 0.5, 0.5), _as_ratios,
         "4 or 5 numbers in (0, 1]",
         "share of `nnodes x n_gpus_per_node` for train, logp, ref_logp, generate (5th: critic, default train's); "
