@@ -23,6 +23,7 @@ import os
 import sys
 
 from async_rl import verl_trainer_on_cpu
+from async_rl.core import key_reads
 from async_rl.core.config import async_pipeline_enabled, runs_on_cpu
 from verl_patches.cpu_platform import make_cpu_platform_class
 from verl_patches.vllm_cpu import apply_vllm_cpu_patches
@@ -118,3 +119,5 @@ apply_vllm_cpu_patches()  # verl's vLLM rollout on vLLM's CPU build (a no-op whe
 apply_vllm_lora_names_patch()  # verl's LoRA adapter load on vLLM 0.30 (a no-op without vLLM)
 if os.environ.get("VERL_PLATFORM") == "cpu":
     verl_trainer_on_cpu.set_up_worker_process()
+if os.environ.get(key_reads.ENV):  # a test recording which config keys the run reads (async_rl/core/key_reads.py)
+    key_reads.install()

@@ -25,7 +25,8 @@ from async_rl.core.errors import AsyncConfigError
 from async_rl.core.placement import Placement, plan_placement
 from async_rl.core.scoring import overlong_shaping
 from async_rl.core.stage_graph import STAGES_KEY, UserStageSpec, build_edges
-from async_rl.core.verl_keys import refuse_misspelt_keys, refuse_unsupported, replaced_settings
+from async_rl.core.verl_keys import refuse_unsupported, replaced_settings
+from async_rl.core.verl_reads import refuse_unread_keys
 from async_rl.rollout.agent_loops import absolute_agent_files, check_agent_loops
 from async_rl.rollout.cpu.reward_server import check_reward_model
 from async_rl.rollout.reward_models import (on_devices_of_its_own, prepare_reward_model_config, reward_model_backend,
@@ -86,8 +87,8 @@ def read_run_config(config: DictConfig) -> RunConfig:
     """Every check that needs no Ray, then the run's derived values; raises AsyncConfigError, ValueError
     or FileNotFoundError naming the key."""
     async_cfg = read_async_config(config)
-    refuse_misspelt_keys(config)
     refuse_unsupported(config)
+    refuse_unread_keys(config)
     for line in replaced_settings(config):
         logger.warning(line)
     critic = critic_enabled(config)

@@ -50,6 +50,21 @@ def _as_bool(key: str, value) -> bool:
     raise AsyncConfigError(key, value, "true or false")
 
 
+FLAG_KEY = "actor_rollout_ref.async_pipeline"
+# the flag as Hydra users type it: Hydra reads `=true` as a bool, `=1` as an int, `=yes` / `=on` as strings
+FLAG_WORDS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
+FLAG_ALLOWED = "true or false (also 1 / 0, yes / no, on / off, in any case)"
+
+
+def _as_flag(key: str, value) -> bool:
+    """`actor_rollout_ref.async_pipeline`: True or False as any of FLAG_WORDS spells it; anything else raises."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1) or isinstance(value, str) and value.strip().lower() in FLAG_WORDS:
+        return FLAG_WORDS[str(value).strip().lower()]
+    raise AsyncConfigError(key, value, FLAG_ALLOWED)
+
+
 def _as_positive_number(key: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise AsyncConfigError(key, value, "a number > 0")
@@ -146,7 +161,7 @@ class Key:
 
 
 KEYS = (
-    Key("actor_rollout_ref.async_pipeline", "enabled", False, _as_bool, "bool",
+    Key(FLAG_KEY, "enabled", False, _as_flag, "bool",  # also 1/0, yes/no, on/off (docs/using_with_verl.md)
         "run the async pipeline instead of verl's trainer"),
     Key("trainer.use_nodes_ratios", "use_nodes_ratios", (0.5, 0.5, 0.5, 0.5), _as_ratios,
         "4 or 5 numbers in (0, 1]",
@@ -341,6 +356,6 @@ def runs_on_cpu(config) -> bool:
 
 
 def async_pipeline_enabled(config) -> bool:
-    """True when the user asked for the pipeline (`+actor_rollout_ref.async_pipeline=True`)."""
-    value = select_value(config, "actor_rollout_ref.async_pipeline", False)
-    return value is True or (isinstance(value, str) and value.lower() == "true")
+    """Whether the user asked for the pipeline (`+actor_rollout_ref.async_pipeline=True`, or 1 / yes / on);
+    False when the key is absent. Any value but those of `FLAG_WORDS` raises AsyncConfigError naming it."""
+    return _as_flag(FLAG_KEY, select_value(config, FLAG_KEY, False))

@@ -7,7 +7,6 @@ and SGLang, LoRA on vLLM)."""
 from __future__ import annotations
 
 import copy
-import difflib
 import functools
 import os
 from collections.abc import Callable, Iterator
@@ -17,8 +16,9 @@ from typing import Any
 import yaml
 from omegaconf import OmegaConf
 
-from async_rl.core.config import CONFIG_KEYS, select_value
+from async_rl.core.config import select_value
 from async_rl.core.errors import AsyncConfigError
+from async_rl.core.key_reads import not_a_use
 from async_rl.core.verl_key_table import VERL_KEYS, Handling, row_for
 
 OPTIMAL_TOKEN_BASELINES = ("optimal_token_baseline", "tir_optimal_token_baseline")
@@ -117,6 +117,7 @@ def set_away_from_default(config, handling: Handling) -> Iterator[tuple[str, Any
                 yield key, value, default
 
 
+@not_a_use  # it reads every key to compare it with verl's default
 def refuse_unsupported(config) -> None:
     """Raise AsyncConfigError for the first key of `config` the table refuses that is set away from verl's
     default, the first setting in UNSUPPORTED, or verl's bypass mode with a setting only its bypass-mode
@@ -156,29 +157,8 @@ def refuse_unsupported(config) -> None:
                                                    "bypass mode it is honoured)")
 
 
+@not_a_use
 def replaced_settings(config) -> list[str]:
     """One line per key the command set that the pipeline does its own way (the table's REPLACED rows)."""
     return [f"{key}={value!r} is not used: {row_for(key).where}"
             for key, value, _ in set_away_from_default(config, Handling.REPLACED)]
-
-
-def refuse_misspelt_keys(config) -> None:
-    """Raise AsyncConfigError for a key the command added (`+key=...`) that neither verl nor the pipeline
-    reads but is one letter or so from one that is, under a section verl defines key by key (e.g.
-    `+trainer.generate_ahead_step=3`, which would otherwise leave the default in force without a word).
-    Keys under a free-form map (override_config, engine_kwargs, ray_init, ...) are the user's."""
-    for key in leaf_keys(OmegaConf.to_container(config, resolve=False)):
-        if any(key == k or key.startswith(k + ".") for k in CONFIG_KEYS):
-            continue
-        parts, node, depth = key.split("."), verl_defaults(), 0
-        while depth < len(parts) and isinstance(node, dict) and parts[depth] in node:
-            node, depth = node[parts[depth]], depth + 1
-        if depth == len(parts) or not isinstance(node, dict) or not node:
-            continue  # verl's key, or under a leaf / free-form map
-        section, name = ".".join(parts[:depth]), parts[depth]
-        ours = [k[len(section) + 1:].split(".")[0] for k in CONFIG_KEYS if k.startswith(section + ".")]
-        close = difflib.get_close_matches(name, [*node, *ours], n=1, cutoff=0.85)
-        if close:
-            wrong = f"{section}.{name}" if section else name
-            raise AsyncConfigError(wrong, select_value(config, wrong, None),
-                                   f"a key verl or the async pipeline reads: did you mean {section}.{close[0]}?")

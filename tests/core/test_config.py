@@ -208,7 +208,7 @@ def test_bad_positive_numbers_rejected(key, value):
     assert "> 0" in msg
 
 
-@pytest.mark.parametrize("key", BOOL_KEYS)
+@pytest.mark.parametrize("key", [k for k in BOOL_KEYS if k != ENABLED])  # the flag's spellings: below
 @pytest.mark.parametrize("value", ["true", "True", "false", "1", 1, 0, None])
 def test_booleans_given_as_other_types_rejected(key, value):
     msg = str(rejected(key, value))
@@ -282,10 +282,17 @@ def test_boundary_values_accepted():
 
 @pytest.mark.parametrize(
     "value, expected",
-    [(True, True), (False, False), ("true", True), ("True", True), ("TRUE", True), ("false", False), ("yes", False), (1, False)],
+    [(True, True), (False, False), ("true", True), ("True", True), ("TRUE", True), ("false", False), ("yes", True),
+     (1, True), (0, False), ("off", False)],
 )
 def test_async_pipeline_enabled(value, expected):
     assert async_pipeline_enabled(cfg({ENABLED: value})) is expected
+
+
+@pytest.mark.parametrize("value", [2, 1.0, "maybe", None, [True]])
+def test_async_pipeline_enabled_refuses_other_values(value):
+    with pytest.raises(AsyncConfigError, match="actor_rollout_ref.async_pipeline"):
+        async_pipeline_enabled(cfg({ENABLED: value}))
 
 
 def test_async_pipeline_enabled_default_off():

@@ -14,7 +14,6 @@ from async_rl.core.verl_key_table import VERL_KEYS, Handling, row_for
 from async_rl.core.verl_keys import (
     leaf_keys,
     raw_default,
-    refuse_misspelt_keys,
     refuse_unsupported,
     replaced_settings,
     verl_defaults,
@@ -140,22 +139,3 @@ def test_sequence_parallelism_runs_on_cpu_where_the_heads_divide(demo_config, de
     refuse_unsupported(config)
     with pytest.raises(AsyncConfigError, match=f"{key}=2.*a divisor of the 1 attention heads"):
         read_run_config(compose_ppo(demo_overrides(demo_dir, extra={key: 2})))
-
-
-@pytest.mark.parametrize("added,meant", [
-    ("trainer.generate_ahead_step", "trainer.generate_ahead_steps"),  # the pipeline's key
-    ("trainer.total_training_step", "trainer.total_training_steps"),  # verl's
-    ("actor_rollout_ref.rollout.partial_rollouts", "actor_rollout_ref.rollout.partial_rollout"),
-])
-def test_a_misspelt_added_key_is_refused_with_the_key_meant(demo_dir, added, meant):
-    with pytest.raises(AsyncConfigError, match=rf"{added}=3.*did you mean {meant}\?"):
-        read_run_config(compose_ppo(demo_overrides(demo_dir, extra={f"+{added}": 3})))
-
-
-def test_added_keys_under_free_form_maps_and_new_names_are_the_users(demo_config):
-    config = demo_config.copy()
-    for key in ("actor_rollout_ref.model.override_config.rope_theta", "ray_kwargs.ray_init.runtime_env.env_vars.X",
-                "actor_rollout_ref.rollout.engine_kwargs.vllm.swap_space", "reward.reward_kwargs.max_resp_len",
-                "trainer.async_stages.my_stage.cls"):
-        OmegaConf.update(config, key, 1, merge=False, force_add=True)
-    refuse_misspelt_keys(config)

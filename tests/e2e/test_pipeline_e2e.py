@@ -141,6 +141,18 @@ def test_bad_config_value_fails_before_ray(demo_dir, tmp_path):
     assert "Started a local Ray instance" not in out
 
 
+def test_a_key_no_one_reads_is_refused_before_ray_with_the_flag_typed_as_1(demo_dir, tmp_path):
+    """`=1` reaches the plugin as the int 1: the pipeline's checks run (verl's trainer would have run without a
+    word), and an added key neither verl nor the pipeline reads is refused naming the key meant."""
+    start = time.monotonic()
+    code, out, _ = run_verl(demo_dir, {"+actor_rollout_ref.async_pipeline": 1, "+trainer.generate_ahead": 3}, tmp_path,
+                            timeout_s=120)
+    assert code != 0
+    assert "trainer.generate_ahead=3" in out and "nearest: trainer.generate_ahead_steps" in out, out[-3000:]
+    assert "Started a local Ray instance" not in out
+    print(f"refused in {time.monotonic() - start:.1f} s")
+
+
 def test_an_estimator_the_pipeline_cannot_run_is_refused_before_ray(demo_dir, tmp_path):
     code, out, _ = run_verl(demo_dir, {"algorithm.adv_estimator": "optimal_token_baseline"}, tmp_path, timeout_s=120)
     assert code != 0

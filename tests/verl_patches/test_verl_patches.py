@@ -63,6 +63,36 @@ def test_with_the_flag_validate_config_points_main_ppos_run_ppo_at_the_pipeline(
         enter_async_pipeline(cfg)
 
 
+@pytest.mark.parametrize("value,enters", [(1, True), ("yes", True), ("ON", True), (True, True), (0, False),
+                                          ("off", False), ("No", False), (False, False)])
+def test_the_flag_as_hydra_reads_it_picks_the_pipeline_or_verl(monkeypatch, value, enters):
+    """`+actor_rollout_ref.async_pipeline=1` reaches the plugin as the int 1 (`yes` / `on` as strings): the
+    pipeline; 0 / no / off: verl's own validate_config, as without the key."""
+    import verl.utils.config as config_module
+
+    calls = []
+    monkeypatch.setattr("async_rl.plugin.enter_async_pipeline", lambda config: calls.append("pipeline"))
+    cfg = OmegaConf.create({"actor_rollout_ref": {"async_pipeline": value, "rollout": {}}, "trainer": {}})
+    with pytest.raises(Exception, match="trainer.n_gpus_per_node"):  # verl's own check, on this bare config
+        config_module.validate_config(config=cfg, use_reference_policy=False, use_critic=False)
+    calls.append("verl")
+    assert calls == (["pipeline", "verl"] if enters else ["verl"])
+
+
+@pytest.mark.parametrize("value", [2, "maybe", 1.5, None])
+def test_any_other_flag_value_stops_the_command_before_verl_runs(monkeypatch, value):
+    import verl.utils.config as config_module
+    import verl.utils.device as device_module
+
+    from async_rl.core.errors import AsyncConfigError
+
+    monkeypatch.setattr("async_rl.plugin.enter_async_pipeline", lambda config: pytest.fail("entered the pipeline"))
+    cfg = OmegaConf.create({"actor_rollout_ref": {"async_pipeline": value, "rollout": {}}, "trainer": {"device": "cpu"}})
+    for check in (device_module.auto_set_device, lambda c: config_module.validate_config(c, False, False)):
+        with pytest.raises(AsyncConfigError, match="actor_rollout_ref.async_pipeline=.*true or false"):
+            check(cfg)
+
+
 def test_auto_set_device_keeps_cpu_only_with_the_flag():
     import verl.utils.device as device_module
 
