@@ -225,7 +225,7 @@ def build_stages(built: BuiltPipeline) -> None:
         built.stage("values", ValuesStage, critic)
     checkpointer = None
     if run.checkpoint.save_freq > 0:
-        CheckpointDir(run.checkpoint.root).remove_partials()
+        CheckpointDir(run.checkpoint.root).recover()
         checkpointer = RunCheckpointer(run.checkpoint, steps, dataloader, sampling, critic)
     built.stage("actor_train", ActorTrainStage, cfg, devices["train"], eta, param_update,
                 built.bucket_bytes["preduce"], compute_proximal=proximal == "train", start_step=built.start_step,
