@@ -161,7 +161,7 @@ def load_plain(path: str) -> Any:
             unsafe = "see below"
         raise ValueError(f"{path} holds objects other than tensors and plain data ({unsafe}); the pipeline loads it "
                          "with torch.load(weights_only=True) and runs no code from a checkpoint "
-                         f"(docs/checkpoints.md, 'Loading'): {str(exc).splitlines()[0]}") from exc
+                         f"(docs/checkpoints.md, 'Loading: no unpickling'): {str(exc).splitlines()[0]}") from exc
 
 
 def _step_of(path: str) -> int:
