@@ -101,6 +101,9 @@ def read_checkpoint_config(config) -> CheckpointConfig:
         resume_from = os.path.abspath(resume_from)
         if not os.path.isdir(os.path.join(resume_from, "actor")):
             raise AsyncConfigError("trainer.resume_from_path", resume_from, "an existing checkpoint (no actor/ in it)")
+        why = incomplete_reason(resume_from)
+        if why is not None:
+            raise AsyncConfigError("trainer.resume_from_path", resume_from, f"a complete checkpoint: it is {why}")
     keep = select_value(config, "trainer.max_actor_ckpt_to_keep", None)
     if select_value(config, "trainer.remove_previous_ckpt_in_save", False):
         keep = 1  # verl's deprecated spelling of max_actor_ckpt_to_keep=1

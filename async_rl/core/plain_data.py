@@ -71,8 +71,13 @@ def from_plain(obj: Any) -> Any:
 def rows_to_plain(rows) -> dict:
     """A verl `DataProto` as plain data: its tensors, its non-tensor columns and its meta_info."""
     tensors = {} if rows.batch is None else {k: v.detach() for k, v in rows.batch.items()}
-    return {"tensors": tensors, "non_tensors": to_plain(dict(rows.non_tensor_batch)),
-            "meta_info": to_plain(dict(rows.meta_info))}
+    non_tensors = {}
+    for key, column in rows.non_tensor_batch.items():
+        try:
+            non_tensors[key] = to_plain(column)
+        except TypeError as exc:
+            raise TypeError(f"non-tensor column {key!r}: {exc}") from exc
+    return {"tensors": tensors, "non_tensors": non_tensors, "meta_info": to_plain(dict(rows.meta_info))}
 
 
 def rows_from_plain(plain: dict):

@@ -108,7 +108,7 @@ def serve_router(sock: socket.socket, worker_urls: list[str]) -> None:
     uvicorn.Server(uvicorn.Config(router.app, log_level="warning")).run(sockets=[sock])
 
 
-def launch_router(address: Optional[str], worker_urls: list[str], timeout_s: float = 30.0):
+def launch_router(address: Optional[str], worker_urls: list[str], timeout_s: float = 120.0):
     """verl's naive router in a process of its own, on `address` ("ip:port"; None: `service_host()` and a
     port the kernel picks when it is bound), listening on that address only; returns (its address, the
     process) once it accepts connections. TimeoutError when it does not within `timeout_s`."""

@@ -63,6 +63,10 @@ def test_resume_path_must_name_an_existing_global_step_dir(tmp_path):
     done = fake_checkpoint(tmp_path / "ckpt", 3)
     cfg = read_checkpoint_config(trainer_config(tmp_path, resume_mode="resume_path", resume_from_path=done))
     assert cfg.resume_from_path == done
+    os.remove(os.path.join(done, DATA_FILE))  # a copy cut short
+    with pytest.raises(AsyncConfigError, match=f"trainer.resume_from_path=.*a complete checkpoint: it is incomplete "
+                                               f"\\(no {DATA_FILE}\\)"):
+        read_checkpoint_config(trainer_config(tmp_path, resume_mode="resume_path", resume_from_path=done))
 
 
 def test_save_contents_are_verls_names():
