@@ -217,7 +217,7 @@ class StageInputs:
         """The run's checkpoints (None: `trainer.save_freq` <= 0); partial ones left by a killed run removed."""
         if self.run.checkpoint.save_freq <= 0:
             return None
-        CheckpointDir(self.run.checkpoint.root).remove_partials()
+        CheckpointDir(self.run.checkpoint.root).recover()
         return RunCheckpointer(self.run.checkpoint, self.run.total_steps, self.stages[DATALOADER],
                                self.stages.get(DYNAMIC_SAMPLING), self.stages.get(CRITIC_TRAIN))
 

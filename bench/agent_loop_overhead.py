@@ -31,14 +31,16 @@ from bench.command import command_line  # noqa: E402
 REPLY = [5, 6, 7, 8, 9, 10, 11, 12]
 
 
-def instant_server():
-    """A rollout server handle that answers every request at once with REPLY."""
+def instant_server(received: list):
+    """A rollout server handle that answers every request at once with REPLY; appends each request's
+    prompt length (tokens) to `received`."""
     from verl.workers.rollout.replica import TokenOutput
 
     class Server:
         class generate:  # noqa: N801 - mimics a Ray actor method
             @staticmethod
             async def remote(**kwargs):
+                received.append(len(kwargs["prompt_ids"]))
                 return TokenOutput(token_ids=REPLY, log_probs=[-0.5] * len(REPLY), stop_reason="completed",
                                    extra_fields={"token_versions": [0] * len(REPLY)})
 
@@ -87,7 +89,8 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)
     loader = make_train_dataloader(config.data, load_prompt_dataset(config.data.train_files, config.data, tokenizer, True))
     rows = [tokenize_row(row, tokenizer, int(config.data.max_prompt_length)) for row in batch_rows(next(iter(loader)))]
-    stage = GenerateStage(servers=[instant_server(), instant_server()], config=config,
+    received: list[int] = []  # every request's prompt length, as the servers got it
+    stage = GenerateStage(servers=[instant_server(received), instant_server(received)], config=config,
                           clock=ClockRef.in_process(StalenessGate(1)))
     params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": int(config.actor_rollout_ref.rollout.response_length),
               "logprobs": True}
@@ -102,8 +105,15 @@ def main() -> None:
         [Sample(uid=str(k), prompt_ids=[], response_ids=o.token_ids, rollout_log_probs=o.log_probs,
                 token_versions=o.token_versions) for k, o in enumerate(outs)]
 
+    sent = {}  # variant -> (requests, prompt tokens) the servers received over its batches
+
     async def measure():
-        return await time_batches(agent_loop_batch, args.batches), await time_batches(bare_batch, args.batches)
+        agent = await time_batches(agent_loop_batch, args.batches)
+        sent["agent_loop"] = (len(received), sum(received))
+        received.clear()
+        bare = await time_batches(bare_batch, args.batches)
+        sent["bare_request"] = (len(received), sum(received))
+        return agent, bare
 
     agent, bare = asyncio.run(measure())
     samples = args.prompts * args.n
@@ -112,6 +122,9 @@ def main() -> None:
         "samples_per_batch": samples,
         "agent_loop_s_per_batch": statistics.median(agent),
         "bare_request_s_per_batch": statistics.median(bare),
+        # what the servers received over the warm-up and timed batches of each variant
+        "requests_received": {name: requests for name, (requests, _) in sent.items()},
+        "prompt_tokens_received": {name: tokens for name, (_, tokens) in sent.items()},
     }
     result["agent_loop_ms_per_sample"] = 1000 * result["agent_loop_s_per_batch"] / samples
     result["bare_request_ms_per_sample"] = 1000 * result["bare_request_s_per_batch"] / samples
@@ -121,6 +134,9 @@ def main() -> None:
     print(f"  agent loop    {result['agent_loop_s_per_batch']:.3f} s / batch  {result['agent_loop_ms_per_sample']:.2f} ms / sample")
     print(f"  bare request  {result['bare_request_s_per_batch']:.3f} s / batch  {result['bare_request_ms_per_sample']:.2f} ms / sample")
     print(f"  ratio         {result['ratio']:.1f}x")
+    for name, requests in result["requests_received"].items():
+        print(f"  {name}: the servers received {requests} requests, "
+              f"{result['prompt_tokens_received'][name]} prompt tokens ({args.batches + 1} batches with the warm-up)")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
 

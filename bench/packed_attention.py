@@ -89,6 +89,24 @@ def main() -> None:
             values[name] = micro_batch()
             if repeat:
                 seconds[name].append(time.perf_counter() - start)
+    def attention_shapes(functions) -> list[list[int]]:
+        """The query shape of each torch sdpa call one micro-batch makes with `functions` installed."""
+        for key, (owner, slot) in slots.items():
+            write(owner, slot, functions[key])
+        sdpa, shapes = torch.nn.functional.scaled_dot_product_attention, []
+
+        def recording(query, *rest, **kwargs):
+            shapes.append(list(query.shape))
+            return sdpa(query, *rest, **kwargs)
+
+        torch.nn.functional.scaled_dot_product_attention = recording
+        try:
+            micro_batch()
+        finally:
+            torch.nn.functional.scaled_dot_product_attention = sdpa
+        return shapes
+
+    shapes = {name: attention_shapes(functions) for name, functions in variants.items()}  # untimed
     for key, (owner, slot) in slots.items():
         write(owner, slot, originals[key])
 
@@ -101,6 +119,7 @@ def main() -> None:
         "patched_s": patched,
         "speedup": base / patched,
         "max_abs_log_prob_difference": float((values["patched"] - values["transformers + verl"]).abs().max()),
+        "sdpa_query_shapes": shapes,  # [batch, heads, tokens, head dim] of each attention call, per variant
     }
     print(f"command: {result['command']}")
     print(f"one micro-batch: {args.samples} samples, {result['packed_tokens']} packed tokens, 1 thread "
@@ -109,6 +128,9 @@ def main() -> None:
     print(f"  patched              {patched:.3f} s")
     print(f"  speedup              {result['speedup']:.1f}x   (log-probs differ by at most "
           f"{result['max_abs_log_prob_difference']:.1e})")
+    for name, calls in shapes.items():
+        distinct = sorted({tuple(shape) for shape in calls})
+        print(f"  {name}: {len(calls)} attention calls over queries of shape {', '.join(map(str, distinct))}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
 

@@ -59,6 +59,16 @@ def best(times: list[float]) -> float:
     return min(times)
 
 
+EMBEDDING = "model.embed_tokens.weight"  # a weight both backends keep unfused, as the checkpoint names it
+
+
+def max_difference(served, weights: dict) -> float:
+    """How far the embedding a backend serves (`served`: its tensor, vocabulary rows possibly padded) is
+    from the one in `weights`."""
+    expected = weights[EMBEDDING]
+    return float((served[: expected.shape[0]].float() - expected).abs().max())
+
+
 def bench_cpu_engine(model_path, requests, max_tokens, weights, repeats) -> dict:
     from async_rl.rollout.cpu.engine import ContinuousBatchingEngine
 
@@ -77,11 +87,13 @@ def bench_cpu_engine(model_path, requests, max_tokens, weights, repeats) -> dict
             if version > 1:
                 gen.append(elapsed)
                 load.append(load_s)
+        loaded = max_difference(engine.model.state_dict()[EMBEDDING], weights)
         await engine.close()
-        return tokens, gen, load
+        return tokens, gen, load, loaded
 
-    tokens, gen, load = asyncio.run(run())
-    return {"tokens": tokens, "gen_s": best(gen), "tokens_per_s": tokens / best(gen), "load_s": best(load)}
+    tokens, gen, load, loaded = asyncio.run(run())
+    return {"tokens": tokens, "gen_s": best(gen), "tokens_per_s": tokens / best(gen), "load_s": best(load),
+            "loaded_max_abs_difference": loaded}
 
 
 def bench_vllm(model_path, requests, max_tokens, weights, repeats) -> dict:
@@ -112,7 +124,10 @@ def bench_vllm(model_path, requests, max_tokens, weights, repeats) -> dict:
         if round_:
             gen.append(elapsed)
             load_times.append(load_s)
-    return {"tokens": tokens, "gen_s": best(gen), "tokens_per_s": tokens / best(gen), "load_s": best(load_times)}
+    loaded = max(llm.collective_rpc(lambda worker: max_difference(
+        worker.model_runner.model.model.embed_tokens.weight.detach().cpu(), weights)))
+    return {"tokens": tokens, "gen_s": best(gen), "tokens_per_s": tokens / best(gen), "load_s": best(load_times),
+            "loaded_max_abs_difference": loaded}
 
 
 def main(argv=None) -> dict:
@@ -145,7 +160,9 @@ def main(argv=None) -> dict:
         cpu = bench_cpu_engine(args.model, requests, max_tokens, weights, args.repeats)
         vllm = bench_vllm(args.model, requests, max_tokens, weights, args.repeats)
         for name, row in (("cpu", cpu), ("vllm", vllm)):
-            print(f"{max_tokens:>10} | {name:>10} | {row['tokens_per_s']:>9.0f} | {row['gen_s']:>7.3f} | {row['load_s']:>7.4f}")
+            print(f"{max_tokens:>10} | {name:>10} | {row['tokens_per_s']:>9.0f} | {row['gen_s']:>7.3f} | {row['load_s']:>7.4f}"
+                  f"   (served embedding after the loads differs from the new weights by "
+                  f"{row['loaded_max_abs_difference']:.1e})")
         ratio = {"max_tokens": max_tokens, "cpu": cpu, "vllm": vllm,
                  "vllm_over_cpu_tokens_per_s": vllm["tokens_per_s"] / cpu["tokens_per_s"],
                  "vllm_over_cpu_load_s": vllm["load_s"] / cpu["load_s"]}

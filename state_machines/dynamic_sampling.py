@@ -31,6 +31,7 @@ import torch
 
 from async_rl.core.messages import ScoredBatch, TrainingBatch, resolve
 from async_rl.core.policy_clock import ClockRef
+from async_rl.core.plain_data import rows_from_plain, rows_to_plain
 from async_rl.core.scoring import groups_with_distinct_rewards
 from async_rl.core.staleness import oldest_versions
 from state_machines.base import END_OF_STREAM, StateMachine
@@ -67,7 +68,7 @@ class DynamicSamplingStage(StateMachine):
         self.gate, self.policy_clock = clock.gate, clock.handle
         self.total_steps = total_steps
         self.dataloader = dataloader
-        self.pending: list[_Group] = [_Group(**g) for g in pool or ()]
+        self.pending: list[_Group] = [_Group(**{**g, "rows": rows_from_plain(g["rows"])}) for g in pool or ()]
         self.step = start_step  # the next training batch to form
         self.generated = generated_batches  # generated batches drawn so far
         self._arrivals = max((g.arrival for g in self.pending), default=-1) + 1
@@ -165,10 +166,11 @@ class DynamicSamplingStage(StateMachine):
 
     def checkpoint_state(self, step: int) -> tuple[int, list[dict]]:
         """(generated batches drawn, pool) right after training batch `step - 1` was formed: what a
-        step-`step` checkpoint saves. Earlier snapshots are dropped."""
+        step-`step` checkpoint saves, each group's rows as plain data (`rows_to_plain`). Earlier
+        snapshots are dropped."""
         if step not in self._snapshots:
             raise KeyError(f"no dynamic-sampling snapshot for step {step} (kept: {sorted(self._snapshots)})")
         for old in [s for s in self._snapshots if s < step]:
             del self._snapshots[old]
         generated, pool = self._snapshots[step]
-        return generated, [vars(g) for g in pool]
+        return generated, [{**vars(g), "rows": rows_to_plain(g.rows)} for g in pool]

@@ -11,7 +11,11 @@ Unset (always, outside tests and `bench/`), `hold_at` returns at once. The point
 - `generate_ahead@N`: generate, the batch of step N generated (started ahead of the trainer: under a version
   below N - 1), not yet passed on;
 - `checkpoint_copy@N`: a train rank's writer thread, checkpoint N captured, its tensors not yet copied;
-- `checkpoint_write@N`: a train rank's writer thread, checkpoint N copied, none of its big files written.
+- `checkpoint_write@N`: a train rank's writer thread, checkpoint N copied, none of its big files written;
+- `checkpoint_commit@N`: every file of checkpoint N written and flushed in `global_step_N.partial`, not renamed;
+- `checkpoint_swap@N`: saving step N again, the older `global_step_N` moved aside, the new one not yet in place;
+- `checkpoint_tracker@N`: `global_step_N` in place, the tracker not yet naming it;
+- `checkpoint_rotate@N`: the tracker names N, an older checkpoint moved aside for removal, not yet deleted.
 
 With `ASYNC_RL_DELAY="<point>@<index>=<seconds>"` (several: comma-separated), `delay_for(point,
 index)` gives that delay (else 0), to make one part slow: `rollout_replica@I`, every request

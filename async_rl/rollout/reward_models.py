@@ -28,10 +28,10 @@ from typing import Any, Optional
 
 import ray
 from ray.util.placement_group import remove_placement_group
-from verl.experimental.reward_loop.router.naive_router import launch_router_process, run_router
 
 import async_rl.rollout.backends  # noqa: F401 - registers the rollout backends (the reward model's is one)
 from async_rl.api.rollout import rollout_backend
+from async_rl.core.node_address import bind_socket, service_host
 from async_rl.rollout.supervisor import kill_actor
 from async_rl.rollout.verl_replicas import replica_world_size
 
@@ -100,15 +100,30 @@ async def relaunch_standalone(replica, attempt: int) -> None:
     await replica.init_standalone()
 
 
-def launch_router(address: Optional[str], worker_urls: list[str], timeout_s: float = 30.0):
-    """verl's naive router in a process of its own, on `address` ("ip:port"; None: a free port); returns
-    (its address, the process) once it accepts connections. TimeoutError when it does not within `timeout_s`."""
+def serve_router(sock: socket.socket, worker_urls: list[str]) -> None:
+    """verl's naive router (`NaiveRouter`, its FastAPI app) served by uvicorn on the bound socket `sock`."""
+    import uvicorn
+    from verl.experimental.reward_loop.router.naive_router import NaiveRouter
+
+    router = NaiveRouter(worker_urls=worker_urls, verbose=False)
+    uvicorn.Server(uvicorn.Config(router.app, log_level="warning")).run(sockets=[sock])
+
+
+def launch_router(address: Optional[str], worker_urls: list[str], timeout_s: float = 120.0):
+    """verl's naive router in a process of its own, on `address` ("ip:port"; None: `service_host()` and a
+    port the kernel picks when it is bound), listening on that address only; returns (its address, the
+    process) once it accepts connections. TimeoutError when it does not within `timeout_s`."""
     if address is None:
-        return launch_router_process(worker_urls)
-    host, port = address.rsplit(":", 1)
-    host, port = host.strip("[]"), int(port)
-    process = multiprocessing.Process(target=run_router, args=(host, port, worker_urls), daemon=True)
+        host, port = service_host(), 0
+    else:
+        host, port = address.rsplit(":", 1)
+        host, port = host.strip("[]"), int(port)
+    sock = bind_socket(host, port, wait_s=timeout_s)  # a restarted router's port: its predecessor may hold it a moment
+    port = sock.getsockname()[1]
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    process = multiprocessing.Process(target=serve_router, args=(sock, worker_urls), daemon=True)
     process.start()
+    sock.close()  # the router's process holds its own copy
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -117,7 +132,7 @@ def launch_router(address: Optional[str], worker_urls: list[str], timeout_s: flo
         except OSError:
             if not process.is_alive() or time.monotonic() > deadline:
                 process.kill()
-                raise TimeoutError(f"verl's reward-model router did not start again on {address} within {timeout_s:g} s")
+                raise TimeoutError(f"verl's reward-model router did not start on {address} within {timeout_s:g} s")
             time.sleep(0.1)
 
 

@@ -12,7 +12,8 @@ backward) plus what the pipeline needs:
   version v while it computes with v - 1; loading runs in the default group, never beside a forward.
 - checkpoints written beside training (`snapshot_checkpoint`, async_rl/training/checkpoint_writer.py):
   verl's own `save_checkpoint` with its writes deferred to a thread; the wait for that
-  thread runs in its own concurrency group ("checkpoint"). Loading is verl's `load_checkpoint`.
+  thread runs in its own concurrency group ("checkpoint"). Loading is verl's `load_checkpoint`, its
+  files read with `weights_only=True` (verl_patches/weights_only_checkpoint_load.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from param_update.staging import VersionStager
 from verl_patches.cpu_patches import apply_cpu_worker_patches
 from verl_patches.deferred_checkpoint_write import hold_optimizer_step
 from verl_patches.tensordict_threads import patch_per_thread_device_recorder
+from verl_patches.weights_only_checkpoint_load import patch_weights_only_checkpoint_load
 
 CHECKPOINT_GROUP = "checkpoint"  # waits for a checkpoint's background write, beside training
 CONCURRENCY_GROUPS = {WEIGHTS_GROUP: 1, CHECKPOINT_GROUP: 1}
@@ -43,6 +45,7 @@ class PipelineWorker(ActorRolloutRefWorker, RankStagedWeights):
         if on_cpu:
             apply_cpu_worker_patches()
         patch_per_thread_device_recorder()  # its concurrency groups' calls run beside the default group's
+        patch_weights_only_checkpoint_load()  # a resume unpickles nothing
         super().__init__(config, role, **kwargs)
         self._bucket_sender = None
         self._checkpoint_writer = None
@@ -196,4 +199,5 @@ class CriticWorker(TrainingWorker):
     def __init__(self, config, on_cpu: bool = False):
         if on_cpu:
             apply_cpu_worker_patches()
+        patch_weights_only_checkpoint_load()  # a resume unpickles nothing
         super().__init__(config)

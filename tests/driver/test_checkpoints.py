@@ -63,6 +63,10 @@ def test_resume_path_must_name_an_existing_global_step_dir(tmp_path):
     done = fake_checkpoint(tmp_path / "ckpt", 3)
     cfg = read_checkpoint_config(trainer_config(tmp_path, resume_mode="resume_path", resume_from_path=done))
     assert cfg.resume_from_path == done
+    os.remove(os.path.join(done, DATA_FILE))  # a copy cut short
+    with pytest.raises(AsyncConfigError, match=f"trainer.resume_from_path=.*a complete checkpoint: it is incomplete "
+                                               f"\\(no {DATA_FILE}\\)"):
+        read_checkpoint_config(trainer_config(tmp_path, resume_mode="resume_path", resume_from_path=done))
 
 
 def test_save_contents_are_verls_names():
@@ -96,7 +100,91 @@ def test_a_crash_mid_write_leaves_the_previous_checkpoint_tracked(tmp_path):
     cfg = read_checkpoint_config(trainer_config(tmp_path, default_local_dir=str(tmp_path)))
     point = find_resume_point(cfg, train_world_size=1, dataloader_workers=0, dynamic_sampling=False)
     assert point.path.endswith("global_step_2") and point.state.global_step == 2
-    assert CheckpointDir(str(tmp_path)).remove_partials() == [str(tmp_path / "global_step_4.partial")]
+    assert sorted(os.listdir(tmp_path)) == ["global_step_2", TRACKER_FILE]  # the resume removed the partial one
+
+
+def test_a_save_interrupted_mid_swap_is_put_back(tmp_path):
+    """A crash between moving an older global_step_4 aside and renaming its replacement in: the tracker
+    names a directory that is not there. The resume puts the older one back and resumes it."""
+    fake_checkpoint(tmp_path, 2)
+    fake_checkpoint(tmp_path, 4, dataloader_state={"_num_yielded": 444})
+    os.rename(tmp_path / "global_step_4", tmp_path / "global_step_4.replaced")
+    fake_checkpoint(tmp_path, 4, commit=False)
+    cfg = read_checkpoint_config(trainer_config(tmp_path, default_local_dir=str(tmp_path)))
+    point = find_resume_point(cfg, 1, 0, False)
+    assert point.path == str(tmp_path / "global_step_4")
+    assert torch.load(os.path.join(point.path, DATA_FILE)) == {"_num_yielded": 444}  # the older one, whole
+    assert sorted(os.listdir(tmp_path)) == ["global_step_2", "global_step_4", TRACKER_FILE]
+
+
+def _auto(root):
+    return read_checkpoint_config(trainer_config(root, default_local_dir=str(root)))
+
+
+def test_auto_falls_back_to_the_newest_complete_checkpoint_below_a_broken_tracker(tmp_path, caplog):
+    """A tracker naming a missing or incomplete directory, or no step: the newest complete checkpoint
+    below it, with a warning naming both; never step 0 in silence."""
+    for step in (2, 4):
+        fake_checkpoint(tmp_path, step)
+    fake_checkpoint(tmp_path, 8)  # an abandoned run's, above the tracker: not resumed
+    CheckpointDir(str(tmp_path))._write_tracker(6)
+    with caplog.at_level("WARNING", logger="async_rl.checkpoints"):
+        assert find_resume_point(_auto(tmp_path), 1, 0, False).path == str(tmp_path / "global_step_4")
+    assert f"{tmp_path / TRACKER_FILE} names step 6, but {tmp_path / 'global_step_6'} is missing" in caplog.text
+    assert f"resuming from the newest complete checkpoint, {tmp_path / 'global_step_4'}" in caplog.text
+    os.remove(tmp_path / "global_step_4" / DATA_FILE)  # a copy cut short
+    CheckpointDir(str(tmp_path))._write_tracker(4)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="async_rl.checkpoints"):
+        assert find_resume_point(_auto(tmp_path), 1, 0, False).path == str(tmp_path / "global_step_2")
+    assert f"is incomplete (no {DATA_FILE})" in caplog.text
+    (tmp_path / TRACKER_FILE).write_text("four")
+    assert find_resume_point(_auto(tmp_path), 1, 0, False).path == str(tmp_path / "global_step_8")
+    os.remove(tmp_path / TRACKER_FILE)  # no tracker: the newest complete one
+    assert find_resume_point(_auto(tmp_path), 1, 0, False).path == str(tmp_path / "global_step_8")
+
+
+def test_auto_stops_naming_a_tracker_with_nothing_complete_to_resume(tmp_path, caplog):
+    fake_checkpoint(tmp_path, 4)
+    os.remove(tmp_path / "global_step_4" / "actor" / "fsdp_config.json")
+    with pytest.raises(AsyncConfigError, match=(f"trainer.default_local_dir='{tmp_path}'.*names step 4, but "
+                                                f".*global_step_4 is incomplete.*trainer.resume_mode=disable")):
+        find_resume_point(_auto(tmp_path), 1, 0, False)
+    os.remove(tmp_path / TRACKER_FILE)  # no tracker, nothing complete: step 0, said so
+    with caplog.at_level("WARNING", logger="async_rl.checkpoints"):
+        assert find_resume_point(_auto(tmp_path), 1, 0, False) is None
+    assert f"no complete checkpoint in {tmp_path}" in caplog.text and "training from step 0" in caplog.text
+
+
+class Unpickled:
+    """Anything a pickle can build: loading it runs code of the file's choosing."""
+
+
+def test_resume_loads_no_pickled_objects(tmp_path):
+    """data.pt and async_rl_state.pt load with weights_only=True: a file holding a pickled object is
+    refused, naming the file and the object's class; numpy values the pipeline saves come back as saved."""
+    import numpy as np
+    from PIL import Image
+
+    from async_rl.core.plain_data import from_plain, to_plain
+
+    path = fake_checkpoint(tmp_path, 2)
+    torch.save({"_num_yielded": 2, "sampler": Unpickled()}, os.path.join(path, DATA_FILE))
+    with pytest.raises(ValueError, match=f"{path}/{DATA_FILE} holds objects other than tensors and plain data "
+                                         f"\\(.*Unpickled\\)"):
+        find_resume_point(_auto(tmp_path), 1, 0, False)
+    column = np.array([{"ground_truth": "12", "style": "rule"}, [np.int64(3), np.array([1.5, 2.5])]], dtype=object)
+    saved = {"kl": np.float64(0.125), "ids": np.arange(6, dtype=np.int32).reshape(2, 3), "column": column,
+             "names": np.array(["a", "bc"]), "image": Image.new("RGB", (3, 2), (10, 20, 30))}
+    torch.save(to_plain(saved), os.path.join(path, DATA_FILE))
+    loaded = from_plain(torch.load(os.path.join(path, DATA_FILE), weights_only=True))
+    assert loaded["kl"] == 0.125 and loaded["ids"].dtype == np.int32 and loaded["ids"].tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert loaded["column"].dtype == object and loaded["column"][0] == column[0]
+    assert loaded["column"][1][0] == 3 and loaded["column"][1][1].tolist() == [1.5, 2.5]
+    assert loaded["names"].tolist() == ["a", "bc"] and loaded["names"].dtype == saved["names"].dtype
+    assert loaded["image"].mode == "RGB" and loaded["image"].tobytes() == saved["image"].tobytes()
+    with pytest.raises(TypeError, match="Unpickled is not plain data"):
+        to_plain({"x": [Unpickled()]})
 
 
 def test_commit_replaces_a_checkpoint_of_the_same_step(tmp_path):
@@ -322,3 +410,156 @@ def test_resume_path_picks_the_named_checkpoint_over_the_tracked_one(tmp_path):
     cfg = read_checkpoint_config(trainer_config(tmp_path, resume_mode="resume_path", resume_from_path=older))
     point = find_resume_point(cfg, 1, 0, False)
     assert point.path == older and point.state.global_step == 2
+
+
+CRASH_SCRIPT = r"""
+import asyncio, json, os, signal, sys, time, traceback
+import numpy as np, torch
+import torch.distributed.tensor  # what the writer thread imports, loaded once before the forks
+import verl.utils.checkpoint.fsdp_checkpoint_manager as verl_manager
+from omegaconf import OmegaConf
+from async_rl.checkpoints import RunCheckpointer, read_checkpoint_config
+from async_rl.core.fault_points import HOLD_AT_ENV, HOLD_DIR_ENV
+from async_rl.training.checkpoint_writer import CheckpointWriter
+
+
+class Ranks:
+    # two train ranks, each with the CheckpointWriter a verl worker holds; `save` stands for verl's
+    # save_checkpoint: verl's file names, written through the `torch` of verl's checkpoint manager module
+    # (as verl's manager writes them: captured, then written by the writer thread), fsdp_config.json directly
+    def __init__(self, tag):
+        self.tag, self.writers = tag, [CheckpointWriter(), CheckpointWriter()]
+
+    def snapshot_checkpoint(self, path, step):
+        def save(rank):
+            os.makedirs(path, exist_ok=True)
+            for kind in ("model", "optim", "extra_state"):
+                verl_manager.torch.save({"tag": self.tag, "step": step, "w": torch.full((256,), float(step))},
+                                        os.path.join(path, f"{kind}_world_size_2_rank_{rank}.pt"))
+            if rank == 0:
+                with open(os.path.join(path, "fsdp_config.json"), "w") as f:
+                    json.dump({"FSDP_version": 2, "world_size": 2}, f)
+        return [w.snapshot(lambda r=r: save(r), step) for r, w in enumerate(self.writers)]
+
+    def wait_checkpoint_written(self, timeout_s):
+        return [w.wait(timeout_s) for w in self.writers]
+
+
+class Remote:
+    def __init__(self, fn):
+        self.remote = fn
+
+
+class Dataloader:
+    def __init__(self, tag):
+        async def state(index):
+            return {"_num_yielded": index, "tag": tag}
+        self.state_before = Remote(state)
+
+
+def run_case(case):
+    # each lineage: a RunCheckpointer saving its steps (the real writer); the last one's env holds a point
+    cfg = read_checkpoint_config(OmegaConf.create({"trainer": {
+        "save_freq": 2, "default_local_dir": case["root"], "max_actor_ckpt_to_keep": case.get("keep")}}))
+    for tag, steps, hold in case["lineages"]:
+        if hold:
+            os.environ[HOLD_AT_ENV], os.environ[HOLD_DIR_ENV] = hold, case["holds"]
+        saver, ranks = RunCheckpointer(cfg, total_steps=100, dataloader=Dataloader(tag)), Ranks(tag)
+
+        async def save_all():
+            for step in steps:
+                await saver.save(step, ranks, kl_coef=np.float64(step) / 8)  # numpy, as verl's KL controller's
+            await saver.wait()
+        asyncio.run(save_all())
+
+
+results = {}
+for case in json.loads(sys.argv[1]):
+    os.makedirs(case["holds"], exist_ok=True)
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            run_case(case)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        os._exit(code)
+    hold = [h for _, _, h in case["lineages"] if h]
+    marker = os.path.join(case["holds"], hold[0]) if hold else None
+    deadline, outcome = time.monotonic() + 120, None
+    while outcome is None:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            outcome = f"exited {os.waitstatus_to_exitcode(status)}"
+        elif marker and os.path.exists(marker):
+            os.kill(pid, signal.SIGKILL)  # every thread of the writer, mid-save
+            os.waitpid(pid, 0)
+            outcome = "killed"
+        elif time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            outcome = "timed out"
+        else:
+            time.sleep(0.01)
+    results[case["name"]] = outcome
+print(json.dumps(results))
+"""
+
+# (name, lineages as (tag, steps saved, fault point held in the last save), keep, the checkpoint a
+# resume must find: (tag, step)). "next": a run that saved step 2 goes on to save 4; "again": a run resumed
+# (resume_path) from step 2 of a run that had saved 4 saves 4 again; "rotate": max_actor_ckpt_to_keep=1
+CRASHES = [
+    ("next_copy", [("A", [2], None), ("B", [4], "checkpoint_copy@4")], None, ("A", 2)),
+    ("next_write", [("A", [2], None), ("B", [4], "checkpoint_write@4")], None, ("A", 2)),
+    ("next_commit", [("A", [2], None), ("B", [4], "checkpoint_commit@4")], None, ("A", 2)),
+    ("next_tracker", [("A", [2], None), ("B", [4], "checkpoint_tracker@4")], None, ("A", 2)),
+    ("next_done", [("A", [2], None), ("B", [4], None)], None, ("B", 4)),
+    ("again_commit", [("A", [2, 4], None), ("B", [4], "checkpoint_commit@4")], None, ("A", 4)),
+    ("again_swap", [("A", [2, 4], None), ("B", [4], "checkpoint_swap@4")], None, ("A", 2)),
+    ("again_tracker", [("A", [2, 4], None), ("B", [4], "checkpoint_tracker@4")], None, ("A", 2)),
+    ("again_done", [("A", [2, 4], None), ("B", [4], None)], None, ("B", 4)),
+    ("rotate", [("A", [2], None), ("B", [4], "checkpoint_rotate@4")], 1, ("B", 4)),
+]
+
+
+def test_a_writer_killed_at_any_point_of_a_save_leaves_a_complete_checkpoint_to_resume(tmp_path):
+    """The project's writer (RunCheckpointer, two ranks' CheckpointWriter threads, CheckpointDir) in a
+    process SIGKILLed at each fault point of a save (async_rl/core/fault_points.py): verl's tracker then
+    names a complete checkpoint, and `resume_mode=auto` resumes the newest one committed, every file of it
+    from that one save, with nothing half written left behind."""
+    import subprocess
+    import sys
+
+    from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
+
+    from async_rl.checkpoints import incomplete_reason, load_plain
+
+    cases = [{"name": name, "root": str(tmp_path / name / "ckpt"), "holds": str(tmp_path / name / "holds"),
+              "lineages": lineages, "keep": keep} for name, lineages, keep, _ in CRASHES]
+    proc = subprocess.run([sys.executable, "-c", CRASH_SCRIPT, json.dumps(cases)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    outcomes = json.loads(proc.stdout.strip().splitlines()[-1])
+    for (name, lineages, keep, (tag, step)), case in zip(CRASHES, cases):
+        held = lineages[-1][2]
+        assert outcomes[name] == ("killed" if held else "exited 0"), (name, outcomes[name], proc.stderr[-3000:])
+        root = case["root"]
+        tracked_by_verl = find_latest_ckpt_path(root)  # verl's own rule, on the directory as the crash left it
+        assert tracked_by_verl is not None and incomplete_reason(tracked_by_verl) is None, (name, os.listdir(root))
+        point = find_resume_point(read_checkpoint_config(trainer_config(tmp_path, default_local_dir=root)),
+                                  train_world_size=2, dataloader_workers=None, dynamic_sampling=False)
+        assert point.path == os.path.join(root, f"global_step_{step}") and point.state.global_step == step, name
+        actor = os.path.join(point.path, "actor")
+        for file in sorted(os.listdir(actor)):
+            if file.endswith(".pt"):
+                saved = torch.load(os.path.join(actor, file), weights_only=True)
+                assert (saved["tag"], saved["step"]) == (tag, step) and saved["w"].eq(step).all(), (name, file)
+        assert len([f for f in os.listdir(actor) if f.endswith(".pt")]) == 6  # 3 files x 2 ranks
+        assert load_plain(os.path.join(point.path, DATA_FILE)) == {"_num_yielded": step, "tag": tag}
+        assert point.state.dataloader_state == {"_num_yielded": step, "tag": tag}
+        assert point.state.kl_coef == step / 8 and type(point.state.kl_coef) is float
+        assert not [n for n in os.listdir(root) if not (n.startswith("global_step_") and n[12:].isdigit())
+                    and n != TRACKER_FILE], (name, os.listdir(root))  # nothing half written or moved aside left
+        if keep == 1:  # the rotation the kill interrupted is finished: no half-removed checkpoint left
+            assert sorted(os.listdir(root)) == sorted([TRACKER_FILE, f"global_step_{step}"]), (name, os.listdir(root))

@@ -24,8 +24,17 @@ def write(frame: pd.DataFrame, path: Path) -> str:
     return str(path)
 
 
-def test_good_files_pass(demo_dir):
-    check_rl_files([str(demo_dir / "data" / "train.parquet"), str(demo_dir / "data" / "val.parquet")])
+def test_good_files_pass(demo_dir, tmp_path):
+    """Usable rows pass however they look (the demo's files; a blank system message before the user's; an
+    empty ground truth, which verl reads as given; several row groups), and the files' columns come back."""
+    rows = demo_rows(demo_dir, 8)
+    rows.at[4, "prompt"] = [{"role": "system", "content": " "}, {"role": "user", "content": "12"}]
+    rows.at[6, "reward_model"] = {"style": "rule", "ground_truth": ""}
+    path = str(tmp_path / "good.parquet")
+    rows.to_parquet(path, row_group_size=3)
+    files = [str(demo_dir / "data" / "train.parquet"), str(demo_dir / "data" / "val.parquet"), path]
+    assert check_rl_files(files) == set(rows.columns) == {"data_source", "prompt", "ability", "reward_model",
+                                                          "extra_info"}
 
 
 def test_missing_reward_model_column_names_the_file(demo_dir, tmp_path):

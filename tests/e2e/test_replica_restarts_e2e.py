@@ -7,6 +7,7 @@ dataloader), staleness within the bound."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -64,7 +65,15 @@ def test_lost_and_hung_rollout_servers_are_restarted_and_nothing_is_lost(demo_di
     assert all(m["async/staleness/max"] <= K - 1 for m in by_step.values())
     assert by_step[STEPS]["async/faults/replica_restarts"] == 2.0
     assert by_step[1]["async/faults/replica_restarts"] == 0.0
-    assert by_step[STEPS]["async/faults/requests_resubmitted"] >= 0  # 0 when the weight sync saw each loss first
+    # resubmissions: none before the first loss, counted cumulatively, and at least one for each loss a
+    # request saw first (its own resubmission; the weight sync names what it was doing: "... during load",
+    # "no answer to load of version ...")
+    resubmitted = [by_step[s]["async/faults/requests_resubmitted"] for s in sorted(by_step)]
+    assert resubmitted[0] == 0.0 and resubmitted == sorted(resubmitted), resubmitted
+    causes = re.findall(r"rollout replica \d lost \((.*)\): restart", log)
+    assert len(causes) == 2, causes
+    seen_by_requests = [c for c in causes if " during " not in c and " of version " not in c]
+    assert resubmitted[-1] >= len(seen_by_requests), (causes, resubmitted[-1])
     assert "lost (ActorDiedError" in log
     assert "lost (no answer to" in log and "within 30 s" in log  # a request or the weight sync, whichever first
     # every step trained the prompts an unfaulted run trains at that step, each sample once

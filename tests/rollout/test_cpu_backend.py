@@ -343,6 +343,10 @@ def test_replica_init_standalone_and_generate_over_ray(ray_cluster, model_dir):
     run(replica.init_standalone(), timeout=120)
     handle = replica.server_handle
     assert replica.servers == [handle] and replica.server_address.count(":") == 1
+    # one node: the address is loopback and the reserved port is bound there (never every interface)
+    host, port = replica.server_address.split(":")
+    bound = ray.get(handle.__ray_call__.remote(lambda server: server._port_socket.getsockname()), timeout=60)
+    assert host == "127.0.0.1" and tuple(bound) == (host, int(port))
 
     out = ray.get(handle.generate.remote(PROMPTS[1], {"temperature": 0.0}, "req-0"), timeout=60)
     local = ContinuousBatchingEngine.from_pretrained(model_dir)

@@ -102,8 +102,21 @@ def test_verls_reward_loop_scores_with_the_cpu_reward_model(demo_dir, reward_mod
     assert scores.tolist() == pytest.approx([expected, expected], abs=1e-6)
 
 
+def listening_on(pid: int, port: int) -> list:
+    """The addresses process `pid` listens on at `port` (TCP)."""
+    return [(c.laddr.ip, c.laddr.port) for c in psutil.Process(pid).net_connections("tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+
+
 def test_the_server_answers_vllms_classify_through_verls_router(demo_dir, reward_model):
+    """Through verl's router, and both listen on the address they advertise only: loopback on one node."""
     _, service = reward_model
+    server = service.replicas[0].servers[0]
+    server_pid = ray.get(server.__ray_call__.remote(lambda _server: os.getpid()), timeout=RAY_CALL_GUARD_S)
+    for pid, address in ((service.router_process.pid, service.router_address),
+                         (server_pid, service.replicas[0].server_address)):
+        host, port = address.rsplit(":", 1)
+        assert host == "127.0.0.1" and listening_on(pid, int(port)) == [(host, int(port))], (address, pid)
     body = json.dumps({"model": "rm", "input": ["1234", "12345"], "use_activation": False}).encode()
     request = urllib.request.Request(f"http://{service.router_address}/classify", data=body,
                                      headers={"Content-Type": "application/json"})

@@ -34,7 +34,9 @@ def generated(index: int, rewards: list[list[float]], version: int) -> ScoredBat
     for g, group in enumerate(rewards):
         for reward in group:
             samples.append(Sample(uid=f"b{index}g{g}", prompt_ids=[1], response_ids=[2, 3], rollout_log_probs=[0.0, 0.0],
-                                  token_versions=[version, version], non_tensor={"start_version": version}))
+                                  token_versions=[version, version],
+                                  non_tensor={"start_version": version, "index": np.int64(g),
+                                              "reward_model": {"ground_truth": str(g), "style": "rule"}}))
             scores.append(reward)
     batch = build_batch(samples, max_prompt_length=2, max_response_length=4, pad_token_id=0)
     return ScoredBatch(index=index, scores=torch.tensor(scores, dtype=torch.float32), uids=np.asarray(batch.non_tensor_batch["uid"]),
@@ -98,10 +100,12 @@ def test_input_after_the_last_step_is_dropped():
     assert isinstance(outs[0], TrainingBatch) and outs[1] is None
 
 
-def test_a_stage_restored_from_a_checkpoint_forms_what_the_original_forms():
+def test_a_stage_restored_from_a_checkpoint_forms_what_the_original_forms(tmp_path):
     """checkpoint_state(step): the pool right after batch step - 1 was formed and the generated batches
     drawn by then; a stage built from it, fed the batches after those, forms the same training batches."""
-    import torch as th
+    from async_rl.checkpoints import load_plain
+    from async_rl.core.plain_data import to_plain
+    from async_rl.training.checkpoint_writer import write_durably
 
     inputs = [generated(0, [[0, 1], [1, 0], [0, 1]], version=0), generated(1, [[1, 1], [0, 1]], version=1),
               generated(2, [[0, 1]], version=2), generated(3, [[1, 0], [0, 1]], version=3)]
@@ -111,7 +115,8 @@ def test_a_stage_restored_from_a_checkpoint_forms_what_the_original_forms():
     assert [o.index for o in formed] == [0, 1, 2]
     generated_by_then, pool = original.checkpoint_state(1)  # a step-1 checkpoint: batch 0 trained
     assert generated_by_then == 1 and [g["uid"] for g in pool] == ["b0g2"]  # the leftover of batch 0
-    pool = th.load(_round_trip(pool), weights_only=False)  # as async_rl_state.pt holds it
+    write_durably(to_plain(pool), str(tmp_path / "state.pt"))  # as RunCheckpointer writes async_rl_state.pt
+    pool = load_plain(str(tmp_path / "state.pt"))  # and a resume loads it: weights_only=True
     restored = DynamicSamplingStage(config=config(batch_groups=2), clock=clock(2), total_steps=4, start_step=1,
                                     generated_batches=generated_by_then, pool=pool)
     again = [o for o in run(restored, *inputs[generated_by_then:]) if o is not None]
@@ -119,20 +124,13 @@ def test_a_stage_restored_from_a_checkpoint_forms_what_the_original_forms():
     for a, b in zip(again, formed[1:]):
         assert list(a.batch_ref.non_tensor_batch["uid"]) == list(b.batch_ref.non_tensor_batch["uid"])
         assert a.scored.scores.tolist() == b.scored.scores.tolist()
+        for column in ("reward_model", "index", "start_version"):  # the non-tensor columns, as generated
+            assert a.batch_ref.non_tensor_batch[column].tolist() == b.batch_ref.non_tensor_batch[column].tolist()
+            assert a.batch_ref.non_tensor_batch[column].dtype == b.batch_ref.non_tensor_batch[column].dtype
+        assert a.batch_ref.batch["responses"].equal(b.batch_ref.batch["responses"])
     assert restored.generated == original.generated == 4
     with pytest.raises(KeyError, match="no dynamic-sampling snapshot for step 1"):
         original.checkpoint_state(1) if original.checkpoint_state(2) else None
-
-
-def _round_trip(obj):
-    import io
-
-    import torch as th
-
-    buffer = io.BytesIO()
-    th.save(obj, buffer)
-    buffer.seek(0)
-    return buffer
 
 
 def test_remax_baselines_follow_their_groups_into_the_training_batch():

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 import uuid
 from typing import Any, Optional
@@ -22,7 +21,7 @@ import torch
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import HFModelConfig, RolloutConfig
 
-from async_rl.rollout.cpu.server import _node_ip
+from async_rl.core.node_address import bind_socket, service_host
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +58,8 @@ class CPURewardModelServer:
         model_config: verl `HFModelConfig` of `reward.reward_model.model_path`.
         replica_rank: the replica's rank (names it in logs and errors).
         port: the HTTP port (a restarted server takes its predecessor's: verl's router keeps the address);
-            None: a free one.
+            None: one the kernel picks when the server binds. The server binds `service_host()`: loopback
+            on a one-node Ray cluster, else its node's address; never every interface.
     """
 
     def __init__(self, config: RolloutConfig, model_config: HFModelConfig, replica_rank: int = 0,
@@ -72,12 +72,8 @@ class CPURewardModelServer:
         self.max_length = 0
         self._lock = asyncio.Lock()  # one forward at a time: the model is the process's
         self._runner = None
-        self._address = _node_ip()
+        self._address = service_host()  # bound and advertised: loopback on one node, else the node's address
         self._port = port
-        if port is None:
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-                probe.bind(("", 0))
-                self._port = probe.getsockname()[1]
 
     async def launch_server(self, *args: Any, **kwargs: Any) -> None:
         """Load the model (float32, eval) and start the HTTP endpoint. Idempotent."""
@@ -96,15 +92,11 @@ class CPURewardModelServer:
         app.router.add_post(CLASSIFY_ENDPOINT, self._http_classify)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        deadline = time.monotonic() + PORT_WAIT_S
-        while True:  # a restarted server's port may still be held by the process it replaces, a moment longer
-            try:
-                await web.TCPSite(self._runner, host="0.0.0.0", port=self._port).start()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(0.2)
+        # port 0: the kernel's pick, read back; a restarted server's port may still be held by the
+        # process it replaces, a moment longer
+        sock = await asyncio.to_thread(bind_socket, self._address, self._port or 0, PORT_WAIT_S)
+        self._port = sock.getsockname()[1]
+        await web.SockSite(self._runner, sock).start()
         logger.info("CPU reward model %d up: %s at %s:%d", self.replica_rank, path, self._address, self._port)
 
     def get_server_address(self) -> tuple[str, int]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import time
 from typing import Any, Optional
 
@@ -22,6 +21,7 @@ from verl.workers.config import HFModelConfig, RolloutConfig
 from verl.workers.rollout.replica import RolloutMode, TokenOutput
 
 from async_rl.core.fault_points import delay_for
+from async_rl.core.node_address import bind_socket, service_host
 from async_rl.rollout.cpu.engine import ContinuousBatchingEngine
 from async_rl.rollout.cpu.requests import STOP_ABORTED
 from param_update.buckets import tensor_digest
@@ -71,11 +71,11 @@ class CPURolloutServer(AsyncStagedWeights):
         self._lora_base: dict[str, torch.Tensor] = {}  # HF name -> base weight (as loaded) an adapter changes
         self._image_processor = None  # a vision-language model's, loaded at its first request with images
 
-        # There is no HTTP endpoint. The port is reserved (bound, never listening) only so that
-        # "ip:port" is unique per replica: verl's load balancer keys servers by that address.
-        self._server_address = _node_ip()
-        self._port_socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._port_socket.bind(("", 0))
+        # There is no HTTP endpoint. The port is reserved (bound on the node's service address, never
+        # listening: nothing can connect) only so that "ip:port" is unique per replica: verl's load
+        # balancer keys servers by that address.
+        self._server_address = service_host()
+        self._port_socket = bind_socket(self._server_address)
         self._server_port = self._port_socket.getsockname()[1]
 
     # ------------------------------------------------------------------ lifecycle
@@ -315,15 +315,6 @@ class CPURolloutServer(AsyncStagedWeights):
 
     async def stop_profile(self) -> None:
         """No-op: no engine profiler on CPU."""
-
-
-def _node_ip() -> str:
-    try:
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address().strip("[]")
-    except Exception:  # not in a Ray worker: fall back to loopback
-        pass
-    return "127.0.0.1"
 
 
 def _eos_ids(model_config: HFModelConfig) -> set[int]:
