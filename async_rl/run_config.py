@@ -19,7 +19,7 @@ from async_rl.api.rollout import RolloutBackend, registered_backends, rollout_ba
 from async_rl.checkpoints import CheckpointConfig, read_checkpoint_config
 from async_rl.core.config import AsyncPipelineConfig, critic_enabled, read_async_config, strip_async_keys
 from async_rl.core.data_checks import agent_names_in, check_rl_files
-from async_rl.core.decoupled_ppo import apply_to_config, uses_behaviour_as_old
+from async_rl.core.decoupled_ppo import apply_bypass_loss, apply_to_config, uses_behaviour_as_old
 from async_rl.core.errors import AsyncConfigError
 from async_rl.core.placement import Placement, plan_placement
 from async_rl.core.scoring import overlong_shaping
@@ -112,6 +112,9 @@ def read_run_config(config: DictConfig) -> RunConfig:
     set_optimizer_horizon(config, total_steps)
     if async_cfg.decoupled_ppo:
         apply_to_config(config, async_cfg.behav_imp_weight_cap)
+    if apply_bypass_loss(config):
+        logger.warning("algorithm.rollout_correction.bypass_mode=True: the actor's loss is verl's bypass-mode loss "
+                       "(%s), against the rollout's own log-probs", dict(config.algorithm.rollout_correction))
     backend.prepare_config(config, async_cfg.consume_bucket_size_mb, async_cfg.enable_dual_buffer)
     prepare_reward_model_config(config)
     proximal = None if uses_behaviour_as_old(config) else async_cfg.proximal_logp_workers
