@@ -21,7 +21,9 @@ from async_rl.core.config import AsyncPipelineConfig, critic_enabled, read_async
 from async_rl.core.data_checks import agent_names_in, check_rl_files
 from async_rl.core.decoupled_ppo import apply_bypass_loss, apply_to_config, uses_behaviour_as_old
 from async_rl.core.errors import AsyncConfigError
+from async_rl.core.legacy_reward_keys import migrate_legacy_reward_keys
 from async_rl.core.placement import Placement, plan_placement
+from async_rl.core.reward_loop_scoring import check_reward_manager
 from async_rl.core.scoring import overlong_shaping
 from async_rl.core.stage_graph import STAGES_KEY, UserStageSpec, build_edges
 from async_rl.core.verl_keys import refuse_misspelt_keys, refuse_unsupported, replaced_settings
@@ -79,6 +81,9 @@ class RunConfig:
 def read_run_config(config: DictConfig) -> RunConfig:
     """Every check that needs no Ray, then the run's derived values; raises AsyncConfigError, ValueError
     or FileNotFoundError naming the key."""
+    config, legacy = migrate_legacy_reward_keys(config)
+    if legacy:
+        logger.warning(legacy)
     async_cfg = read_async_config(config)
     refuse_misspelt_keys(config)
     refuse_unsupported(config)
@@ -206,6 +211,7 @@ def check_files(config: DictConfig) -> None:
     if int(config.trainer.get("total_training_steps") or 0) <= 0 and int(config.trainer.total_epochs) <= 0:
         raise ValueError("set trainer.total_training_steps or trainer.total_epochs to a positive number")
     check_reward_model_path(config)
+    check_reward_manager(config)
     check_sequence_parallel(config)
 
 

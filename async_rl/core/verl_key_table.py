@@ -122,9 +122,8 @@ VERL_KEYS = (
     # reward
     KeyRow("reward", N, "dataclass tags"),
     KeyRow("reward.custom_reward_function", P, "async_rl/core/scoring.py (verl's get_custom_reward_fn)"),
-    KeyRow("reward.reward_manager", P, "async_rl/core/scoring.py: naive and dapo"),
-    KeyRow("reward.reward_manager.source", X, "the reward stage scores with verl's registered naive or dapo manager"),
-    *switched("reward.reward_manager.module", "path", "a reward manager class from a file is not loaded under the flag"),
+    KeyRow("reward.reward_manager", P, "naive and dapo: async_rl/core/scoring.py; any other manager, registered or "
+           "from a file (source=importlib, module.path), through verl's reward loop (async_rl/core/reward_loop_scoring.py)"),
     KeyRow("reward.num_workers", R, "the reward stage scores, off the critical path"),
     KeyRow("reward.reward_model", V, "verl's reward-model replicas (rollout.name=cpu, or vllm on devices of its "
            "own) and router, started by "
@@ -133,11 +132,11 @@ VERL_KEYS = (
     *(KeyRow(f"reward.reward_model.{k}", P, "how many replicas and, on vllm, its devices: "
              "async_rl/rollout/reward_models.py")
       for k in ("enable_resource_pool", "n_gpus_per_node", "nnodes")),
-    *switched("reward.sandbox_fusion", "url", "the reward stage does not pass a sandbox to verl's default_compute_score"),
-    # the legacy top-level keys: verl 0.9.1's main_ppo does not read them either
-    *switched("custom_reward_function", "path", "the legacy key: set reward.custom_reward_function.path"),
-    *switched("reward_model", "enable", "the legacy key: reward models are reward.reward_model.* (refused too)"),
-    *switched("sandbox_fusion", "url", "the legacy key: reward.sandbox_fusion.url (refused too)"),
+    KeyRow("reward.sandbox_fusion", P, "verl's reward loop passes it to default_compute_score "
+           "(async_rl/core/reward_loop_scoring.py)"),
+    # the legacy top-level keys, mapped onto reward.* as verl's fully-async trainer maps them (logged)
+    *(KeyRow(k, P, "verl's migrate_legacy_reward_impl maps it onto reward.* (async_rl/core/legacy_reward_keys.py)")
+      for k in ("custom_reward_function", "reward_model", "sandbox_fusion")),
     # algorithm: state_machines/actor_train.py (verl's compute_advantage, apply_kl_penalty), decoupled PPO
     KeyRow("algorithm", P, "state_machines/actor_train.py: verl's compute_advantage and apply_kl_penalty"),
     KeyRow("algorithm.rollout_correction", P, "async_rl/core/decoupled_ppo.py: the user's own, else AReaL's"),
@@ -155,8 +154,8 @@ VERL_KEYS = (
     KeyRow("trainer.v1.sampler", X, "off-policy sampling: the pipeline bounds staleness by "
            "+trainer.generate_ahead_steps"),
     KeyRow("trainer.ray_wait_register_center_timeout", N, "a wait of verl's legacy trainer"),
-    KeyRow("trainer.log_val_generations", X, "the pipeline writes validation generations to "
-           "trainer.validation_data_dir, not to the logger"),
+    KeyRow("trainer.log_val_generations", P, "async_rl/validation.py: verl's _maybe_log_val_generations to the "
+           "trainer.logger backends that take generations"),
     KeyRow("trainer.esi_redundant_time", X, "the pipeline saves by trainer.save_freq only"),
     KeyRow("trainer.checkpoint_callback_class", X, "the pipeline's checkpoints call no user hook"),
     KeyRow("trainer.max_critic_ckpt_to_keep", P, "async_rl/checkpoints.py: equal to max_actor_ckpt_to_keep (a step's "

@@ -25,7 +25,6 @@ from async_rl.core.verl_key_table import VERL_KEYS, Handling, row_for
 OPTIMAL_TOKEN_BASELINES = ("optimal_token_baseline", "tir_optimal_token_baseline")
 FSDP_STRATEGIES = ("fsdp", "fsdp2")
 STRATEGY_KEYS = ("actor_rollout_ref.actor.strategy", "actor_rollout_ref.ref.strategy", "critic.strategy")
-REWARD_MANAGERS = ("naive", "dapo")
 ABSENT = object()
 
 
@@ -47,8 +46,6 @@ UNSUPPORTED = (
                 "pipeline's pass does not return"),
     *(Unsupported(key, lambda v: v not in FSDP_STRATEGIES, " or ".join(FSDP_STRATEGIES),
                   "the weight sync gathers the trainer's FSDP shards") for key in STRATEGY_KEYS),
-    Unsupported("reward.reward_manager.name", lambda v: v not in REWARD_MANAGERS, " or ".join(REWARD_MANAGERS),
-                "the reward stage applies verl's naive manager, or dapo's overlong shaping"),
 )
 
 LORA_RANK = "actor_rollout_ref.model.lora_rank"

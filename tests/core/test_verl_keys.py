@@ -26,8 +26,6 @@ REFUSED = [
     ({"actor_rollout_ref.model.lora_rank": 8, "actor_rollout_ref.model.lora.merge": True},
      "actor_rollout_ref.model.lora.merge=True", "sends the adapter alone"),
     ({"actor_rollout_ref.model.lora.rank": 8}, "actor_rollout_ref.model.lora.rank=8", "set actor_rollout_ref.model.lora_rank"),
-    ({"reward.reward_manager.source": "importlib", "reward.reward_manager.module.path": "pkg://async_rl.demo.reward"},
-     "reward.reward_manager.source='importlib'", "naive or dapo manager"),
 ]
 
 
