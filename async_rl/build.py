@@ -226,7 +226,7 @@ def build_stages(built: BuiltPipeline) -> None:
     checkpointer = None
     if run.checkpoint.save_freq > 0:
         CheckpointDir(run.checkpoint.root).remove_partials()
-        checkpointer = RunCheckpointer(run.checkpoint, steps, dataloader, sampling, critic)
+        checkpointer = RunCheckpointer(run.checkpoint, steps, dataloader, sampling, critic, config=cfg)
     built.stage("actor_train", ActorTrainStage, cfg, devices["train"], eta, param_update,
                 built.bucket_bytes["preduce"], compute_proximal=proximal == "train", start_step=built.start_step,
                 checkpointer=checkpointer, kl_coef=state.kl_coef if state else None, critic_sink=critic)

@@ -297,7 +297,8 @@ def ray_init_kwargs(config: DictConfig) -> dict:
     env_vars = {key: str(value) for key, value in (kwargs.get("runtime_env", {}).get("env_vars") or {}).items()}
     env_vars.setdefault("TOKENIZERS_PARALLELISM", "false")
     reward_model = reward_model_backend(config) if OmegaConf.select(config, "reward.reward_model.enable") else None
-    for key, value in {**(reward_model.ray_env(config) if reward_model else {}), **backend.ray_env(config)}.items():
+    for key, value in {**(reward_model.ray_env(config) if reward_model else {}), **backend.ray_env(config),
+                       **determinism_env(config)}.items():
         env_vars.setdefault(key, value)
     joins_cluster = bool(kwargs.get("address") or os.environ.get("RAY_ADDRESS"))  # its resources are set
     if not joins_cluster:  # a fresh local instance, never a cluster some other `ray start` left behind
@@ -315,6 +316,16 @@ def ray_init_kwargs(config: DictConfig) -> dict:
     runtime_env = {k: v for k, v in kwargs.get("runtime_env", {}).items() if v is not None}
     kwargs["runtime_env"] = {**runtime_env, "env_vars": env_vars}
     return kwargs
+
+
+def determinism_env(config: DictConfig) -> dict[str, str]:
+    """What verl's `run_ppo` puts in every process's environment for `rollout.full_determinism` (the
+    policy's, or a reward model's): verl's deterministic paths, vLLM's batch invariance, Python's hash seed
+    (the rollout's seed)."""
+    rollout, rm = config.actor_rollout_ref.rollout, config.reward.reward_model
+    if not (rollout.get("full_determinism") or (rm.get("enable") and rm.rollout.get("full_determinism"))):
+        return {}
+    return {"VERL_FULL_DETERMINISM": "1", "VLLM_BATCH_INVARIANT": "1", "PYTHONHASHSEED": str(rollout.seed)}
 
 
 def count_rows(files) -> int:

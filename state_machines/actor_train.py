@@ -161,6 +161,7 @@ class ActorTrainStage(StateMachine):
         self._parts: dict[int, dict[str, Any]] = {}
         self._metrics: list[dict] = []
         self._last_step_end = None
+        self._max_step_s = 0.0  # the longest step so far (s): verl's max_steps_duration, for the ESI save
 
     def setup(self) -> int:
         self.worker_group = make_worker_group(self.config, "actor", self.devices, "train")
@@ -354,7 +355,7 @@ class ActorTrainStage(StateMachine):
         self.version += 1
         self._dump_rollouts(self.version, train_batch)
         if self.checkpointer is not None:
-            if self.checkpointer.due(self.version):
+            if self.checkpointer.due(self.version, self._max_step_s):
                 self.dumps.flush()  # every dump of a saved step is on disk with it
                 with self.trace.span(RANKS_TRACK, "checkpoint snapshot", step=self.version):
                     metrics.update(await self.checkpointer.save(self.version, self.worker_group, self._kl_coef()))
@@ -371,6 +372,7 @@ class ActorTrainStage(StateMachine):
                 "timing_s/step": now - (self._last_step_end if self._last_step_end is not None else step_start),
             }
         )
+        self._max_step_s = max(self._max_step_s, metrics["timing_s/step"])
         self._last_step_end = now
         self._metrics.append(metrics)  # nothing returned: NewWeights already went downstream
 

@@ -87,7 +87,8 @@ VERL_KEYS = (
     KeyRow(f"{ARR}.rollout.nnodes", X, "standalone rollout nodes: the pipeline places replicas by "
            "+trainer.use_nodes_ratios"),
     KeyRow(f"{ARR}.rollout.n_gpus_per_node", N, "read by verl only with rollout.nnodes > 0, which is refused"),
-    KeyRow(f"{ARR}.rollout.full_determinism", X, "the pipeline does not set verl's determinism environment"),
+    KeyRow(f"{ARR}.rollout.full_determinism", P, "verl's determinism environment in every process "
+           "(async_rl/run_config.py determinism_env); verl's agent loops read the key itself"),
     KeyRow(f"{ARR}.rollout.router_config_path", X, "the generate stage balances requests across replicas itself"),
     KeyRow(f"{ARR}.rollout.enable_rollout_routing_replay", X, "routed experts are not carried to the trainer"),
     KeyRow(f"{ARR}.rollout.moe_load_balance_metrics_interval", X, "the pipeline does not log verl's MoE metrics"),
@@ -156,8 +157,9 @@ VERL_KEYS = (
     KeyRow("trainer.ray_wait_register_center_timeout", N, "a wait of verl's legacy trainer"),
     KeyRow("trainer.log_val_generations", P, "async_rl/validation.py: verl's _maybe_log_val_generations to the "
            "trainer.logger backends that take generations"),
-    KeyRow("trainer.esi_redundant_time", X, "the pipeline saves by trainer.save_freq only"),
-    KeyRow("trainer.checkpoint_callback_class", X, "the pipeline's checkpoints call no user hook"),
+    KeyRow("trainer.esi_redundant_time", P, "async_rl/checkpoints.py: verl's should_save_ckpt_esi saves early"),
+    KeyRow("trainer.checkpoint_callback_class", P, "async_rl/checkpoints.py: verl's CheckpointCallback.on_save once "
+           "a checkpoint is committed (trainer=None: there is no verl trainer object)"),
     KeyRow("trainer.max_critic_ckpt_to_keep", P, "async_rl/checkpoints.py: equal to max_actor_ckpt_to_keep (a step's "
            "actor and critic files rotate together)"),
     KeyRow("trainer.default_hdfs_dir", X, "checkpoints are saved to trainer.default_local_dir only"),
@@ -167,7 +169,8 @@ VERL_KEYS = (
     KeyRow("skip.rollout_tq.enable", X, "rollouts are not dumped or replayed under the flag"),
     KeyRow("transfer_queue", R, "stage data moves through Ray's object store"),
     KeyRow("ray_kwargs", P, "ray.init's arguments (run_config.py)"),
-    KeyRow("ray_kwargs.timeline_json_file", X, "+trainer.async_trace_path writes the pipeline's timeline"),
+    KeyRow("ray_kwargs.timeline_json_file", P, "ray.timeline once the run trained, as verl's run_ppo "
+           "(async_rl/pipeline.py); +trainer.async_trace_path writes the pipeline's own timeline"),
 )
 
 

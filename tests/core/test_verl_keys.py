@@ -210,3 +210,16 @@ def test_named_on_command_line_reads_hydras_overrides(demo_dir):
         assert named_on_command_line("data.train_files") is False
     finally:
         HydraConfig.instance().cfg = None
+
+
+def test_full_determinism_puts_verls_environment_in_every_process(demo_dir, monkeypatch):
+    from async_rl.run_config import ray_init_kwargs
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    key = "actor_rollout_ref.rollout.full_determinism"
+    run = read_run_config(compose_ppo(demo_overrides(demo_dir, extra={key: True})))
+    env = ray_init_kwargs(run.config)["runtime_env"]["env_vars"]
+    seed = str(run.config.actor_rollout_ref.rollout.seed)
+    assert (env["VERL_FULL_DETERMINISM"], env["VLLM_BATCH_INVARIANT"], env["PYTHONHASHSEED"]) == ("1", "1", seed)
+    plain = ray_init_kwargs(read_run_config(compose_ppo(demo_overrides(demo_dir))).config)["runtime_env"]["env_vars"]
+    assert not {"VERL_FULL_DETERMINISM", "VLLM_BATCH_INVARIANT", "PYTHONHASHSEED"} & set(plain)

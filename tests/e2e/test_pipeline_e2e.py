@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -69,10 +70,12 @@ def test_pipeline_trains_with_bounded_staleness(demo_dir, tmp_path, ray_address,
     (the copy task scores in [0, 1])."""
     from async_rl.demo.task import GROUP_SIZE, TRAIN_BATCH_SIZE
 
+    remax = REMAX.items() <= extra.items()
+    timeline = tmp_path / "timeline.json"  # verl's ray_kwargs.timeline_json_file, in one of the runs
+    extra = {**extra, "ray_kwargs.timeline_json_file": str(timeline)} if remax else extra
     code, out, rows = run_verl(demo_dir, {**_short_run(k, steps), **extra}, tmp_path, ray_address=ray_address)
     naive = extra is NAIVE_PPO_KL
     kl_loss = KL_LOSS.items() <= extra.items()
-    remax = REMAX.items() <= extra.items()
     dynamic = DYNAMIC_SAMPLING.items() <= extra.items()
     own_correction = ROLLOUT_CORRECTION_EXAMPLE.items() <= extra.items()
     assert code == 0, out[-4000:]
@@ -127,6 +130,9 @@ def test_pipeline_trains_with_bounded_staleness(demo_dir, tmp_path, ray_address,
         assert all(m["actor/rollout_corr/log_ppl_abs_diff"] < 1e-4 for m in by_step.values()), by_step
     else:  # generation really ran ahead: some step trained on data older than the trainer
         assert max(m["async/staleness/max"] for m in by_step.values()) >= 1
+    if remax:  # Ray's timeline of the run's tasks, written once it trained, as verl's run_ppo writes it
+        events = json.loads(timeline.read_text())
+        assert isinstance(events, list) and any(e.get("cat") == "task" or "name" in e for e in events)
     vals = val_rows(rows)
     assert 0 in vals and steps in vals, sorted(vals)
     assert "val-core/async_rl/copy_digits/reward/mean@1" in vals[steps]
