@@ -69,8 +69,8 @@ VERL_KEYS = (
     KeyRow(f"{ARR}.model.lora_rank", V, "LoRA: versions carry the adapter, which the CPU backend merges and "
            "vLLM serves as an adapter (param_update/lora.py); SGLang refused (async_rl/core/verl_keys.py)"),
     KeyRow(f"{ARR}.model.lora", N, "Megatron's LoRA; FSDP reads actor_rollout_ref.model.lora_rank"),
-    KeyRow(f"{ARR}.model.lora.merge", X, "the pipeline sends the adapter alone (the CPU backend merges it, vLLM "
-           "serves it as an adapter); verl's merged-weights sync is not built"),
+    KeyRow(f"{ARR}.model.lora.merge", R, "the pipeline sends the adapter alone: the CPU backend merges it into "
+           "its weights, vLLM serves it as an adapter; the policy served is the same"),
     KeyRow(f"{ARR}.model.lora.rank", X, "Megatron's LoRA rank, which the FSDP engine does not read: set "
            "actor_rollout_ref.model.lora_rank"),
     KeyRow(f"{ARR}.model.lora.adapter_path", X, "Megatron's adapter path, which the FSDP engine does not read: set "
@@ -162,7 +162,8 @@ VERL_KEYS = (
            "a checkpoint is committed (trainer=None: there is no verl trainer object)"),
     KeyRow("trainer.max_critic_ckpt_to_keep", P, "async_rl/checkpoints.py: equal to max_actor_ckpt_to_keep (a step's "
            "actor and critic files rotate together)"),
-    KeyRow("trainer.default_hdfs_dir", X, "checkpoints are saved to trainer.default_local_dir only"),
+    KeyRow("trainer.default_hdfs_dir", X, "checkpoints are saved to trainer.default_local_dir only (verl 0.9.1's FSDP "
+           "checkpoint manager does not copy to it either: its hdfs_path is unused)"),
     *switched("global_profiler", "steps", NO_PROFILER),
     KeyRow("skip", N, "acts only with skip.*.enable"),
     KeyRow("skip.rollout.enable", X, "rollouts are not dumped or replayed under the flag"),

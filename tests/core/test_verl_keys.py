@@ -23,8 +23,6 @@ REFUSED = [
      "reward.reward_model.enable_resource_pool=False", "True with reward.reward_model.rollout.name=vllm"),
     ({"actor_rollout_ref.model.lora_rank": 8, "actor_rollout_ref.rollout.name": "sglang"},
      "actor_rollout_ref.model.lora_rank=8", "0 with actor_rollout_ref.rollout.name=sglang"),
-    ({"actor_rollout_ref.model.lora_rank": 8, "actor_rollout_ref.model.lora.merge": True},
-     "actor_rollout_ref.model.lora.merge=True", "sends the adapter alone"),
     ({"actor_rollout_ref.model.lora.rank": 8}, "actor_rollout_ref.model.lora.rank=8", "set actor_rollout_ref.model.lora_rank"),
 ]
 
@@ -43,10 +41,15 @@ def test_the_estimators_it_runs_are_not_refused(demo_dir, estimator):
 
 
 def test_lora_on_the_cpu_backend_is_not_refused(demo_dir):
+    from async_rl.core.verl_keys import replaced_settings
     from async_rl.demo.task import LORA_OVERRIDES
 
     run = read_run_config(compose_ppo(demo_overrides(demo_dir, lora=True)))
     assert run.config.actor_rollout_ref.model.lora_rank == int(LORA_OVERRIDES["actor_rollout_ref.model.lora_rank"]) > 0
+    merged = compose_ppo(demo_overrides(demo_dir, lora=True, extra={"actor_rollout_ref.model.lora.merge": True}))
+    read_run_config(merged)  # verl's merged-weights sync: the adapter alone serves the same policy, logged
+    assert any(line.startswith("actor_rollout_ref.model.lora.merge=True is not used: the pipeline sends the adapter")
+               for line in replaced_settings(merged))
 
 
 def test_the_table_names_real_verl_keys_and_estimators(demo_dir):
