@@ -89,16 +89,18 @@ VERL_KEYS = (
     KeyRow(f"{ARR}.rollout.n_gpus_per_node", N, "read by verl only with rollout.nnodes > 0, which is refused"),
     KeyRow(f"{ARR}.rollout.full_determinism", P, "verl's determinism environment in every process "
            "(async_rl/run_config.py determinism_env); verl's agent loops read the key itself"),
-    KeyRow(f"{ARR}.rollout.router_config_path", X, "the generate stage balances requests across replicas itself"),
+    KeyRow(f"{ARR}.rollout.router_config_path", X, "the generate stage routes requests to the replicas itself, not "
+           "through verl's router"),
     KeyRow(f"{ARR}.rollout.enable_rollout_routing_replay", X, "routed experts are not carried to the trainer"),
     KeyRow(f"{ARR}.rollout.moe_load_balance_metrics_interval", X, "the pipeline does not log verl's MoE metrics"),
-    KeyRow(f"{ARR}.rollout.quantization", X, "a quantized rollout's weight load is untested under the flag"),
-    KeyRow(f"{ARR}.rollout.quantization_config_file", X, "a quantized rollout is untested under the flag"),
-    *switched(f"{ARR}.rollout.disaggregation", "enabled", "the pipeline starts plain replicas, not prefill/decode "
-              "pairs"),
+    *(KeyRow(f"{ARR}.rollout.{k}", X, "a quantized rollout (verl's fp8 on vLLM / SGLang GPUs) and its weight load "
+             "are not built or tested under the flag") for k in ("quantization", "quantization_config_file")),
+    *switched(f"{ARR}.rollout.disaggregation", "enabled", "prefill/decode pairs need vLLM / SGLang on GPUs with KV "
+              "transfer; the pipeline starts plain replicas"),
     *switched(f"{ARR}.rollout.profiler", "enable", NO_PROFILER),
     *switched(f"{ARR}.rollout.prometheus", "enable", "verl's trainer starts the Prometheus scrape; the pipeline does not"),
-    *switched(f"{ARR}.rollout.trace", "backend", "the pipeline's server client records no per-request rollout trace"),
+    *switched(f"{ARR}.rollout.trace", "backend", "verl's per-request rollout trace (weave, mlflow) is not set up in "
+              "the generate stage"),
     KeyRow(f"{ARR}.rollout.multi_turn.enable", N, "nothing on main_ppo's path reads it in verl 0.9.1"),
     # data: verl's RLHFDataset and sampler (async_rl/core/prompts.py)
     KeyRow("data", V, "verl's RLHFDataset and sampler (async_rl/core/prompts.py)"),
