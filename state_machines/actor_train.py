@@ -326,7 +326,8 @@ class ActorTrainStage(StateMachine):
         metrics = {**parts["reward"].metrics, **algorithm_metrics}
         metrics.update(self._version_metrics(train_batch if len(rows) else batch))
         if len(rows) and self.config.trainer.get("balance_batch", True):
-            metrics.update(balance_rows(train_batch, self.world_size))
+            metrics.update(balance_rows(train_batch, self.world_size, by_group=bool(
+                self.config.actor_rollout_ref.actor.get("use_prefix_grouper", False))))
         metrics["async/logp_version"] = float(parts["logp"].logp_version)
         metrics["async/trained_rows"] = float(len(rows))
         if old_log_prob_s is not None:

@@ -45,8 +45,8 @@ VERL_KEYS = (
     KeyRow(f"{ARR}.actor.calculate_entropy", P, "async_rl/training/engine_calls.py"),
     KeyRow(f"{ARR}.actor.optim.total_training_steps", P, "set to the run's steps, as verl does (run_config.py)"),
     KeyRow(f"{ARR}.actor.calculate_sum_pi_squared", X, "only the optimal token baselines read it, and they are refused"),
-    KeyRow(f"{ARR}.actor.use_prefix_grouper", X, "verl's legacy trainer's group balancing; the pipeline balances "
-           "with trainer.balance_batch"),
+    KeyRow(f"{ARR}.actor.use_prefix_grouper", P, "whole prompt groups per rank in trainer.balance_batch, as verl's "
+           "trainer balances (async_rl/core/balance.py)"),
     *switched(f"{ARR}.actor.profiler", "enable", NO_PROFILER),
     KeyRow(f"{ARR}.ref", V, "verl's ref worker (state_machines/ref_logp.py)"),
     *switched(f"{ARR}.ref.profiler", "enable", NO_PROFILER),
