@@ -4,7 +4,7 @@ Each example's verl keys (`EXAMPLES`: what its script at verl's commit b178a3cd5
 changes training or what is logged, in the script's own key names, legacy ones included) run 2 steps on
 the demo's model and data (8 prompts a step, `DEMO_SIZES`; a script that logs validation generations
 validates at the last step, a script with a critic or a reward model gets the demo's, `{demo}` in a
-value being the demo's folder), once with `+actor_rollout_ref.async_pipeline=True` and once flag off,
+value being the demo's folder; a script that sets no group size gets the demo's, 8), once with `+actor_rollout_ref.async_pipeline=True` and once flag off,
 one run at a time, each with a Ray of its own. Per run: trained or failed (the error's last line),
 seconds, and step 2's `actor/pg_loss` and `critic/advantages/mean`. The flag-on half is also a test
 (tests/e2e/test_verl_examples_e2e.py); the flag-off half is verl's own trainer as a control, run here
@@ -77,7 +77,7 @@ EXAMPLES = {
         "algorithm.adv_estimator": "rloo", "algorithm.gamma": 1.0, f"{CORR}.rollout_is": "sequence",
         f"{CORR}.rollout_is_threshold": 2.0, f"{CORR}.rollout_is_batch_normalize": True, f"{CORR}.rollout_rs": None,
         f"{CORR}.rollout_rs_threshold": None, f"{CORR}.bypass_mode": True, f"{CORR}.loss_type": "reinforce",
-        f"{ACTOR}.ppo_epochs": 1, f"{ROLLOUT}.calculate_log_probs": True, "actor_rollout_ref.rollout.n": 5,
+        f"{ACTOR}.ppo_epochs": 1, f"{ROLLOUT}.calculate_log_probs": True,
     },
     "ppo_trainer/run_qwen2-7b_rm_seq_balance.sh": {  # verl's rollout.name=vllm, here the CPU backend's server
         "algorithm.adv_estimator": "gae", f"{ACTOR}.use_kl_loss": False, "reward_model.enable": True,
@@ -85,7 +85,7 @@ EXAMPLES = {
         "reward_model.rollout.gpu_memory_utilization": 0.8, "reward_model.rollout.tensor_model_parallel_size": 1,
         "reward_model.rollout.prompt_length": 32, "reward_model.rollout.response_length": 8,
         "reward_model.num_workers": 1, "algorithm.use_kl_in_reward": False, "trainer.critic_warmup": 0,
-        "critic.use_dynamic_bsz": True, "actor_rollout_ref.rollout.n": 8,
+        "critic.use_dynamic_bsz": True,
     },
     "cispo_trainer/run_cispo_qwen2_5_0_5b_gsm8k.sh": {
         "algorithm.adv_estimator": "grpo", f"{ACTOR}.policy_loss.loss_mode": "cispo",

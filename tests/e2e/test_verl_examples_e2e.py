@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 
+from async_rl.demo.task import GROUP_SIZE
 from bench.verl_examples import ACTOR, EXAMPLES, run_keys, with_critic
 from conftest import every_step_with, run_verl, val_rows
 
@@ -25,7 +26,7 @@ def test_verls_example_trains_under_the_flag(demo_dir, tmp_path, ray_address, sc
     code, out, rows = run_verl(demo_dir, keys, tmp_path, ray_address=ray_address, critic=with_critic(keys))
     assert code == 0, out[-4000:]
     steps = every_step_with(rows, 2, ["actor/pg_loss", "critic/advantages/mean"])
-    group = int(keys["actor_rollout_ref.rollout.n"])
+    group = int(keys.get("actor_rollout_ref.rollout.n", GROUP_SIZE))  # the script's, else the demo's
     for metrics in steps.values():
         assert metrics["async/trained_rows"] == 8 * group  # the script's group size, the demo's prompts
         if keys.get("algorithm.use_kl_in_reward"):  # verl's KL penalty in the reward, at the script's coefficient
