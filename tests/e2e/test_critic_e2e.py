@@ -16,11 +16,10 @@ USER_STAGE = {"+trainer.async_stages.group_filter.cls": "examples.group_filter_s
 def test_ppo_with_a_critic_trains_with_values_from_the_critic_of_its_step(demo_dir, tmp_path, ray_address):
     """k = 3: each step's values come from the critic after the previous steps' updates (verl's order),
     the critic trains on every step, with trainer.critic_warmup=2 the actor makes no update at step 1,
-    and a user stage inserted from the command line filters what both train. The critic is a LoRA adapter
-    on the value model (verl's `critic.model.lora_rank`), which verl's critic worker builds and trains."""
+    and a user stage inserted from the command line filters what both train."""
     k, steps, warmup = 3, 5, 2
     run = {"trainer.total_training_steps": steps, "trainer.test_freq": steps, "+trainer.generate_ahead_steps": k,
-           "trainer.critic_warmup": warmup, "critic.model.lora_rank": 4, "critic.model.lora_alpha": 8, **USER_STAGE}
+           "trainer.critic_warmup": warmup, **USER_STAGE}
     code, out, rows = run_verl(demo_dir, run, tmp_path, critic=True, ray_address=ray_address)
     assert code == 0, out[-4000:]
     by_step = every_step_with(rows, steps, CRITIC_KEYS)
