@@ -60,8 +60,9 @@ VERL_KEYS = (
     KeyRow("critic.optim.total_training_steps", P, "set to the run's steps, as verl does (run_config.py)"),
     *switched("critic.profiler", "enable", NO_PROFILER),
     KeyRow("critic.model.lora", N, "Megatron's LoRA; the FSDP critic reads critic.model.lora_rank"),
-    KeyRow("critic.model.lora_rank", X, "a LoRA critic is untested under the flag"),
-    KeyRow("critic.model.lora_adapter_path", X, "a LoRA critic is untested under the flag"),
+    *(KeyRow(f"critic.model.{k}", X, "verl 0.9.1's FSDP engine cannot build a LoRA value model (PEFT's causal-LM "
+             "adapter on a token-classification model: no prepare_inputs_for_generation)")
+      for k in ("lora_rank", "lora_adapter_path")),
     KeyRow(f"{ARR}.hybrid_engine", N, "verl's colocated trainer; the pipeline places its stages apart"),
     KeyRow(f"{ARR}.nccl_timeout", N, "nothing in verl 0.9.1 reads it"),
     # the model: verl's HFModelConfig in every worker, server and agent loop; the pipeline's tokenizer too
