@@ -165,7 +165,8 @@ def main(argv=None) -> dict:
         cells = []
         for label in FLAGS:
             r = by_flag[label]
-            cells.append(f"trained {STEPS} steps in {r['seconds']:.0f} s (pg_loss {r['pg_loss']:.4f})" if r["trained"]
+            loss = "nan" if r.get("pg_loss") is None else f"{r['pg_loss']:.4f}"  # verl's file logger writes NaN as null
+            cells.append(f"trained {STEPS} steps in {r['seconds']:.0f} s (pg_loss {loss})" if r["trained"]
                          else f"failed: {r.get('error', 'steps missing')}")
         print(f"| `{script}` | " + " | ".join(cells) + " |")
     if args.json:
