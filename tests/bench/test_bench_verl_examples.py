@@ -37,3 +37,15 @@ def test_examples_get_the_demos_critic_reward_model_and_a_last_validation_where_
     gspo = verl_examples.run_keys("gspo_trainer/test_gspo_3b_math.sh", tmp_path)
     assert gspo["trainer.log_val_generations"] == 2 and gspo["trainer.test_freq"] == 2  # validates at step 2
     assert not verl_examples.with_critic(gspo)
+
+
+def test_a_nan_loss_shows_as_nan(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr("async_rl.demo.prepare", lambda path, seed: None)
+
+    def fake_run(name, demo_dir, workdir, metrics_path, extra, timeout_s, critic=False):  # NaN: null in verl's file
+        return [{"step": s, "data": {"actor/pg_loss": None, "critic/advantages/mean": 0.0}} for s in (1, 2)]
+
+    monkeypatch.setattr(verl_examples, "run_system", fake_run)
+    verl_examples.main(["--examples", "rloo_trainer/run_qwen2-7b.sh"])
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| `rloo_trainer"))
+    assert row.count("(pg_loss nan)") == 2
