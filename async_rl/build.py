@@ -214,12 +214,12 @@ class StageInputs:
 
     @cached_property
     def checkpointer(self) -> Optional[RunCheckpointer]:
-        """The run's checkpoints (None: `trainer.save_freq` <= 0); partial ones left by a killed run removed."""
+        """The run's checkpoints (None: `trainer.save_freq` <= 0); what a killed save left recovered."""
         if self.run.checkpoint.save_freq <= 0:
             return None
         CheckpointDir(self.run.checkpoint.root).recover()
         return RunCheckpointer(self.run.checkpoint, self.run.total_steps, self.stages[DATALOADER],
-                               self.stages.get(DYNAMIC_SAMPLING), self.stages.get(CRITIC_TRAIN))
+                               self.stages.get(DYNAMIC_SAMPLING), self.stages.get(CRITIC_TRAIN), config=self.config)
 
 
 def stage_class(path: str) -> type:

@@ -70,10 +70,17 @@ class CheckpointConfig:
     resume_from_path: Optional[str]
     max_to_keep: Optional[int]  # trainer.max_actor_ckpt_to_keep (None: keep all)
     del_local_after_load: bool
+    esi_redundant_time: float = 0.0  # trainer.esi_redundant_time (s)
+    callback_class: Optional[str] = None  # trainer.checkpoint_callback_class
 
-    def due(self, step: int, total_steps: int) -> bool:
-        """verl's rule: every save_freq steps and at the last one."""
-        return self.save_freq > 0 and (step % self.save_freq == 0 or step == total_steps)
+    def due(self, step: int, total_steps: int, max_step_s: float = 0.0) -> bool:
+        """verl's rule: every save_freq steps, at the last one, and when the machine's capacity block
+        (ESI) expires within a save (60 s), the longest step so far (`max_step_s`, s) and
+        `esi_redundant_time` (verl's `should_save_ckpt_esi`)."""
+        from verl.utils.checkpoint.checkpoint_manager import should_save_ckpt_esi
+
+        return self.save_freq > 0 and (step % self.save_freq == 0 or step == total_steps or should_save_ckpt_esi(
+            max_steps_duration=max_step_s, redundant_time=self.esi_redundant_time))
 
 
 def _contents(config, key: str) -> None:
@@ -116,6 +123,18 @@ def read_checkpoint_config(config) -> CheckpointConfig:
                                "removes a step's actor and critic files together")
     for key in ("actor_rollout_ref.actor.checkpoint.save_contents", "actor_rollout_ref.actor.checkpoint.load_contents"):
         _contents(config, key)
+    esi = select_value(config, "trainer.esi_redundant_time", 0)
+    if isinstance(esi, bool) or not isinstance(esi, (int, float)) or esi < 0:
+        raise AsyncConfigError("trainer.esi_redundant_time", esi, "a number of seconds >= 0")
+    callback = select_value(config, "trainer.checkpoint_callback_class", None)
+    if callback:
+        from verl.utils.import_utils import load_class_from_fqn
+
+        try:
+            load_class_from_fqn(callback, "CheckpointCallback")  # verl builds it at start: a bad name fails there
+        except Exception as exc:  # noqa: BLE001 - verl's loader raises several kinds
+            raise AsyncConfigError("trainer.checkpoint_callback_class", callback,
+                                   f"an importable verl CheckpointCallback class ({type(exc).__name__}: {exc})") from exc
     return CheckpointConfig(
         save_freq=save_freq,
         root=os.path.abspath(root),
@@ -123,7 +142,17 @@ def read_checkpoint_config(config) -> CheckpointConfig:
         resume_from_path=resume_from,
         max_to_keep=keep,
         del_local_after_load=bool(select_value(config, "trainer.del_local_ckpt_after_load", False)),
+        esi_redundant_time=float(esi),
+        callback_class=callback or None,
     )
+
+
+def checkpoint_callback(fqn: str, config):
+    """verl's `build_checkpoint_callback`: the `trainer.checkpoint_callback_class` instance, given the run's
+    config (verl passes its whole config too)."""
+    from verl.trainer.ppo.checkpoint_callback import build_checkpoint_callback
+
+    return build_checkpoint_callback(config)
 
 
 @dataclass
@@ -448,11 +477,16 @@ class RunCheckpointer:
         sampling: the dynamic_sampling stage (`checkpoint_state(step)`), or None.
         critic: the critic_train stage (`save_checkpoint(path, step)`: `critic/`, saved once the
             critic has made update `step`, beside training), or None.
+        config: the run's config, which `trainer.checkpoint_callback_class` is built with (verl's
+            `on_save(trainer=None, global_step, checkpoint_dir, async_save=False)` is called once a
+            checkpoint is committed; there is no verl trainer object, hence `trainer=None`).
     """
 
     def __init__(self, cfg: CheckpointConfig, total_steps: int, dataloader: Any, sampling: Any = None,
-                 critic: Any = None):
+                 critic: Any = None, config: Any = None):
         self.cfg = cfg
+        self.config = config
+        self._callback = None  # built in the process that saves, on its first commit
         self.total_steps = total_steps
         self.dir = CheckpointDir(cfg.root)
         self.dataloader = dataloader
@@ -462,8 +496,8 @@ class RunCheckpointer:
         self._pending: Optional[asyncio.Task] = None
         self._written: dict[str, float] = {}
 
-    def due(self, step: int) -> bool:
-        return self.cfg.due(step, self.total_steps)
+    def due(self, step: int, max_step_s: float = 0.0) -> bool:
+        return self.cfg.due(step, self.total_steps, max_step_s)
 
     async def _run_state(self, step: int, kl_coef: Optional[float]) -> RunState:
         if self.sampling is not None:
@@ -498,6 +532,11 @@ class RunCheckpointer:
         self.dir.commit(step)
         self.dir.rotate(self.cfg.max_to_keep, step)
         self.last_saved = step
+        if self.cfg.callback_class:  # its exception fails the run at the next step, as in verl
+            if self._callback is None:
+                self._callback = checkpoint_callback(self.cfg.callback_class, self.config)
+            await asyncio.to_thread(self._callback.on_save, trainer=None, global_step=step,
+                                    checkpoint_dir=self.dir.step_dir(step), async_save=False)
         self._written = {
             "async/checkpoint/write_s": time.perf_counter() - start,
             "async/checkpoint/bytes": sum(r.get("bytes", 0.0) for r in per_rank),

@@ -68,6 +68,9 @@ def run_pipeline(run: RunConfig, tracking=None, restarts: int = 0,
             history = TrainingLoop(built, tracking, restarts).run()
             if after_training is not None:
                 after_training(built)
+            timeline = run.config.ray_kwargs.get("timeline_json_file")
+            if timeline:  # as verl's run_ppo: Ray's timeline of the run's tasks, once it trained
+                ray.timeline(filename=timeline)
             return history
     except PipelineError as failure:
         failure.during_training = built.training

@@ -20,9 +20,11 @@ from async_rl.checkpoints import CheckpointConfig, read_checkpoint_config
 from async_rl.core.config import (DELTA_SYNC_KEY, AsyncPipelineConfig, critic_enabled, read_async_config, runs_on_cpu,
                                     strip_async_keys)
 from async_rl.core.data_checks import agent_names_in, check_rl_files
-from async_rl.core.decoupled_ppo import apply_to_config, uses_behaviour_as_old
+from async_rl.core.decoupled_ppo import apply_bypass_loss, apply_to_config, uses_behaviour_as_old
 from async_rl.core.errors import AsyncConfigError
+from async_rl.core.legacy_reward_keys import migrate_legacy_reward_keys
 from async_rl.core.placement import Placement, plan_placement
+from async_rl.core.reward_loop_scoring import check_reward_manager
 from async_rl.core.scoring import overlong_shaping
 from async_rl.core.stage_graph import STAGES_KEY, UserStageSpec, build_edges
 from async_rl.core.verl_keys import refuse_unsupported, replaced_settings
@@ -86,6 +88,9 @@ class RunConfig:
 def read_run_config(config: DictConfig) -> RunConfig:
     """Every check that needs no Ray, then the run's derived values; raises AsyncConfigError, ValueError
     or FileNotFoundError naming the key."""
+    config, legacy = migrate_legacy_reward_keys(config)
+    if legacy:
+        logger.warning(legacy)
     async_cfg = read_async_config(config)
     refuse_unsupported(config)
     refuse_unread_keys(config)
@@ -120,6 +125,9 @@ def read_run_config(config: DictConfig) -> RunConfig:
     set_optimizer_horizon(config, total_steps)
     if async_cfg.decoupled_ppo:
         apply_to_config(config, async_cfg.behav_imp_weight_cap)
+    if apply_bypass_loss(config):
+        logger.warning("algorithm.rollout_correction.bypass_mode=True: the actor's loss is verl's bypass-mode loss "
+                       "(%s), against the rollout's own log-probs", dict(config.algorithm.rollout_correction))
     backend.prepare_config(config, async_cfg.consume_bucket_size_mb, async_cfg.enable_dual_buffer)
     prepare_reward_model_config(config)
     proximal = None if uses_behaviour_as_old(config) else async_cfg.proximal_logp_workers
@@ -227,6 +235,7 @@ def check_files(config: DictConfig) -> None:
     if int(config.trainer.get("total_training_steps") or 0) <= 0 and int(config.trainer.total_epochs) <= 0:
         raise ValueError("set trainer.total_training_steps or trainer.total_epochs to a positive number")
     check_reward_model_path(config)
+    check_reward_manager(config)
     check_sequence_parallel(config)
 
 
@@ -312,7 +321,8 @@ def ray_init_kwargs(config: DictConfig) -> dict:
     env_vars = {key: str(value) for key, value in (kwargs.get("runtime_env", {}).get("env_vars") or {}).items()}
     env_vars.setdefault("TOKENIZERS_PARALLELISM", "false")
     reward_model = reward_model_backend(config) if OmegaConf.select(config, "reward.reward_model.enable") else None
-    for key, value in {**(reward_model.ray_env(config) if reward_model else {}), **backend.ray_env(config)}.items():
+    for key, value in {**(reward_model.ray_env(config) if reward_model else {}), **backend.ray_env(config),
+                       **determinism_env(config)}.items():
         env_vars.setdefault(key, value)
     joins_cluster = bool(kwargs.get("address") or os.environ.get("RAY_ADDRESS"))  # its resources are set
     if not joins_cluster:  # a fresh local instance, never a cluster some other `ray start` left behind
@@ -330,6 +340,16 @@ def ray_init_kwargs(config: DictConfig) -> dict:
     runtime_env = {k: v for k, v in kwargs.get("runtime_env", {}).items() if v is not None}
     kwargs["runtime_env"] = {**runtime_env, "env_vars": env_vars}
     return kwargs
+
+
+def determinism_env(config: DictConfig) -> dict[str, str]:
+    """What verl's `run_ppo` puts in every process's environment for `rollout.full_determinism` (the
+    policy's, or a reward model's): verl's deterministic paths, vLLM's batch invariance, Python's hash seed
+    (the rollout's seed)."""
+    rollout, rm = config.actor_rollout_ref.rollout, config.reward.reward_model
+    if not (rollout.get("full_determinism") or (rm.get("enable") and rm.rollout.get("full_determinism"))):
+        return {}
+    return {"VERL_FULL_DETERMINISM": "1", "VLLM_BATCH_INVARIANT": "1", "PYTHONHASHSEED": str(rollout.seed)}
 
 
 def count_rows(files) -> int:

@@ -1,7 +1,10 @@
 """Validation: greedy generation of the validation set on the rollout servers, verl's metrics.
 
 Metrics come from verl's `process_validation_metrics` under verl's names
-(`val-core/<data_source>/reward/mean@1`, ...).
+(`val-core/<data_source>/reward/mean@1`, ...). `trainer.log_val_generations=N` logs N of the
+generations (input, output, score) through verl's `ValidationGenerationsLogger` to the backends of
+`trainer.logger` that take them (wandb, swanlab, mlflow, trackio, clearml, tensorboard), chosen as verl's
+trainer chooses them (`log_val_generations`).
 """
 
 from __future__ import annotations
@@ -12,8 +15,22 @@ import numpy as np
 
 from async_rl.core.generation_dumps import GenerationDumps
 from async_rl.core.prompts import load_prompt_dataset, tokenize_row
-from async_rl.core.reward_loop_scoring import RewardLoopScorer, one_row
+from async_rl.core.reward_loop_scoring import RewardLoopScorer, one_row, uses_reward_loop
 from async_rl.core.scoring import ResponseToScore, RewardFunctionError, load_score_fn, score_each_zeroing_failures
+
+
+def log_val_generations(holder, inputs: list[str], outputs: list[str], scores: list[float], step: int) -> None:
+    """verl's trainer's own `_maybe_log_val_generations` (sorted by input, shuffled with seed 42, the first
+    `trainer.log_val_generations`, to `validation_generations_logger.log(trainer.logger, samples, step)`),
+    run on `holder`: an object with `config` and `validation_generations_logger` (verl's
+    `ValidationGenerationsLogger`, which keeps its tables across calls)."""
+    from types import SimpleNamespace
+
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    trainer = SimpleNamespace(config=holder.config, validation_generations_logger=holder.validation_generations_logger,
+                              global_steps=step)
+    RayPPOTrainer._maybe_log_val_generations(trainer, inputs=inputs, outputs=outputs, scores=scores)
 
 
 class Validator:
@@ -29,6 +46,7 @@ class Validator:
         router ("ip:port"), when `reward.reward_model.enable`: samples are scored by verl's reward loop, as in
         training. ``processor``: a vision-language model's, for image rows (`model_tokenizer_and_processor`)."""
         self.reward_router = reward_router
+        self.reward_loop = reward_router is not None or uses_reward_loop(config)  # scored by verl's reward loop
         self.generate = generate
         self.config = config
         self.reward_timeout_s, self.reward_on_error = reward_timeout_s, reward_on_error
@@ -42,6 +60,10 @@ class Validator:
         self.score_fn, _ = load_score_fn(config)
         self.n = int(config.actor_rollout_ref.rollout.val_kwargs.get("n", 1))
         self.dumps = GenerationDumps(config.trainer.get("validation_data_dir"))
+        from verl.utils.tracking import ValidationGenerationsLogger
+
+        self.validation_generations_logger = ValidationGenerationsLogger(
+            project_name=config.trainer.project_name, experiment_name=config.trainer.experiment_name)
 
     async def _generate_all(self, timeout_s: float):
         if self.generate is None:
@@ -63,7 +85,7 @@ class Validator:
             rows.append((out.prompt_ids, out.response_ids, info))
             sources.append(info["data_source"])
             uids.append(str(j // self.n))
-        if self.reward_router is not None:
+        if self.reward_loop:
             scored, failures = asyncio.run(self._score_with_reward_model(rows))
         else:
             scored, failures = asyncio.run(score_each_zeroing_failures(responses, self.score_fn, None,
@@ -83,18 +105,18 @@ class Validator:
                     core = name.startswith(("mean", "maj", "best")) and f"@{n_max}" in name
                     metrics[f"{'val-core' if core else 'val-aux'}/{source}/{var}/{name}"] = float(value)
         metrics["val-aux/reward/mean"] = float(np.mean(scores)) if scores else float("nan")
-        self._dump(step, texts, scores)
+        inputs = [self.tokenizer.decode(self.rows[j // self.n][0], skip_special_tokens=True) for j in range(len(texts))]
+        log_val_generations(self, inputs, texts, scores, step)
+        self._dump(step, inputs, texts, scores)
         return metrics
 
     async def _score_with_reward_model(self, rows: list):
         scorer = RewardLoopScorer(self.config, self.reward_router)  # in this loop: verl's managers keep it
         return await scorer.score([one_row(*row) for row in rows], self.reward_timeout_s)
 
-    def _dump(self, step: int, outputs: list[str], scores: list[float]) -> None:
+    def _dump(self, step: int, inputs: list[str], outputs: list[str], scores: list[float]) -> None:
         if self.dumps.directory is None:
             return
-        rows = [self.rows[j // self.n] for j in range(len(outputs))]
-        inputs = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids, _ in rows]
-        gts = [info["reward_model"].get("ground_truth") for _, info in rows]
+        gts = [self.rows[j // self.n][1]["reward_model"].get("ground_truth") for j in range(len(outputs))]
         self.dumps.write(step, inputs, outputs, gts, scores)
         self.dumps.flush()

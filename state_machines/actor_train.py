@@ -157,6 +157,7 @@ class ActorTrainStage(StateMachine):
         self._parts: dict[int, dict[str, Any]] = {}
         self._metrics: list[dict] = []
         self._last_step_end = None
+        self._max_step_s = 0.0  # the longest step so far (s): verl's max_steps_duration, for the ESI save
 
     def setup(self) -> int:
         self.worker_group = make_worker_group(self.config, "actor", self.devices, "train")
@@ -317,7 +318,8 @@ class ActorTrainStage(StateMachine):
         metrics = {**parts["reward"].metrics, **algorithm_metrics}
         metrics.update(self._version_metrics(train_batch if len(rows) else batch))
         if len(rows) and self.config.trainer.get("balance_batch", True):
-            metrics.update(balance_rows(train_batch, self.world_size))
+            metrics.update(balance_rows(train_batch, self.world_size, by_group=bool(
+                self.config.actor_rollout_ref.actor.get("use_prefix_grouper", False))))
         metrics["async/logp_version"] = float(parts["logp"].logp_version)
         metrics["async/trained_rows"] = float(len(rows))
         if old_log_prob_s is not None:
@@ -347,7 +349,7 @@ class ActorTrainStage(StateMachine):
         await self.policy_clock.set_trained_version.remote(self.version)
         self._dump_rollouts(self.version, train_batch)
         if self.checkpointer is not None:
-            if self.checkpointer.due(self.version):
+            if self.checkpointer.due(self.version, self._max_step_s):
                 self.dumps.flush()  # every dump of a saved step is on disk with it
                 with self.trace.span(RANKS_TRACK, "checkpoint snapshot", step=self.version):
                     metrics.update(await self.checkpointer.save(self.version, self.worker_group, self._kl_coef()))
@@ -364,6 +366,7 @@ class ActorTrainStage(StateMachine):
                 "timing_s/step": now - (self._last_step_end if self._last_step_end is not None else step_start),
             }
         )
+        self._max_step_s = max(self._max_step_s, metrics["timing_s/step"])
         self._last_step_end = now
         self._metrics.append(metrics)  # nothing returned: NewWeights already went downstream
 

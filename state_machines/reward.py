@@ -6,9 +6,10 @@ hanging reward function does is `reward.on_error`: `stop` (default) fails the ru
 function and the batch; `zero` scores that sample 0, counts it (`async/faults/reward_errors`)
 and goes on (the timeout then applies to each sample; a hung call's thread is left behind).
 ReMax: the greedy sample of each prompt is scored the same way, as its rows' `baselines`.
-With a reward model (`reward_router` set: `reward.reward_model.enable=True`) every row is scored by
-verl's own reward loop through the reward model's router (async_rl/core/reward_loop_scoring.py), under
-the same timeout and `reward.on_error`.
+With a reward model (`reward_router` set: `reward.reward_model.enable=True`), a reward manager other
+than naive / dapo or `reward.sandbox_fusion.url` every row is scored by verl's own reward loop (through
+the reward model's router where there is one: async_rl/core/reward_loop_scoring.py), under the same
+timeout and `reward.on_error`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 
 from async_rl.core.messages import RolloutBatch, ScoredBatch, resolve
-from async_rl.core.reward_loop_scoring import RewardLoopScorer, rows_of
+from async_rl.core.reward_loop_scoring import RewardLoopScorer, rows_of, uses_reward_loop
 from async_rl.core.scoring import (
     RewardFunctionError,
     decode_responses,
@@ -43,6 +44,7 @@ class RewardStage(StateMachine):
         super().__init__("reward")
         self.tokenizer = tokenizer
         self.config, self.reward_router = config, reward_router  # "ip:port" of the reward model's router
+        self.reward_loop = reward_router is not None or uses_reward_loop(config)  # verl's RewardLoopWorker scores
         self.reward_model: RewardLoopScorer | None = None  # built on first use, in the stage's event loop
         self.score_fn, self.score_fn_name = load_score_fn(config)
         self.overlong = overlong_shaping(config)
@@ -68,7 +70,7 @@ class RewardStage(StateMachine):
 
     async def _score(self, batch, index: int) -> tuple[torch.Tensor, list]:
         """(score of each row, the rows whose scoring failed and why) under `reward.on_error`."""
-        if self.reward_router is not None:
+        if self.reward_loop:
             return await self._score_with_reward_model(batch, index)
         if self.on_error != "zero":
             return await self._score_or_stop(batch, index), []

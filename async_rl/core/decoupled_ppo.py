@@ -18,7 +18,9 @@ Under `async_pipeline=True` this is the default. Keys:
 - `+algorithm.decoupled_ppo` (default True): fill `algorithm.rollout_correction` as above.
   False leaves verl's `algorithm.rollout_correction` as the user set it: verl's default
   (no weights) is PPO against the recomputed pi_prox; `bypass_mode=True` is PPO against
-  pi_behav (AReaL's "naive PPO").
+  pi_behav (AReaL's "naive PPO"); `bypass_mode=True` with `rollout_is`, `rollout_rs` or
+  `loss_type=reinforce` is verl's bypass-mode loss (`compute_policy_loss_bypass_mode`) on the
+  train ranks, its weights and rejections from the current policy against pi_behav, per token.
 - `+algorithm.behav_imp_weight_cap` (default 5.0, > 1): AReaL's cap.
 - `+algorithm.proximal_logp_workers` (default train): where pi_prox is computed.
 """
@@ -65,6 +67,38 @@ def apply_to_config(config: DictConfig, cap: float) -> None:
                 config.algorithm.rollout_correction[key] = value
 
 
+# what only verl's bypass-mode loss applies, and each key's neutral value (verl's defaults)
+BYPASS_LOSS_SETTINGS = {"rollout_is": None, "rollout_rs": None, "loss_type": "ppo_clip"}
+BYPASS_LOSS_MODE = "bypass_mode"  # verl's registered policy loss `compute_policy_loss_bypass_mode`
+LOSS_MODE = "actor_rollout_ref.actor.policy_loss.loss_mode"
+
+
+def bypass_loss_settings(config: DictConfig) -> dict:
+    """The `algorithm.rollout_correction` settings only verl's bypass-mode loss applies, where the
+    command set them away from neutral under `bypass_mode=True` (empty otherwise)."""
+    if not uses_behaviour_as_old(config):
+        return {}
+    rollout_correction = config.algorithm.rollout_correction
+    return {key: rollout_correction.get(key, neutral) for key, neutral in BYPASS_LOSS_SETTINGS.items()
+            if rollout_correction.get(key, neutral) != neutral}
+
+
+def apply_bypass_loss(config: DictConfig) -> bool:
+    """verl's bypass mode with IS, RS or REINFORCE (`bypass_loss_settings`): the actor's loss becomes
+    verl's `compute_policy_loss_bypass_mode` with `algorithm.rollout_correction` as its settings, the
+    config half of verl's `apply_bypass_mode` (in place, before the workers are built: they read their
+    loss from `actor_rollout_ref.actor.policy_loss`). Returns whether it did."""
+    if not bypass_loss_settings(config):
+        return False
+    from omegaconf import OmegaConf
+
+    policy_loss = config.actor_rollout_ref.actor.policy_loss
+    with open_dict(policy_loss):
+        policy_loss.rollout_correction = OmegaConf.to_container(config.algorithm.rollout_correction, resolve=True)
+        policy_loss.loss_mode = BYPASS_LOSS_MODE
+    return True
+
+
 def uses_behaviour_as_old(config: DictConfig) -> bool:
     """verl's bypass mode: PPO's pi_old is the behaviour policy (no recomputed log-probs)."""
     rollout_correction = config.algorithm.get("rollout_correction")
@@ -72,8 +106,9 @@ def uses_behaviour_as_old(config: DictConfig) -> bool:
 
 
 def set_behaviour_as_old(batch, config: DictConfig) -> None:
-    """Bypass mode: old_log_probs become the behaviour log-probs (the data half of verl's
-    apply_bypass_mode, which verl's trainer runs before the KL penalty and the advantages)."""
+    """Bypass mode: old_log_probs become the behaviour log-probs, the rollout's own per token (each
+    token's from the version that sampled it): the data half of verl's apply_bypass_mode, which verl's
+    trainer runs before the KL penalty and the advantages."""
     if uses_behaviour_as_old(config) and "rollout_log_probs" in batch.batch.keys():
         batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
 

@@ -45,8 +45,8 @@ VERL_KEYS = (
     KeyRow(f"{ARR}.actor.calculate_entropy", P, "async_rl/training/engine_calls.py"),
     KeyRow(f"{ARR}.actor.optim.total_training_steps", P, "set to the run's steps, as verl does (run_config.py)"),
     KeyRow(f"{ARR}.actor.calculate_sum_pi_squared", X, "only the optimal token baselines read it, and they are refused"),
-    KeyRow(f"{ARR}.actor.use_prefix_grouper", X, "verl's legacy trainer's group balancing; the pipeline balances "
-           "with trainer.balance_batch"),
+    KeyRow(f"{ARR}.actor.use_prefix_grouper", P, "whole prompt groups per rank in trainer.balance_batch, as verl's "
+           "trainer balances (async_rl/core/balance.py)"),
     *switched(f"{ARR}.actor.profiler", "enable", NO_PROFILER),
     KeyRow(f"{ARR}.ref", V, "verl's ref worker (state_machines/ref_logp.py)"),
     *switched(f"{ARR}.ref.profiler", "enable", NO_PROFILER),
@@ -60,8 +60,9 @@ VERL_KEYS = (
     KeyRow("critic.optim.total_training_steps", P, "set to the run's steps, as verl does (run_config.py)"),
     *switched("critic.profiler", "enable", NO_PROFILER),
     KeyRow("critic.model.lora", N, "Megatron's LoRA; the FSDP critic reads critic.model.lora_rank"),
-    KeyRow("critic.model.lora_rank", X, "a LoRA critic is untested under the flag"),
-    KeyRow("critic.model.lora_adapter_path", X, "a LoRA critic is untested under the flag"),
+    *(KeyRow(f"critic.model.{k}", X, "verl 0.9.1's FSDP engine cannot build a LoRA value model (PEFT's causal-LM "
+             "adapter on a token-classification model: no prepare_inputs_for_generation)")
+      for k in ("lora_rank", "lora_adapter_path")),
     KeyRow(f"{ARR}.hybrid_engine", N, "verl's colocated trainer; the pipeline places its stages apart"),
     KeyRow(f"{ARR}.nccl_timeout", N, "nothing in verl 0.9.1 reads it"),
     # the model: verl's HFModelConfig in every worker, server and agent loop; the pipeline's tokenizer too
@@ -69,8 +70,8 @@ VERL_KEYS = (
     KeyRow(f"{ARR}.model.lora_rank", V, "LoRA: versions carry the adapter, which the CPU backend merges and "
            "vLLM serves as an adapter (param_update/lora.py); SGLang refused (async_rl/core/verl_keys.py)"),
     KeyRow(f"{ARR}.model.lora", N, "Megatron's LoRA; FSDP reads actor_rollout_ref.model.lora_rank"),
-    KeyRow(f"{ARR}.model.lora.merge", X, "the pipeline sends the adapter alone (the CPU backend merges it, vLLM "
-           "serves it as an adapter); verl's merged-weights sync is not built"),
+    KeyRow(f"{ARR}.model.lora.merge", R, "the pipeline sends the adapter alone: the CPU backend merges it into "
+           "its weights, vLLM serves it as an adapter; the policy served is the same"),
     KeyRow(f"{ARR}.model.lora.rank", X, "Megatron's LoRA rank, which the FSDP engine does not read: set "
            "actor_rollout_ref.model.lora_rank"),
     KeyRow(f"{ARR}.model.lora.adapter_path", X, "Megatron's adapter path, which the FSDP engine does not read: set "
@@ -87,17 +88,20 @@ VERL_KEYS = (
     KeyRow(f"{ARR}.rollout.nnodes", X, "standalone rollout nodes: the pipeline places replicas by "
            "+trainer.use_nodes_ratios"),
     KeyRow(f"{ARR}.rollout.n_gpus_per_node", N, "read by verl only with rollout.nnodes > 0, which is refused"),
-    KeyRow(f"{ARR}.rollout.full_determinism", X, "the pipeline does not set verl's determinism environment"),
-    KeyRow(f"{ARR}.rollout.router_config_path", X, "the generate stage balances requests across replicas itself"),
+    KeyRow(f"{ARR}.rollout.full_determinism", P, "verl's determinism environment in every process "
+           "(async_rl/run_config.py determinism_env); verl's agent loops read the key itself"),
+    KeyRow(f"{ARR}.rollout.router_config_path", X, "the generate stage routes requests to the replicas itself, not "
+           "through verl's router"),
     KeyRow(f"{ARR}.rollout.enable_rollout_routing_replay", X, "routed experts are not carried to the trainer"),
     KeyRow(f"{ARR}.rollout.moe_load_balance_metrics_interval", X, "the pipeline does not log verl's MoE metrics"),
-    KeyRow(f"{ARR}.rollout.quantization", X, "a quantized rollout's weight load is untested under the flag"),
-    KeyRow(f"{ARR}.rollout.quantization_config_file", X, "a quantized rollout is untested under the flag"),
-    *switched(f"{ARR}.rollout.disaggregation", "enabled", "the pipeline starts plain replicas, not prefill/decode "
-              "pairs"),
+    *(KeyRow(f"{ARR}.rollout.{k}", X, "a quantized rollout (verl's fp8 on vLLM / SGLang GPUs) and its weight load "
+             "are not built or tested under the flag") for k in ("quantization", "quantization_config_file")),
+    *switched(f"{ARR}.rollout.disaggregation", "enabled", "prefill/decode pairs need vLLM / SGLang on GPUs with KV "
+              "transfer; the pipeline starts plain replicas"),
     *switched(f"{ARR}.rollout.profiler", "enable", NO_PROFILER),
     *switched(f"{ARR}.rollout.prometheus", "enable", "verl's trainer starts the Prometheus scrape; the pipeline does not"),
-    *switched(f"{ARR}.rollout.trace", "backend", "the pipeline's server client records no per-request rollout trace"),
+    *switched(f"{ARR}.rollout.trace", "backend", "verl's per-request rollout trace (weave, mlflow) is not set up in "
+              "the generate stage"),
     KeyRow(f"{ARR}.rollout.multi_turn.enable", N, "nothing on main_ppo's path reads it in verl 0.9.1"),
     # data: verl's RLHFDataset and sampler (async_rl/core/prompts.py)
     KeyRow("data", V, "verl's RLHFDataset and sampler (async_rl/core/prompts.py)"),
@@ -122,9 +126,8 @@ VERL_KEYS = (
     # reward
     KeyRow("reward", N, "dataclass tags"),
     KeyRow("reward.custom_reward_function", P, "async_rl/core/scoring.py (verl's get_custom_reward_fn)"),
-    KeyRow("reward.reward_manager", P, "async_rl/core/scoring.py: naive and dapo"),
-    KeyRow("reward.reward_manager.source", X, "the reward stage scores with verl's registered naive or dapo manager"),
-    *switched("reward.reward_manager.module", "path", "a reward manager class from a file is not loaded under the flag"),
+    KeyRow("reward.reward_manager", P, "naive and dapo: async_rl/core/scoring.py; any other manager, registered or "
+           "from a file (source=importlib, module.path), through verl's reward loop (async_rl/core/reward_loop_scoring.py)"),
     KeyRow("reward.num_workers", R, "the reward stage scores, off the critical path"),
     KeyRow("reward.reward_model", V, "verl's reward-model replicas (rollout.name=cpu, or vllm on devices of its "
            "own) and router, started by "
@@ -133,11 +136,11 @@ VERL_KEYS = (
     *(KeyRow(f"reward.reward_model.{k}", P, "how many replicas and, on vllm, its devices: "
              "async_rl/rollout/reward_models.py")
       for k in ("enable_resource_pool", "n_gpus_per_node", "nnodes")),
-    *switched("reward.sandbox_fusion", "url", "the reward stage does not pass a sandbox to verl's default_compute_score"),
-    # the legacy top-level keys: verl 0.9.1's main_ppo does not read them either
-    *switched("custom_reward_function", "path", "the legacy key: set reward.custom_reward_function.path"),
-    *switched("reward_model", "enable", "the legacy key: reward models are reward.reward_model.* (refused too)"),
-    *switched("sandbox_fusion", "url", "the legacy key: reward.sandbox_fusion.url (refused too)"),
+    KeyRow("reward.sandbox_fusion", P, "verl's reward loop passes it to default_compute_score "
+           "(async_rl/core/reward_loop_scoring.py)"),
+    # the legacy top-level keys, mapped onto reward.* as verl's fully-async trainer maps them (logged)
+    *(KeyRow(k, P, "verl's migrate_legacy_reward_impl maps it onto reward.* (async_rl/core/legacy_reward_keys.py)")
+      for k in ("custom_reward_function", "reward_model", "sandbox_fusion")),
     # algorithm: state_machines/actor_train.py (verl's compute_advantage, apply_kl_penalty), decoupled PPO
     KeyRow("algorithm", P, "state_machines/actor_train.py: verl's compute_advantage and apply_kl_penalty"),
     KeyRow("algorithm.rollout_correction", P, "async_rl/core/decoupled_ppo.py: the user's own, else AReaL's"),
@@ -155,20 +158,23 @@ VERL_KEYS = (
     KeyRow("trainer.v1.sampler", X, "off-policy sampling: the pipeline bounds staleness by "
            "+trainer.generate_ahead_steps"),
     KeyRow("trainer.ray_wait_register_center_timeout", N, "a wait of verl's legacy trainer"),
-    KeyRow("trainer.log_val_generations", X, "the pipeline writes validation generations to "
-           "trainer.validation_data_dir, not to the logger"),
-    KeyRow("trainer.esi_redundant_time", X, "the pipeline saves by trainer.save_freq only"),
-    KeyRow("trainer.checkpoint_callback_class", X, "the pipeline's checkpoints call no user hook"),
+    KeyRow("trainer.log_val_generations", P, "async_rl/validation.py: verl's _maybe_log_val_generations to the "
+           "trainer.logger backends that take generations"),
+    KeyRow("trainer.esi_redundant_time", P, "async_rl/checkpoints.py: verl's should_save_ckpt_esi saves early"),
+    KeyRow("trainer.checkpoint_callback_class", P, "async_rl/checkpoints.py: verl's CheckpointCallback.on_save once "
+           "a checkpoint is committed (trainer=None: there is no verl trainer object)"),
     KeyRow("trainer.max_critic_ckpt_to_keep", P, "async_rl/checkpoints.py: equal to max_actor_ckpt_to_keep (a step's "
            "actor and critic files rotate together)"),
-    KeyRow("trainer.default_hdfs_dir", X, "checkpoints are saved to trainer.default_local_dir only"),
+    KeyRow("trainer.default_hdfs_dir", X, "checkpoints are saved to trainer.default_local_dir only (verl 0.9.1's FSDP "
+           "checkpoint manager does not copy to it either: its hdfs_path is unused)"),
     *switched("global_profiler", "steps", NO_PROFILER),
     KeyRow("skip", N, "acts only with skip.*.enable"),
     KeyRow("skip.rollout.enable", X, "rollouts are not dumped or replayed under the flag"),
     KeyRow("skip.rollout_tq.enable", X, "rollouts are not dumped or replayed under the flag"),
     KeyRow("transfer_queue", R, "stage data moves through Ray's object store"),
     KeyRow("ray_kwargs", P, "ray.init's arguments (run_config.py)"),
-    KeyRow("ray_kwargs.timeline_json_file", X, "+trainer.async_trace_path writes the pipeline's timeline"),
+    KeyRow("ray_kwargs.timeline_json_file", P, "ray.timeline once the run trained, as verl's run_ppo "
+           "(async_rl/pipeline.py); +trainer.async_trace_path writes the pipeline's own timeline"),
 )
 
 

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import yaml
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
-from async_rl.core.config import select_value
+from async_rl.core.config import CONFIG_KEYS, select_value
+from async_rl.core.decoupled_ppo import BYPASS_LOSS_MODE, LOSS_MODE, bypass_loss_settings
 from async_rl.core.errors import AsyncConfigError
 from async_rl.core.key_reads import not_a_use
 from async_rl.core.verl_key_table import VERL_KEYS, Handling, row_for
@@ -24,7 +25,6 @@ from async_rl.core.verl_key_table import VERL_KEYS, Handling, row_for
 OPTIMAL_TOKEN_BASELINES = ("optimal_token_baseline", "tir_optimal_token_baseline")
 FSDP_STRATEGIES = ("fsdp", "fsdp2")
 STRATEGY_KEYS = ("actor_rollout_ref.actor.strategy", "actor_rollout_ref.ref.strategy", "critic.strategy")
-REWARD_MANAGERS = ("naive", "dapo")
 ABSENT = object()
 
 
@@ -46,8 +46,6 @@ UNSUPPORTED = (
                 "pipeline's pass does not return"),
     *(Unsupported(key, lambda v: v not in FSDP_STRATEGIES, " or ".join(FSDP_STRATEGIES),
                   "the weight sync gathers the trainer's FSDP shards") for key in STRATEGY_KEYS),
-    Unsupported("reward.reward_manager.name", lambda v: v not in REWARD_MANAGERS, " or ".join(REWARD_MANAGERS),
-                "the reward stage applies verl's naive manager, or dapo's overlong shaping"),
 )
 
 LORA_RANK = "actor_rollout_ref.model.lora_rank"
@@ -59,10 +57,6 @@ REWARD_MODEL = "reward.reward_model"
 REWARD_MODEL_BACKENDS = ("cpu", "vllm")  # whose reward-model servers the pipeline starts (async_rl/rollout/reward_models.py)
 
 BYPASS = "algorithm.rollout_correction.bypass_mode"
-# applied by verl inside its bypass-mode loss (`compute_policy_loss_bypass_mode`), which the pipeline does
-# not run: its bypass mode is the data half (pi_old = pi_behav) under the actor's own loss
-BYPASS_LOSS_KEYS = {"algorithm.rollout_correction.rollout_is": None, "algorithm.rollout_correction.rollout_rs": None,
-                    "algorithm.rollout_correction.loss_type": "ppo_clip"}
 
 
 @functools.cache
@@ -120,8 +114,8 @@ def set_away_from_default(config, handling: Handling) -> Iterator[tuple[str, Any
 @not_a_use  # it reads every key to compare it with verl's default
 def refuse_unsupported(config) -> None:
     """Raise AsyncConfigError for the first key of `config` the table refuses that is set away from verl's
-    default, the first setting in UNSUPPORTED, or verl's bypass mode with a setting only its bypass-mode
-    loss applies (naming both keys)."""
+    default, the first setting in UNSUPPORTED, or verl's bypass-mode loss beside a loss mode of the
+    actor's own (naming both keys)."""
     refused = next(set_away_from_default(config, Handling.REFUSED), None)
     if refused is not None:
         key, value, default = refused
@@ -148,13 +142,14 @@ def refuse_unsupported(config) -> None:
                                    f"True with {REWARD_MODEL}.rollout.name={rm_backend}: its servers need devices of "
                                    f"their own ({REWARD_MODEL}.nnodes x n_gpus_per_node); the pipeline's stages use "
                                    "theirs all at once, so there is no phase to colocate a reward model in")
-    if select_value(config, BYPASS, False) is True:
-        for key, neutral in BYPASS_LOSS_KEYS.items():
-            value = select_value(config, key, neutral)
-            if value != neutral:
-                raise AsyncConfigError(key, value, f"{neutral!r} with {BYPASS}=True (verl applies it in its "
-                                                   "bypass-mode loss, which the async pipeline does not run; without "
-                                                   "bypass mode it is honoured)")
+    bypass_loss = bypass_loss_settings(config) if isinstance(config, DictConfig) else {}
+    loss_mode = select_value(config, LOSS_MODE, "vanilla")
+    if bypass_loss and loss_mode not in ("vanilla", BYPASS_LOSS_MODE):
+        given = ", ".join(f"algorithm.rollout_correction.{k}={v!r}" for k, v in bypass_loss.items())
+        raise AsyncConfigError(LOSS_MODE, loss_mode, f"vanilla with {BYPASS}=True and {given}: verl's bypass-mode "
+                                                     "loss takes the actor's place, PPO-clip or REINFORCE "
+                                                     "(algorithm.rollout_correction.loss_type), so a loss mode of "
+                                                     "its own cannot apply beside it")
 
 
 @not_a_use

@@ -12,10 +12,11 @@ def test_the_table_says_per_example_and_flag_whether_it_trained(monkeypatch, tmp
     prepared = []
     monkeypatch.setattr("async_rl.demo.prepare", lambda path, seed: prepared.append(seed))
 
-    def fake_run(name, demo_dir, workdir, metrics_path, extra, timeout_s):
+    def fake_run(name, demo_dir, workdir, metrics_path, extra, timeout_s, critic=False):
         if extra.get("+actor_rollout_ref.async_pipeline") is False:  # verl's trainer fails, say
             raise RuntimeError(f"{name} failed after 3 s (log: x):\nTraceback\nKeyError: 'reward_baselines'\n")
         assert extra["trainer.total_training_steps"] == 2 and extra["algorithm.adv_estimator"] == "rloo"
+        assert not critic and extra["trainer.test_freq"] == -1  # no critic, no validation in rloo's script
         return [{"step": s, "data": {"actor/pg_loss": 0.5 * s, "critic/advantages/mean": 0.0}} for s in (1, 2)]
 
     monkeypatch.setattr(verl_examples, "run_system", fake_run)
@@ -24,7 +25,27 @@ def test_the_table_says_per_example_and_flag_whether_it_trained(monkeypatch, tmp
     printed = capsys.readouterr().out
     row = next(line for line in printed.splitlines() if line.startswith("| `rloo_trainer"))
     assert "trained 2 steps in" in row and "(pg_loss 1.0000)" in row and "failed: KeyError: 'reward_baselines'" in row
-    assert "python" in printed and prepared == [0]
+    assert "python" in printed and "\ncommit " in printed and prepared == [0]
     saved = json.loads(out.read_text())["results"]["rloo_trainer/run_qwen2-7b.sh"]
     assert saved["with the flag"]["trained"] and not saved["verl's trainer"]["trained"]
     assert results == json.loads(out.read_text())["results"]
+
+
+def test_examples_get_the_demos_critic_reward_model_and_a_last_validation_where_their_script_needs_them(tmp_path):
+    rm = verl_examples.run_keys("ppo_trainer/run_qwen2-7b_rm_seq_balance.sh", tmp_path)
+    assert rm["reward_model.model.path"] == f"{tmp_path}/reward_model" and verl_examples.with_critic(rm)
+    gspo = verl_examples.run_keys("gspo_trainer/test_gspo_3b_math.sh", tmp_path)
+    assert gspo["trainer.log_val_generations"] == 2 and gspo["trainer.test_freq"] == 2  # validates at step 2
+    assert not verl_examples.with_critic(gspo)
+
+
+def test_a_nan_loss_shows_as_nan(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr("async_rl.demo.prepare", lambda path, seed: None)
+
+    def fake_run(name, demo_dir, workdir, metrics_path, extra, timeout_s, critic=False):  # NaN: null in verl's file
+        return [{"step": s, "data": {"actor/pg_loss": None, "critic/advantages/mean": 0.0}} for s in (1, 2)]
+
+    monkeypatch.setattr(verl_examples, "run_system", fake_run)
+    verl_examples.main(["--examples", "rloo_trainer/run_qwen2-7b.sh"])
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| `rloo_trainer"))
+    assert row.count("(pg_loss nan)") == 2

@@ -93,7 +93,6 @@ def test_a_key_done_the_pipelines_own_way_is_logged_not_refused(demo_dir, demo_c
 @pytest.mark.parametrize("key,value,allowed", [
     ("actor_rollout_ref.actor.strategy", "megatron", "fsdp or fsdp2"),
     ("critic.strategy", "megatron", "fsdp or fsdp2"),
-    ("reward.reward_manager.name", "limited", "naive or dapo"),
 ])
 def test_a_value_the_pipeline_cannot_run_is_refused(demo_config, key, value, allowed):
     config = demo_config.copy()

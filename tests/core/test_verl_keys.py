@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from verl.trainer.ppo.core_algos import AdvantageEstimator
 
 from async_rl.core.errors import AsyncConfigError
@@ -22,11 +23,7 @@ REFUSED = [
      "reward.reward_model.enable_resource_pool=False", "True with reward.reward_model.rollout.name=vllm"),
     ({"actor_rollout_ref.model.lora_rank": 8, "actor_rollout_ref.rollout.name": "sglang"},
      "actor_rollout_ref.model.lora_rank=8", "0 with actor_rollout_ref.rollout.name=sglang"),
-    ({"actor_rollout_ref.model.lora_rank": 8, "actor_rollout_ref.model.lora.merge": True},
-     "actor_rollout_ref.model.lora.merge=True", "sends the adapter alone"),
     ({"actor_rollout_ref.model.lora.rank": 8}, "actor_rollout_ref.model.lora.rank=8", "set actor_rollout_ref.model.lora_rank"),
-    ({"reward.reward_manager.source": "importlib", "reward.reward_manager.module.path": "pkg://async_rl.demo.reward"},
-     "reward.reward_manager.source='importlib'", "naive or dapo manager"),
 ]
 
 
@@ -44,10 +41,15 @@ def test_the_estimators_it_runs_are_not_refused(demo_dir, estimator):
 
 
 def test_lora_on_the_cpu_backend_is_not_refused(demo_dir):
+    from async_rl.core.verl_keys import replaced_settings
     from async_rl.demo.task import LORA_OVERRIDES
 
     run = read_run_config(compose_ppo(demo_overrides(demo_dir, lora=True)))
     assert run.config.actor_rollout_ref.model.lora_rank == int(LORA_OVERRIDES["actor_rollout_ref.model.lora_rank"]) > 0
+    merged = compose_ppo(demo_overrides(demo_dir, lora=True, extra={"actor_rollout_ref.model.lora.merge": True}))
+    read_run_config(merged)  # verl's merged-weights sync: the adapter alone serves the same policy, logged
+    assert any(line.startswith("actor_rollout_ref.model.lora.merge=True is not used: the pipeline sends the adapter")
+               for line in replaced_settings(merged))
 
 
 def test_the_table_names_real_verl_keys_and_estimators(demo_dir):
@@ -110,25 +112,66 @@ def test_a_reward_model_on_vllm_takes_devices_of_its_own_and_vllms_cpu_settings(
     assert run.placement.nodes * run.placement.devices_per_node == 2  # the trainer's devices, split as before
 
 
-@pytest.mark.parametrize("extra,named,decoupled", [
-    ({"algorithm.rollout_correction.rollout_is": "sequence"}, "algorithm.rollout_correction.rollout_is='sequence'",
-     False),
-    ({"algorithm.rollout_correction.rollout_rs": "token_k1"}, "algorithm.rollout_correction.rollout_rs='token_k1'",
-     False),
-    # verl reads loss_type in bypass mode only: without it, decoupled PPO stays (and verl ignores it too)
-    ({"algorithm.rollout_correction.loss_type": "reinforce"}, "algorithm.rollout_correction.loss_type='reinforce'",
-     True),
+# verl's examples/rollout_correction/run_with_rollout_corr.sh: bypass mode, REINFORCE, self-normalised
+# sequence-level IS truncated at 2
+ROLLOUT_CORR_EXAMPLE = {"algorithm.rollout_correction.bypass_mode": True, "algorithm.rollout_correction.loss_type": "reinforce",
+                        "algorithm.rollout_correction.rollout_is": "sequence",
+                        "algorithm.rollout_correction.rollout_is_threshold": 2.0,
+                        "algorithm.rollout_correction.rollout_is_batch_normalize": True}
+
+
+def test_verls_bypass_mode_loss_runs_with_its_is_settings_against_the_rollouts_log_probs(demo_dir):
+    """The actor config the train ranks build (verl's `omega_conf_to_dataclass`, as its worker does) selects
+    verl's bypass-mode loss with the script's settings, and the batch's old_log_probs are the rollout's: the
+    loss equals REINFORCE weighted by the truncated, batch-normalised sequence ratio pi / pi_behav."""
+    from verl import DataProto
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from async_rl.core.decoupled_ppo import set_behaviour_as_old
+
+    run = read_run_config(compose_ppo(demo_overrides(demo_dir, extra=ROLLOUT_CORR_EXAMPLE)))
+    assert run.async_cfg.decoupled_ppo is False and run.proximal_logp_workers is None  # nothing recomputed
+    actor = omega_conf_to_dataclass(run.config.actor_rollout_ref.actor)
+    gen = torch.Generator().manual_seed(0)
+    rows, length = 6, 5
+    mask = (torch.arange(length)[None, :] < torch.tensor([5, 3, 1, 4, 5, 2])[:, None]).float()
+    behav = -torch.rand(rows, length, generator=gen, dtype=torch.float64) - 0.1  # each token's own version's
+    logp = behav + torch.randn(rows, length, generator=gen, dtype=torch.float64) * 0.4
+    adv = torch.randn(rows, 1, generator=gen, dtype=torch.float64).expand(rows, length)
+    batch = DataProto.from_dict(tensors={"old_log_probs": torch.zeros_like(behav), "rollout_log_probs": behav,
+                                         "response_mask": mask})
+    set_behaviour_as_old(batch, run.config)
+    loss, metrics = get_policy_loss_fn(actor.policy_loss.loss_mode)(
+        old_log_prob=batch.batch["old_log_probs"], log_prob=logp, advantages=adv, response_mask=mask.bool(),
+        loss_agg_mode=actor.loss_agg_mode, config=actor)
+    weight = ((logp - behav) * mask).sum(-1).exp().clamp(max=2.0)  # one truncated weight per sequence
+    weight = weight / weight.mean()  # batch-normalised to mean 1
+    want = (-adv * logp * weight[:, None] * mask).sum() / mask.sum()  # token-mean, verl's default
+    torch.testing.assert_close(loss, want, rtol=1e-10, atol=1e-12)
+    assert metrics["rollout_corr/rollout_is_batch_norm_factor"] == pytest.approx(
+        float(((logp - behav) * mask).sum(-1).exp().clamp(max=2.0).mean()))
+
+
+@pytest.mark.parametrize("extra,named", [
+    ({"algorithm.rollout_correction.rollout_rs": "token_k1", "algorithm.rollout_correction.rollout_rs_threshold": "0.5_2.0"},
+     "rollout_rs"),
+    ({"algorithm.rollout_correction.loss_type": "reinforce"}, "loss_type"),
 ])
-def test_verls_bypass_mode_with_what_only_its_bypass_loss_applies_is_refused_naming_both(demo_dir, extra, named,
-                                                                                         decoupled):
+def test_bypass_mode_with_rs_or_reinforce_selects_verls_bypass_loss_and_a_loss_of_the_actors_own_is_refused(
+        demo_dir, extra, named):
     bypass = {"algorithm.rollout_correction.bypass_mode": True}
+    run = read_run_config(compose_ppo(demo_overrides(demo_dir, extra={**bypass, **extra})))
+    policy_loss = run.config.actor_rollout_ref.actor.policy_loss
+    assert policy_loss.loss_mode == "bypass_mode"
+    assert policy_loss.rollout_correction[named] == extra[f"algorithm.rollout_correction.{named}"]
+    gspo = {"actor_rollout_ref.actor.policy_loss.loss_mode": "gspo"}
     with pytest.raises(AsyncConfigError) as refused:
-        read_run_config(compose_ppo(demo_overrides(demo_dir, extra={**bypass, **extra})))
-    assert named in str(refused.value) and "algorithm.rollout_correction.bypass_mode=True" in str(refused.value)
-    run = read_run_config(compose_ppo(demo_overrides(demo_dir, extra=extra)))  # without bypass mode: as set
-    key = next(iter(extra)).rsplit(".", 1)[1]
-    assert run.async_cfg.decoupled_ppo is decoupled
-    assert run.config.algorithm.rollout_correction[key] == extra[next(iter(extra))]
+        read_run_config(compose_ppo(demo_overrides(demo_dir, extra={**bypass, **extra, **gspo})))
+    assert "actor_rollout_ref.actor.policy_loss.loss_mode='gspo'" in str(refused.value)
+    assert f"algorithm.rollout_correction.{named}=" in str(refused.value)
+    run = read_run_config(compose_ppo(demo_overrides(demo_dir, extra={**bypass, **gspo})))  # naive PPO: its own loss
+    assert run.config.actor_rollout_ref.actor.policy_loss.loss_mode == "gspo"
 
 
 def test_bypass_mode_alone_is_naive_ppo_with_no_recomputed_log_probs(demo_dir):
@@ -170,3 +213,16 @@ def test_named_on_command_line_reads_hydras_overrides(demo_dir):
         assert named_on_command_line("data.train_files") is False
     finally:
         HydraConfig.instance().cfg = None
+
+
+def test_full_determinism_puts_verls_environment_in_every_process(demo_dir, monkeypatch):
+    from async_rl.run_config import ray_init_kwargs
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    key = "actor_rollout_ref.rollout.full_determinism"
+    run = read_run_config(compose_ppo(demo_overrides(demo_dir, extra={key: True})))
+    env = ray_init_kwargs(run.config)["runtime_env"]["env_vars"]
+    seed = str(run.config.actor_rollout_ref.rollout.seed)
+    assert (env["VERL_FULL_DETERMINISM"], env["VLLM_BATCH_INVARIANT"], env["PYTHONHASHSEED"]) == ("1", "1", seed)
+    plain = ray_init_kwargs(read_run_config(compose_ppo(demo_overrides(demo_dir))).config)["runtime_env"]["env_vars"]
+    assert not {"VERL_FULL_DETERMINISM", "VLLM_BATCH_INVARIANT", "PYTHONHASHSEED"} & set(plain)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -41,12 +42,13 @@ REMAX = {"algorithm.adv_estimator": "remax"}
 # verl's DAPO dynamic sampling key: training batches of groups whose rewards differ (a dynamic_sampling stage)
 DYNAMIC_SAMPLING = {"algorithm.filter_groups.enable": True, "algorithm.filter_groups.max_num_gen_batches": 10}
 # verl's examples/rollout_correction/run_with_rollout_corr.sh, in verl 0.9.1's keys and on the demo's model,
-# data and sizes: RLOO, gamma 1, self-normalised sequence-level IS with threshold 2; the script's pure-IS
-# bypass mode (verl's bypass-mode loss) is refused (tests/core/test_verl_keys.py), so it is left out here
+# data and sizes: RLOO, gamma 1, bypass mode (pi_old = the rollout's log-probs) with verl's bypass-mode loss,
+# REINFORCE weighted by self-normalised sequence-level IS with threshold 2, on the train ranks
 ROLLOUT_CORRECTION_EXAMPLE = {
     "algorithm.adv_estimator": "rloo", "algorithm.gamma": 1.0,
     "algorithm.rollout_correction.rollout_is": "sequence", "algorithm.rollout_correction.rollout_is_threshold": 2.0,
     "algorithm.rollout_correction.rollout_is_batch_normalize": True,
+    "algorithm.rollout_correction.bypass_mode": True, "algorithm.rollout_correction.loss_type": "reinforce",
     "actor_rollout_ref.rollout.calculate_log_probs": True,
 }
 
@@ -61,16 +63,19 @@ def test_pipeline_trains_with_bounded_staleness(demo_dir, tmp_path, ray_address,
     """Every step trains on samples at most k - 1 versions old (k = 1: on-policy), pi_prox the pre-update
     version under decoupled PPO, the behaviour policy under naive PPO; and, in the same runs:
     `algorithm.filter_groups.enable=True` fills every training batch with groups whose rewards differ, drawn
-    from as many generated batches as it takes; the user's own `algorithm.rollout_correction` trains as set;
+    from as many generated batches as it takes; the user's own `algorithm.rollout_correction` trains as set
+    (verl's bypass-mode loss, its IS weights from the train ranks' policy against the rollout's log-probs);
     `algorithm.adv_estimator=remax` trains against one greedy sample per prompt, generated and scored beside
     the n sampled ones, never trained on, each sample's advantage its score less its prompt's greedy score
     (the copy task scores in [0, 1])."""
     from async_rl.demo.task import GROUP_SIZE, TRAIN_BATCH_SIZE
 
+    remax = REMAX.items() <= extra.items()
+    timeline = tmp_path / "timeline.json"  # verl's ray_kwargs.timeline_json_file, in one of the runs
+    extra = {**extra, "ray_kwargs.timeline_json_file": str(timeline)} if remax else extra
     code, out, rows = run_verl(demo_dir, {**_short_run(k, steps), **extra}, tmp_path, ray_address=ray_address)
     naive = extra is NAIVE_PPO_KL
     kl_loss = KL_LOSS.items() <= extra.items()
-    remax = REMAX.items() <= extra.items()
     dynamic = DYNAMIC_SAMPLING.items() <= extra.items()
     own_correction = ROLLOUT_CORRECTION_EXAMPLE.items() <= extra.items()
     assert code == 0, out[-4000:]
@@ -79,10 +84,11 @@ def test_pipeline_trains_with_bounded_staleness(demo_dir, tmp_path, ray_address,
     assert f"stage processes: {processes}" in out
     if own_correction:
         assert "verl's rollout correction as set, not AReaL's decoupled PPO" in out
+        assert "the actor's loss is verl's bypass-mode loss" in out
     required = (*REQUIRED_STEP_KEYS, *(["async/remax/baseline_score/mean"] if remax else []),
-                # verl logs the normalising factor only with rollout_is_batch_normalize=True, which decoupled
-                # PPO leaves off
-                *(["rollout_corr/rollout_is_batch_norm_factor"] if own_correction else []))
+                # verl's bypass-mode loss logs the normalising factor (only with rollout_is_batch_normalize=True,
+                # which decoupled PPO leaves off) from the train ranks
+                *(["actor/rollout_corr/rollout_is_batch_norm_factor"] if own_correction else []))
     by_step = every_step_with(rows, steps, required)
     for step, metrics in by_step.items():
         assert metrics["async/param_version"] == step
@@ -92,35 +98,41 @@ def test_pipeline_trains_with_bounded_staleness(demo_dir, tmp_path, ray_address,
         assert abs(sum(hist) - 1.0) < 1e-6, hist  # every sample in a bucket 0..eta
         assert 1 <= metrics["async/partial/max_versions_spanned"] <= k  # a sample spans at most eta + 1 versions
         assert ("actor/kl_loss" in metrics) == kl_loss
-        if naive:  # naive PPO: pi_old is the behaviour policy; nothing recomputed, no weights
+        if naive or own_correction:  # bypass mode: pi_old is the behaviour policy; nothing recomputed
             assert metrics["async/logp_version"] == -1 and "rollout_corr/rollout_is_mean" not in metrics
             assert "timing_s/old_log_prob" not in metrics
+        if naive:  # naive PPO: no weights
             # KL(pi_behav || pi_ref) in the reward (the ref_logp stage ran), verl's default fixed coefficient
             assert metrics["actor/reward_kl_penalty_coeff"] == 0.001
             assert abs(metrics["actor/reward_kl_penalty"]) < 10
-        else:  # decoupled PPO: pi_prox is the trainer's pre-update version, token weights from verl
+            assert not any(key.startswith("actor/rollout_corr/") for key in metrics)
+        elif not own_correction:  # decoupled PPO: pi_prox is the trainer's pre-update version, token weights from verl
             assert "actor/reward_kl_penalty" not in metrics
             assert metrics["async/logp_version"] == step - 1
             assert "rollout_corr/rollout_is_mean" in metrics
             assert metrics["timing_s/old_log_prob"] > 0  # computed on the train ranks (the default)
-        if dynamic:  # every training batch full of groups whose rewards differ, pi_prox still pre-update
+        if dynamic:  # every training batch full of groups whose rewards differ
             assert metrics["async/dynamic_sampling/gen_batches"] >= 1
             assert metrics["async/trained_rows"] == TRAIN_BATCH_SIZE * GROUP_SIZE  # full, not filtered down
-            assert metrics["async/staleness/max"] <= 1 and metrics["async/logp_version"] == step - 1
+            assert metrics["async/staleness/max"] <= 1
             assert "async/dynamic_sampling/busy_ratio" in metrics
-        if own_correction:
-            assert metrics["rollout_corr/rollout_is_batch_norm_factor"] > 0, (step, metrics)
+        if own_correction:  # the sequence weights, truncated at 2, normalised in the loss on the train ranks
+            assert 0 < metrics["actor/rollout_corr/rollout_is_batch_norm_factor"] <= 2.0, (step, metrics)
         if remax:
             assert 0.0 <= metrics["async/remax/baseline_score/mean"] <= 1.0
             assert metrics["async/trained_rows"] == TRAIN_BATCH_SIZE * GROUP_SIZE  # the greedy samples are not trained
             assert -1.0 <= metrics["critic/advantages/min"] <= metrics["critic/advantages/max"] <= 1.0, metrics
     if k == 1:
         assert all(m["async/staleness/max"] == 0 for m in by_step.values())
-        # on-policy: pi_prox (train ranks, FSDP2) is the policy that sampled (CPU backend); after the
-        # update instead of before it, every step's log-perplexities would differ by ~1e-2
-        assert all(m["rollout_corr/log_ppl_abs_diff"] < 1e-4 for m in by_step.values()), by_step
+        # on-policy: the train ranks' policy (FSDP2) before the update, in verl's bypass-mode loss (one mini-batch a
+        # step), is the policy that sampled (CPU backend); after the update every step's log-perplexities would
+        # differ by ~1e-2
+        assert all(m["actor/rollout_corr/log_ppl_abs_diff"] < 1e-4 for m in by_step.values()), by_step
     else:  # generation really ran ahead: some step trained on data older than the trainer
         assert max(m["async/staleness/max"] for m in by_step.values()) >= 1
+    if remax:  # Ray's timeline of the run's tasks, written once it trained, as verl's run_ppo writes it
+        events = json.loads(timeline.read_text())
+        assert isinstance(events, list) and any(e.get("cat") == "task" or "name" in e for e in events)
     vals = val_rows(rows)
     assert 0 in vals and steps in vals, sorted(vals)
     assert "val-core/async_rl/copy_digits/reward/mean@1" in vals[steps]

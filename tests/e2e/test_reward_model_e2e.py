@@ -1,6 +1,8 @@
-"""A reward model end to end (verl's `reward.reward_model.*` keys, `rollout.name=cpu`): under the flag the
-reward stage and validation score with it through verl's reward loop, here inside the user's reward
-function as verl combines them; verl's own trainer, flag off, scores with the same CPU reward model alone.
+"""A reward model end to end (`rollout.name=cpu`): under the flag, named by verl's legacy `reward_model.*` keys
+as verl's `ppo_trainer/run_qwen2-7b_rm_seq_balance.sh` writes them, the reward stage and validation score with
+it through verl's reward loop, here inside the user's reward function as verl combines them; verl's own
+trainer, flag off, scores with the same CPU reward model alone (named by `reward.reward_model.*`: verl
+0.9.1's main_ppo does not read the legacy keys).
 What each step trained is read back from verl's `trainer.rollout_data_dir` dumps and scored here again,
 by hand, with the reward model's forward."""
 
@@ -18,10 +20,13 @@ from conftest import every_step_with, run_verl, val_rows
 RESPONSE_LENGTH = 4  # the demo's
 
 
-def reward_model_keys(demo_dir: Path, dump: Path, reward_function) -> dict:
-    return {"reward.reward_model.enable": True, "reward.reward_model.model_path": str(demo_dir / "reward_model"),
-            "reward.reward_model.rollout.name": "cpu", "reward.reward_model.rollout.tensor_model_parallel_size": 1,
-            "reward.custom_reward_function.path": reward_function, "trainer.rollout_data_dir": str(dump),
+def reward_model_keys(demo_dir: Path, dump: Path, reward_function, legacy: bool = False) -> dict:
+    """The reward model's keys (`legacy`: verl's old top-level `reward_model.*` names), the run's sizes."""
+    model = {"reward_model.enable": True, "reward_model.model.path": str(demo_dir / "reward_model"),
+             "reward_model.rollout.name": "cpu", "reward_model.rollout.tensor_model_parallel_size": 1} if legacy else {
+        "reward.reward_model.enable": True, "reward.reward_model.model_path": str(demo_dir / "reward_model"),
+        "reward.reward_model.rollout.name": "cpu", "reward.reward_model.rollout.tensor_model_parallel_size": 1}
+    return {**model, "reward.custom_reward_function.path": reward_function, "trainer.rollout_data_dir": str(dump),
             "trainer.total_training_steps": 2, "trainer.test_freq": 2, "trainer.val_before_train": True}
 
 
@@ -56,10 +61,11 @@ def test_a_reward_function_combines_a_rule_with_the_reward_model(demo_dir, tmp_p
     loop scores with the reward model alone: tests/rollout/test_cpu_reward_model.py, and the test below.)"""
     dump = tmp_path / "dump"
     function = str(Path(__file__).parent / "rm_plus_rule_reward.py")
-    # verl's ppo_trainer/run_qwen2-7b_rm_seq_balance.sh: PPO with a critic (gae) and a reward model
-    code, out, rows = run_verl(demo_dir, reward_model_keys(demo_dir, dump, function), tmp_path, critic=True,
-                               ray_address=ray_address)
+    # verl's ppo_trainer/run_qwen2-7b_rm_seq_balance.sh: PPO with a critic (gae) and a reward model, in its keys
+    code, out, rows = run_verl(demo_dir, reward_model_keys(demo_dir, dump, function, legacy=True), tmp_path,
+                               critic=True, ray_address=ray_address)
     assert code == 0, out[-4000:]
+    assert "verl's legacy keys reward_model.enable=True" in out and "reward.reward_model.enable=True" in out
     steps = every_step_with(rows, 2, ["critic/score/mean", "async/faults/reward_errors", "critic/vf_loss"])
     assert all(metrics["async/faults/reward_errors"] == 0 for metrics in steps.values())
     assert sorted(val_rows(rows)) == [0, 2]

@@ -53,6 +53,25 @@ def test_balance_evens_out_tokens_and_keeps_every_row(dp):
     assert list(batch.non_tensor_batch["uid"]) != [f"row{i}" for i in range(len(batch))]  # it did reorder
 
 
+def test_with_verls_prefix_grouper_whole_groups_stay_on_one_rank_balanced_by_tokens():
+    """`actor.use_prefix_grouper`: verl's group-level balance, the rows of a prompt group on one rank (here
+    interleaved in the batch: verl's partitioner wants a group's rows side by side)."""
+    batch = skewed_batch(rows=16)
+    batch.non_tensor_batch["uid"] = np.array([f"g{i % 4}" for i in range(16)], dtype=object)
+    tokens = dict(zip(range(16), batch.batch["attention_mask"].sum(-1).tolist()))
+    ids_before = sorted(map(tuple, batch.batch["input_ids"].tolist()))
+    balance_rows(batch, 2, by_group=True)
+    assert sorted(map(tuple, batch.batch["input_ids"].tolist())) == ids_before  # a permutation of the rows
+    ranks = [set(batch.non_tensor_batch["uid"][:8]), set(batch.non_tensor_batch["uid"][8:])]
+    assert len(ranks[0]) == len(ranks[1]) == 2 and not ranks[0] & ranks[1]  # two whole groups a rank
+    group_tokens = {f"g{g}": sum(tokens[r] for r in range(16) if r % 4 == g) for g in range(4)}
+    best = min(abs(sum(group_tokens[g] for g in pair) * 2 - sum(group_tokens.values()))
+               for pair in (("g0", "g1"), ("g0", "g2"), ("g0", "g3")))
+    assert abs(sum(rank_tokens(batch, 2)) - 2 * rank_tokens(batch, 2)[1]) == best  # the best split of the groups
+    with pytest.raises(ValueError, match="use_prefix_grouper: 4 prompt groups do not split evenly over 8"):
+        balance_rows(batch, 8, by_group=True)
+
+
 def test_balance_leaves_a_batch_it_cannot_split_evenly():
     batch = skewed_batch(rows=6)
     before = batch.batch["input_ids"].clone()
