@@ -58,9 +58,11 @@ SYSTEMS = {  # name -> (verl's entry module, overrides on the demo's; `steps` is
     "pipeline-k2-vllm": (e2e.VERL_MAIN, {**e2e.VLLM_ON_CPU, "+trainer.generate_ahead_steps": 2}),
 }
 # loaded by every Python process of a run: the probe from this checkout, whatever code the run itself uses
-SITECUSTOMIZE = """import importlib.util, os
+# (as module `step_probe` in every process, so that Ray pickles what refers to it by reference)
+SITECUSTOMIZE = """import importlib.util, os, sys
 spec = importlib.util.spec_from_file_location("step_probe", os.environ["STEP_PARTS_PROBE"])
 probe = importlib.util.module_from_spec(spec)
+sys.modules["step_probe"] = probe
 spec.loader.exec_module(probe)
 probe.install()
 """

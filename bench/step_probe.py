@@ -60,8 +60,8 @@ def timed(name: str, fn, extra=None):
 
 
 def wrap(owner, attr: str, name: str, extra=None) -> None:
-    """Replace `owner.attr` by its timed version (once; a missing attribute is left alone)."""
-    owner = getattr(owner, "__ray_actor_class__", owner)  # a @ray.remote class: its own class
+    """Replace `owner.attr` by its timed version (once; a missing attribute is left alone). Not for a class
+    decorated `@ray.remote` at module level: Ray pickles such a class by value, and a wrapper's globals with it."""
     fn = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
     if fn is None or getattr(fn, "__step_probe__", False):
         return
@@ -119,10 +119,9 @@ def _patches():
         wrap(al.AgentLoopWorker, "generate_sequences", "agent_loop_worker_generate_sequences")
 
     def agent_loop_tq():
+        # AgentLoopWorkerTQ itself is left alone: a `@ray.remote` class is pickled by value, wrappers and all
         from verl.trainer.ppo.v1 import agent_loop_tq as tq
 
-        wrap(tq.AgentLoopWorkerTQ, "_run_prompt", "agent_loop_prompt")
-        wrap(tq.AgentLoopWorkerTQ, "generate_sequences", "agent_loop_worker_dispatch")
         wrap(tq.AgentLoopManagerTQ, "generate_sequences", "agent_loop_manager_dispatch")
 
     def llm_client():

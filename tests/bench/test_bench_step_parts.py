@@ -117,7 +117,7 @@ def test_process_kinds_from_command_lines_and_the_log(tmp_path):
                      13: "Ray's own processes", 14: "SomeActor.method"}
 
 
-def test_the_probe_records_sync_and_async_calls_and_wraps_a_ray_actor_class(tmp_path, monkeypatch):
+def test_the_probe_records_sync_and_async_calls_once_per_wrapped_function(tmp_path, monkeypatch):
     monkeypatch.setenv(step_probe.ENV, str(tmp_path))
     monkeypatch.setattr(step_probe, "_FILE", None)
 
@@ -129,10 +129,7 @@ def test_the_probe_records_sync_and_async_calls_and_wraps_a_ray_actor_class(tmp_
             await asyncio.sleep(0.01)
             return "done"
 
-    class RayClass:  # what @ray.remote leaves: the class under __ray_actor_class__
-        __ray_actor_class__ = Engine
-
-    step_probe.wrap(RayClass, "forward", "engine_forward", lambda args, kwargs: {"rows": args[1]})
+    step_probe.wrap(Engine, "forward", "engine_forward", lambda args, kwargs: {"rows": args[1]})
     step_probe.wrap(Engine, "generate", "server_generate")
     step_probe.wrap(Engine, "forward", "again")  # wrapped once only
     step_probe.wrap(Engine, "missing", "nothing")  # a missing attribute is left alone
