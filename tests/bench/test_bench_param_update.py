@@ -57,15 +57,43 @@ def test_bench_prints_table_and_json(tmp_path):
     assert "the collective against the link it uses" in proc.stdout
 
 
-def test_the_recorded_command_is_what_a_newcomer_types(monkeypatch):
-    """`python bench/<script> ...` from the repository root, whatever interpreter and absolute paths ran it, led
-    by GLIBC_TUNABLES when set (it changes how memcpy stores, bench/store_floor.py)."""
-    from bench.command import ROOT, command_line
+def test_the_recorded_command_is_what_a_newcomer_types(monkeypatch, tmp_path):
+    """`python bench/<script> ...` from the repository root, whatever interpreter and absolute paths ran it (one
+    outside the repository as /path/to/<name>), led by GLIBC_TUNABLES when set (it changes how memcpy stores,
+    bench/store_floor.py), and the commit it ran at."""
+    from bench.command import ROOT, command_line, commit
 
-    argv = [str(ROOT / "bench" / "param_update.py"), "--sizes", "2M", "--json", str(ROOT / "bench/results/x.json")]
+    at = f"  # at commit {commit()}"
+    argv = [str(ROOT / "bench" / "param_update.py"), "--sizes", "2M", "--json", str(ROOT / "bench/results/x.json"),
+            f"--metrics-dir={tmp_path / 'runs'}"]
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
-    assert command_line(argv) == "python bench/param_update.py --sizes 2M --json bench/results/x.json"
+    assert command_line(argv) == ("python bench/param_update.py --sizes 2M --json bench/results/x.json "
+                                  "--metrics-dir=/path/to/runs" + at)
     monkeypatch.setattr(sys, "argv", ["bench/param_update.py", "--sizes", "2M"])
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.cpu.x86_non_temporal_threshold=0x100000")
     assert command_line() == ("GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=0x100000 "
-                              "python bench/param_update.py --sizes 2M")
+                              "python bench/param_update.py --sizes 2M" + at)
+
+
+def test_the_commit_names_head_and_changed_code(tmp_path):
+    """HEAD's short hash; `+changes` once a tracked file outside bench/results differs (a results file written by
+    the run does not count); `unknown` outside a checkout."""
+    import subprocess
+
+    from bench.command import commit
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(tmp_path), *args], capture_output=True, text=True, check=True).stdout.strip()
+
+    assert commit(tmp_path) == "unknown"
+    git("init", "-q")
+    (tmp_path / "bench" / "results").mkdir(parents=True)
+    (tmp_path / "code.py").write_text("x = 1\n")
+    (tmp_path / "bench" / "results" / "r.txt").write_text("old\n")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "c")
+    head = git("rev-parse", "--short", "HEAD")
+    (tmp_path / "bench" / "results" / "r.txt").write_text("new\n")
+    assert commit(tmp_path) == head
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert commit(tmp_path) == head + "+changes"
