@@ -122,6 +122,10 @@ def fully_async_overrides(steps: int, prompts_per_step: int) -> dict:
         "async_training.staleness_threshold": 1.0, "async_training.partial_rollout": True,
         "actor_rollout_ref.rollout.checkpoint_engine.backend": "async_rl",
         "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module": "param_update.verl_engine",
+        # fully_async's rollouter gives every training sample verl's `single_turn_agent` unless this is set
+        # (verl's `prepare_single_generation_data`), whatever `rollout.agent.default_agent_loop` names: the
+        # lookup agent would train without its tool, while its validation calls it
+        "actor_rollout_ref.rollout.multi_turn.enable": True,
     }
 
 

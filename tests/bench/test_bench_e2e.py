@@ -195,3 +195,31 @@ def test_a_runs_engine_patches_are_those_every_engine_process_applied(tmp_path):
     assert e2e.engine_patches(metrics) == {"engine_processes": 2, "cpu_patches": ["sdpa_attention",
                                                                                  "unpinned_cpu_offload"]}
     assert e2e.engine_patches(tmp_path / "other_seed0.jsonl") == {"engine_processes": 0, "cpu_patches": []}
+
+
+def test_verls_fully_async_rollouter_keeps_the_tasks_agent_loop_under_the_bench_settings(demo_dir):
+    """verl's fully_async rollouter (`prepare_single_generation_data`) gives every training sample verl's
+    `single_turn_agent` unless `multi_turn.enable` is set, whatever agent loop the task names: the lookup
+    agent then trains without its tool (2 turns a trajectory) while its validation calls it. The bench's
+    fully_async settings keep the task's agent loop."""
+    import numpy as np
+    import torch
+    import verl
+    from hydra import compose, initialize_config_dir
+    from verl.experimental.fully_async_policy.detach_utils import prepare_single_generation_data
+
+    from async_rl.demo import demo_overrides
+
+    def agent_names(settings: dict):
+        overrides = [o for o in demo_overrides(demo_dir, extra=settings, agent=True) if not o.startswith(e2e.PIPELINE_KEYS)]
+        config_dir = os.path.join(os.path.dirname(verl.__file__), "experimental", "fully_async_policy", "config")
+        with initialize_config_dir(config_dir=config_dir, version_base=None):
+            config = compose("fully_async_ppo_trainer", overrides=overrides)
+        row = {"input_ids": torch.zeros(1, 4, dtype=torch.long), "raw_prompt": np.array([[{"role": "user"}]], dtype=object)}
+        batch = prepare_single_generation_data(row, config)
+        assert len(batch) == int(config.actor_rollout_ref.rollout.n)  # the prompt's group
+        return set(batch.non_tensor_batch.get("agent_name", [None]))
+
+    settings = e2e.fully_async_overrides(steps=3, prompts_per_step=32)
+    assert agent_names(settings) == {None}  # verl's AgentLoopManager then runs default_agent_loop: lookup
+    assert agent_names({**settings, "actor_rollout_ref.rollout.multi_turn.enable": False}) == {"single_turn_agent"}
