@@ -28,3 +28,17 @@ def command_line(argv: list[str] | None = None) -> str:
     words = ["python", *(_relative(word) for word in argv)]
     tunables = os.environ.get("GLIBC_TUNABLES")
     return (f"GLIBC_TUNABLES={tunables} " if tunables else "") + " ".join(shlex.quote(w) for w in words)
+
+
+def git_commit() -> str:
+    """The repository's commit (`git rev-parse HEAD`), with "+uncommitted changes" when tracked files differ
+    from it; "unknown" outside a git checkout."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=30,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=ROOT, timeout=30).returncode != 0
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + (" +uncommitted changes" if dirty else "")

@@ -76,7 +76,7 @@ from pathlib import Path
 # bench/param_update.py would shadow the `param_update` package: drop this folder from the path
 sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
-from bench.command import command_line  # noqa: E402
+from bench.command import command_line, git_commit  # noqa: E402
 from async_rl.core.bottleneck import waiting_cause  # noqa: E402
 from async_rl.stop_signals import session_processes  # noqa: E402
 from verl_patches.cpu_patches import PATCH_LOG_ENV, applied_patches  # noqa: E402
@@ -464,7 +464,7 @@ def main(argv=None) -> list[dict]:
     args = parser.parse_args(argv)
     if (args.summarize_only or args.reuse) and not args.metrics_dir:
         parser.error("--summarize-only and --reuse read the JSONL files in --metrics-dir: give it")
-    command = command_line()
+    command, commit = command_line(), git_commit()
     from async_rl.demo.task import GROUP_SIZE, TRAIN_BATCH_SIZE
 
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
@@ -523,7 +523,7 @@ def main(argv=None) -> list[dict]:
                 rows.append(row)
                 curves[f"{name} seed {seed}"] = curve
                 print(f"done: {json.dumps(row)}", flush=True)
-    print(f"\ncommand: {command}\ncpus: {os.cpu_count()}; up to {args.steps} steps of {TRAIN_BATCH_SIZE} prompts x "
+    print(f"\ncommand: {command}\ncommit: {commit}\ncpus: {os.cpu_count()}; up to {args.steps} steps of {TRAIN_BATCH_SIZE} prompts x "
           f"{GROUP_SIZE} samples; task {args.task}; "
           + (f"responses up to {args.response_length} tokens; " if args.task == "copy" else "")
           + f"target {target} (fixed); "
@@ -544,9 +544,11 @@ def main(argv=None) -> list[dict]:
     print(f"{'system':>24} {'seed':>4} | " + " ".join(f"{p:>15}" for p in parts))
     for r in rows:
         print(f"{r['system']:>24} {r['seed']:>4} | " + " ".join(f"{r['breakdown'][p]:>15.3f}" for p in parts))
-    print("\ntokens per step (prompts + responses of the step's batch) and the CPU patches its training engines had")
+    print("\ntokens per step (prompts + responses of a step's batch, the mean over its steps) and the CPU patches its "
+          "training engines had")
     for r in rows:
-        patches = (f"{', '.join(r['cpu_patches'])} (in each of its {r['engine_processes']} engine processes)"
+        patches = (f"{', '.join(r['cpu_patches'])} (applied in each of the {r['engine_processes']} processes that "
+                   "loaded verl's FSDP engine module, its training workers among them)"
                    if r.get("engine_processes") else "not recorded")
         print(f"{r['system']} seed {r['seed']}: {r['tokens_per_step']:.0f} tokens; {patches}")
     if stop_at is None:  # every run went on past the target: did it stay there?

@@ -223,3 +223,26 @@ def test_verls_fully_async_rollouter_keeps_the_tasks_agent_loop_under_the_bench_
     settings = e2e.fully_async_overrides(steps=3, prompts_per_step=32)
     assert agent_names(settings) == {None}  # verl's AgentLoopManager then runs default_agent_loop: lookup
     assert agent_names({**settings, "actor_rollout_ref.rollout.multi_turn.enable": False}) == {"single_turn_agent"}
+
+
+def test_the_commit_a_bench_names_is_heads_and_says_when_files_differ(tmp_path, monkeypatch):
+    import subprocess
+
+    from bench import command
+
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=command.ROOT, capture_output=True, text=True).stdout.strip()
+    assert command.git_commit().split()[0] == head
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = lambda *a: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a], cwd=repo, check=True,  # noqa: E731
+                                    capture_output=True)
+    git("init", "-q")
+    (repo / "f").write_text("a")
+    git("add", "f")
+    git("commit", "-q", "-m", "c")
+    monkeypatch.setattr(command, "ROOT", repo)
+    assert len(command.git_commit()) == 40
+    (repo / "f").write_text("b")
+    assert command.git_commit().endswith(" +uncommitted changes")
+    monkeypatch.setattr(command, "ROOT", tmp_path / "nowhere")
+    assert command.git_commit() == "unknown"
