@@ -55,7 +55,7 @@ package's CPU engine; verl's synchronous trainer then runs on one device (its hy
 
 `--task lookup`: the demo's agent task (`overrides_agent.txt`: verl agent loops calling a lookup tool,
 2 to 4 turns a trajectory), the same target. `--lora-ks 2`: pipeline runs that train a LoRA adapter
-(`overrides_lora.txt`: rank 16 on every Linear layer, lr 3e-3) instead of the whole model.
+(`overrides_lora.txt`: rank 16 on every Linear layer, lr 1e-3) instead of the whole model.
 
     python bench/e2e.py [--seeds 0,1] [--steps 400] [--rollout cpu|vllm] [--task copy|lookup] [--json PATH] [--png PATH]
 """
@@ -79,6 +79,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from bench.command import command_line  # noqa: E402
 from async_rl.core.bottleneck import BUBBLE_GOAL, waiting_cause  # noqa: E402
 from async_rl.stop_signals import session_processes  # noqa: E402
+from verl_patches.cpu_patches import PATCH_LOG_ENV, applied_patches  # noqa: E402
+
+ENGINE_PATCH = "patch_unpinned_cpu_offload"  # applied when a process imports verl's FSDP engine module
 
 # the validation reward: the pipeline logs it as val-core; verl's trainer logs the same score as val-aux
 # (its val-core entry is `acc`, which verl's reward manager sets to the same float)
@@ -121,6 +124,10 @@ def fully_async_overrides(steps: int, prompts_per_step: int) -> dict:
         "async_training.staleness_threshold": 1.0, "async_training.partial_rollout": True,
         "actor_rollout_ref.rollout.checkpoint_engine.backend": "async_rl",
         "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module": "param_update.verl_engine",
+        # fully_async's rollouter gives every training sample verl's `single_turn_agent` unless this is set
+        # (verl's `prepare_single_generation_data`), whatever `rollout.agent.default_agent_loop` names: the
+        # lookup agent would train without its tool, while its validation calls it
+        "actor_rollout_ref.rollout.multi_turn.enable": True,
     }
 
 
@@ -176,7 +183,10 @@ def run_system(name: str, demo_dir: Path, workdir: Path, metrics_path: Path, ext
     """
     from async_rl.demo import demo_overrides
 
-    env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(metrics_path), "PYTHONUNBUFFERED": "1"}
+    patch_log = patch_log_of(metrics_path)
+    patch_log.unlink(missing_ok=True)
+    env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(metrics_path), "PYTHONUNBUFFERED": "1",
+           PATCH_LOG_ENV: str(patch_log)}
     overrides = demo_overrides(demo_dir, extra=extra, critic=critic, agent=agent)
     if main == FULLY_ASYNC_MAIN:
         overrides = [o for o in overrides if not o.startswith(PIPELINE_KEYS)]
@@ -205,6 +215,21 @@ def run_system(name: str, demo_dir: Path, workdir: Path, metrics_path: Path, ext
         tail = log_path.read_text()[-3000:]
         raise RuntimeError(f"{name} failed after {time.monotonic() - start:.0f} s (log: {log_path}):\n{tail}")
     return read_metrics(metrics_path)
+
+
+def patch_log_of(metrics_path: Path) -> Path:
+    """Where a run's processes record the CPU patches they applied (verl_patches.cpu_patches.recorded)."""
+    return metrics_path.with_suffix(".patches.jsonl")
+
+
+def engine_patches(metrics_path: Path) -> dict:
+    """The CPU patches a run's training engines had: those applied in every process that imported verl's FSDP
+    engine module (its patch, `patch_unpinned_cpu_offload`, marks such a process), and how many there were."""
+    applied = applied_patches(str(patch_log_of(metrics_path)))
+    engines = [names for names in applied.values() if ENGINE_PATCH in names]
+    common = set.intersection(*engines) if engines else set()
+    return {"engine_processes": len(engines),
+            "cpu_patches": sorted(name.removeprefix("patch_") for name in common)}
 
 
 def step_breakdown(k, later: list[dict]) -> tuple[dict[str, float], dict[str, float]]:
@@ -290,7 +315,32 @@ def summarize(name: str, k, rows: list[dict], samples_per_step: int, target: flo
         "steps": len(steps),
     }
     row["breakdown"], row["beside"] = step_breakdown(k, later)
+    row["tokens_per_step"] = sum(samples_per_step * (m.get("prompt_length/mean", 0.0) + m.get("response_length/mean", 0.0))
+                                 for m in later) / len(later)
+    row.update(held_target(vals, target))
     return row, curve
+
+
+def held_target(vals: dict[int, float], target: float) -> dict:
+    """Whether a run stayed learned: the step of its first validation >= `target` (None: never), the lowest
+    validation from then to its last one, and the step of that lowest one (`held`: it never fell below)."""
+    first = next((step for step in sorted(vals) if vals[step] >= target), None)
+    if first is None:
+        return {"target_step": None, "min_val_after_target": None, "min_val_step": None, "held": None}
+    lowest = min((step for step in vals if step >= first), key=lambda step: (vals[step], step))
+    return {"target_step": first, "min_val_after_target": vals[lowest], "min_val_step": lowest,
+            "held": vals[lowest] >= target}
+
+
+def held_line(row: dict, target: float) -> str:
+    """One line: whether the run held validation >= `target` from its first validation there to its last."""
+    if row.get("target_step") is None:
+        return f"{row['system']} seed {row['seed']}: never reached {target}"
+    if row["held"]:
+        return (f"{row['system']} seed {row['seed']}: held >= {target} from step {row['target_step']} to its last "
+                f"validation (lowest {row['min_val_after_target']:.3f}, step {row['min_val_step']})")
+    return (f"{row['system']} seed {row['seed']}: reached {target} at step {row['target_step']}, then fell to "
+            f"{row['min_val_after_target']:.3f} at step {row['min_val_step']}")
 
 
 def bottleneck(row: dict) -> str | None:
@@ -484,6 +534,7 @@ def main(argv=None) -> list[dict]:
                                          critic, stop_at, entry, agent=args.task == "lookup")
                 row, curve = summarize(name, k, metrics, TRAIN_BATCH_SIZE * GROUP_SIZE, target)
                 row["seed"] = seed
+                row.update(engine_patches(path))
                 rows.append(row)
                 curves[f"{name} seed {seed}"] = curve
                 print(f"done: {json.dumps(row)}", flush=True)
@@ -508,6 +559,17 @@ def main(argv=None) -> list[dict]:
     print(f"{'system':>24} {'seed':>4} | " + " ".join(f"{p:>15}" for p in parts))
     for r in rows:
         print(f"{r['system']:>24} {r['seed']:>4} | " + " ".join(f"{r['breakdown'][p]:>15.3f}" for p in parts))
+    print("\ntokens per step (prompts + responses of a step's batch, the mean over its steps) and the CPU patches its "
+          "training engines had")
+    for r in rows:
+        patches = (f"{', '.join(r['cpu_patches'])} (applied in each of the {r['engine_processes']} processes that "
+                   "loaded verl's FSDP engine module, its training workers among them)"
+                   if r.get("engine_processes") else "not recorded")
+        print(f"{r['system']} seed {r['seed']}: {r['tokens_per_step']:.0f} tokens; {patches}")
+    if stop_at is None:  # every run went on past the target: did it stay there?
+        print(f"\nstays learned (validation >= {target} from its first validation there to its last)")
+        for r in rows:
+            print(held_line(r, target))
     print(f"\ngoal: time to {target} at least {GOAL_SPEEDUP:.0f}x sooner than verl-sync, and at k >= 2 a bubble "
           f"ratio <= {GOAL_BUBBLE} (k = 1 is synchronous: training waits for each batch by design)")
     for r in rows:
@@ -533,7 +595,8 @@ def main(argv=None) -> list[dict]:
     if args.json:
         keys = ("system", "seed", "generate_ahead_steps", "wall_s_per_sample", "time_to_target_s", "steps",
                 "final_val_reward", "bubble_ratio", "busiest_stage", "busy_ratio", "train_chain_busy", "mean_step_s",
-                "breakdown", "beside")
+                "breakdown", "beside", "tokens_per_step", "cpu_patches", "engine_processes", "target_step",
+                "min_val_after_target", "min_val_step", "held")
         with open(args.json, "w") as f:
             json.dump({"command": command, "rows": [{k: r.get(k) for k in keys} for r in rows]}, f, indent=1)
     return rows

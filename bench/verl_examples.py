@@ -129,16 +129,6 @@ def run_one(name: str, keys: dict, demo_dir: Path, workdir: Path) -> dict:
             "pg_loss": last.get("actor/pg_loss"), "advantages_mean": last.get("critic/advantages/mean")}
 
 
-def commit() -> str:
-    """This checkout's commit (a "+" when its tracked files differ from it)."""
-    import subprocess
-
-    root = Path(__file__).resolve().parents[1]
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=root).returncode != 0
-    return (head or "unknown") + ("+" if dirty else "")
-
-
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--examples", default=",".join(EXAMPLES), help="comma-separated keys of EXAMPLES")
@@ -158,7 +148,7 @@ def main(argv=None) -> dict:
                 results.setdefault(script, {})[label] = result
                 print(f"{script} | {label}: {'trained' if result['trained'] else 'FAILED'} "
                       f"in {result['seconds']:.0f} s", flush=True)
-    print(f"\n{command}\ncommit {commit()}\n")
+    print(f"\n{command}\n")
     print("| verl example | " + " | ".join(FLAGS) + " |")
     print("|---|" + "---|" * len(FLAGS))
     for script, by_flag in results.items():

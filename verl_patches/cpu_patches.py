@@ -153,13 +153,46 @@ PATCHES_ON_IMPORT = {
 }
 
 
+PATCH_LOG_ENV = "ASYNC_RL_PATCH_LOG"  # a file: each patch applied appends {"pid", "patch", "module"} to it
+
+
+def recorded(patch, module: str):
+    """`patch`, which also appends what it applied to the file `$ASYNC_RL_PATCH_LOG` names, if set (what a
+    bench reports as the patches each run's processes had: `applied_patches`)."""
+    @functools.wraps(patch)
+    def apply() -> None:
+        patch()
+        if os.environ.get(PATCH_LOG_ENV):
+            import json
+
+            with open(os.environ[PATCH_LOG_ENV], "a") as log:
+                log.write(json.dumps({"pid": os.getpid(), "patch": patch.__name__, "module": module}) + "\n")
+
+    return apply
+
+
+def applied_patches(path: str) -> dict[int, set[str]]:
+    """pid -> names of the patches applied in that process, from a `$ASYNC_RL_PATCH_LOG` file ({} if none)."""
+    import json
+
+    if not os.path.exists(path):
+        return {}
+    out: dict[int, set[str]] = {}
+    with open(path) as log:
+        for line in log:
+            if line.strip():
+                entry = json.loads(line)
+                out.setdefault(entry["pid"], set()).add(entry["patch"])
+    return out
+
+
 def apply_cpu_worker_patches() -> None:
     """The CPU platform now, and every patch once its module is imported (now where it already is);
     idempotent. Call in a worker process before verl builds engines."""
     use_cpu_platform()
     set_engine_device_env()
     for module, patch in PATCHES_ON_IMPORT.items():
-        when_imported(module, patch)
+        when_imported(module, recorded(patch, module))
 
 
 def apply_cpu_driver_patches() -> None:

@@ -192,3 +192,84 @@ def test_a_run_past_its_bound_is_stopped_and_its_rows_kept(tmp_path, monkeypatch
     pid = int((tmp_path / "pid").read_text())
     with pytest.raises(ProcessLookupError):  # ended, and reaped by run_system
         os.kill(pid, 0)
+
+
+def test_a_run_that_falls_after_the_target_is_reported_as_not_held():
+    """`held_target`: the first validation at the target, the lowest one after it; a run that dips below it
+    after reaching it (the LoRA demo's collapse: 1.0 to 0.08) is not held, one that stays is."""
+    fell = e2e.held_target({0: 0.0, 10: 0.93, 20: 1.0, 30: 0.39, 40: 0.08, 50: 0.09}, 0.9)
+    assert fell == {"target_step": 10, "min_val_after_target": 0.08, "min_val_step": 40, "held": False}
+    stayed = e2e.held_target({0: 0.0, 10: 0.5, 20: 0.9, 30: 1.0, 40: 0.95}, 0.9)
+    assert stayed == {"target_step": 20, "min_val_after_target": 0.9, "min_val_step": 20, "held": True}
+    assert e2e.held_target({0: 0.0, 10: 0.5}, 0.9)["held"] is None
+    rows = rows_for(2.0, e2e.VAL_KEYS[0], {0: 0.0, 2: 0.95, 4: 0.5},
+                    **{"prompt_length/mean": 6.0, "async/actor_train/busy_ratio": 0.9})
+    row, _ = e2e.summarize("async-pipeline k=2 LoRA", 2, rows, samples_per_step=8, target=0.9)
+    row["seed"] = 1
+    assert row["held"] is False and row["tokens_per_step"] == pytest.approx(8 * (6.0 + 10.0))
+    assert e2e.held_line(row, 0.9) == "async-pipeline k=2 LoRA seed 1: reached 0.9 at step 2, then fell to 0.500 at step 4"
+
+
+def test_a_runs_engine_patches_are_those_every_engine_process_applied(tmp_path):
+    """What the results state per system: the CPU patches applied in each process that loaded verl's FSDP
+    engine (the patch log `run_system` has the run write); a process without the engine is not counted."""
+    import json
+
+    metrics = tmp_path / "run_seed0.jsonl"
+    entries = [(1, "patch_unpinned_cpu_offload"), (1, "patch_sdpa_attention"), (1, "patch_row_block_logprobs"),
+               (2, "patch_unpinned_cpu_offload"), (2, "patch_sdpa_attention"), (3, "patch_master_port")]
+    e2e.patch_log_of(metrics).write_text("".join(json.dumps({"pid": pid, "patch": name, "module": "m"}) + "\n"
+                                                 for pid, name in entries))
+    assert e2e.engine_patches(metrics) == {"engine_processes": 2, "cpu_patches": ["sdpa_attention",
+                                                                                 "unpinned_cpu_offload"]}
+    assert e2e.engine_patches(tmp_path / "other_seed0.jsonl") == {"engine_processes": 0, "cpu_patches": []}
+
+
+def test_verls_fully_async_rollouter_keeps_the_tasks_agent_loop_under_the_bench_settings(demo_dir):
+    """verl's fully_async rollouter (`prepare_single_generation_data`) gives every training sample verl's
+    `single_turn_agent` unless `multi_turn.enable` is set, whatever agent loop the task names: the lookup
+    agent then trains without its tool (2 turns a trajectory) while its validation calls it. The bench's
+    fully_async settings keep the task's agent loop."""
+    import numpy as np
+    import torch
+    import verl
+    from hydra import compose, initialize_config_dir
+    from verl.experimental.fully_async_policy.detach_utils import prepare_single_generation_data
+
+    from async_rl.demo import demo_overrides
+
+    def agent_names(settings: dict):
+        overrides = [o for o in demo_overrides(demo_dir, extra=settings, agent=True) if not o.startswith(e2e.PIPELINE_KEYS)]
+        config_dir = os.path.join(os.path.dirname(verl.__file__), "experimental", "fully_async_policy", "config")
+        with initialize_config_dir(config_dir=config_dir, version_base=None):
+            config = compose("fully_async_ppo_trainer", overrides=overrides)
+        row = {"input_ids": torch.zeros(1, 4, dtype=torch.long), "raw_prompt": np.array([[{"role": "user"}]], dtype=object)}
+        batch = prepare_single_generation_data(row, config)
+        assert len(batch) == int(config.actor_rollout_ref.rollout.n)  # the prompt's group
+        return set(batch.non_tensor_batch.get("agent_name", [None]))
+
+    settings = e2e.fully_async_overrides(steps=3, prompts_per_step=32)
+    assert agent_names(settings) == {None}  # verl's AgentLoopManager then runs default_agent_loop: lookup
+    assert agent_names({**settings, "actor_rollout_ref.rollout.multi_turn.enable": False}) == {"single_turn_agent"}
+
+
+def test_the_commit_a_bench_names_is_heads_and_says_when_files_differ(tmp_path):
+    import subprocess
+
+    from bench import command
+
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=command.ROOT, capture_output=True,
+                          text=True).stdout.strip()
+    assert command.commit().removesuffix("+changes") == head
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = lambda *a: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a], cwd=repo, check=True,  # noqa: E731
+                                    capture_output=True)
+    git("init", "-q")
+    (repo / "f").write_text("a")
+    git("add", "f")
+    git("commit", "-q", "-m", "c")
+    assert not command.commit(repo).endswith("+changes")
+    (repo / "f").write_text("b")
+    assert command.commit(repo).endswith("+changes")
+    assert command.commit(tmp_path / "nowhere") == "unknown"

@@ -25,7 +25,7 @@ def test_the_table_says_per_example_and_flag_whether_it_trained(monkeypatch, tmp
     printed = capsys.readouterr().out
     row = next(line for line in printed.splitlines() if line.startswith("| `rloo_trainer"))
     assert "trained 2 steps in" in row and "(pg_loss 1.0000)" in row and "failed: KeyError: 'reward_baselines'" in row
-    assert "python" in printed and "\ncommit " in printed and prepared == [0]
+    assert "python" in printed and "  # at commit " in printed and prepared == [0]
     saved = json.loads(out.read_text())["results"]["rloo_trainer/run_qwen2-7b.sh"]
     assert saved["with the flag"]["trained"] and not saved["verl's trainer"]["trained"]
     assert results == json.loads(out.read_text())["results"]

@@ -90,3 +90,22 @@ def test_without_the_cpu_platform_verl_is_left_alone():
         print("cpu registered:", ("cpu", "async") in _ROLLOUT_REGISTRY)
     """, env_platform=False)
     assert "unpinned: True" in out and "cpu registered: False" in out
+
+
+def test_a_cpu_worker_records_the_patches_it_applied(tmp_path):
+    """`$ASYNC_RL_PATCH_LOG` (what bench/e2e.py reports per run): each patch applied in a CPU worker appends its
+    name and process, when its module is imported; a process that loads no engine records no engine patch."""
+    from verl_patches.cpu_patches import PATCH_LOG_ENV, applied_patches
+
+    log = tmp_path / "patches.jsonl"
+    env = dict(os.environ, VERL_PLATFORM="cpu", **{PATCH_LOG_ENV: str(log)})
+    code = "import os, verl\n{}print(os.getpid())\n"
+    engine = subprocess.run([sys.executable, "-c", code.format("import verl.workers.engine.fsdp.transformer_impl\n")],
+                            capture_output=True, text=True, env=env, timeout=120)
+    bare = subprocess.run([sys.executable, "-c", code.format("")], capture_output=True, text=True, env=env, timeout=120)
+    assert engine.returncode == 0 and bare.returncode == 0, (engine.stderr + bare.stderr)[-3000:]
+    applied = applied_patches(str(log))
+    in_engine = applied[int(engine.stdout.split()[-1])]
+    assert {"patch_unpinned_cpu_offload", "patch_sdpa_attention",
+            "patch_row_block_logprobs"} <= in_engine
+    assert "patch_unpinned_cpu_offload" not in applied.get(int(bare.stdout.split()[-1]), set())
