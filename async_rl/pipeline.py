@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 RAY_EXIT_WAIT_S = 5.0  # after ray.shutdown and the SIGKILL of what is left, the wait until all are gone
 # ray.init gives up when its new node has not registered within 30 s (hard-coded in ray._private.node), which
-# a loaded machine exceeds (CI, 2026-11-28: a run's own Ray on 2 cores beside two other test lanes): the start
+# a loaded machine can exceed (e.g. a run's own Ray on 2 cores beside other Ray clusters): the start
 # is tried again, what the failed one started killed first. Ray raises a bare Exception, told by its text.
 RAY_START_ATTEMPTS = 3
 RAY_START_TIMED_OUT = "timed out during startup"

@@ -18,7 +18,7 @@ import async_rl.rollout.backends  # noqa: F401 - registers the built-in rollout 
 from async_rl.api.rollout import RolloutBackend, registered_backends, rollout_backend
 from async_rl.checkpoints import CheckpointConfig, read_checkpoint_config
 from async_rl.core.config import (DELTA_SYNC_KEY, AsyncPipelineConfig, critic_enabled, read_async_config, runs_on_cpu,
-                                    strip_async_keys)
+                                    select_value, strip_async_keys)
 from async_rl.core.data_checks import agent_names_in, check_rl_files
 from async_rl.core.decoupled_ppo import apply_bypass_loss, apply_to_config, uses_behaviour_as_old
 from async_rl.core.errors import AsyncConfigError
@@ -346,8 +346,10 @@ def determinism_env(config: DictConfig) -> dict[str, str]:
     """What verl's `run_ppo` puts in every process's environment for `rollout.full_determinism` (the
     policy's, or a reward model's): verl's deterministic paths, vLLM's batch invariance, Python's hash seed
     (the rollout's seed)."""
-    rollout, rm = config.actor_rollout_ref.rollout, config.reward.reward_model
-    if not (rollout.get("full_determinism") or (rm.get("enable") and rm.rollout.get("full_determinism"))):
+    rollout = config.actor_rollout_ref.rollout
+    rm_determinism = select_value(config, "reward.reward_model.enable", False) and select_value(
+        config, "reward.reward_model.rollout.full_determinism", False)
+    if not (rollout.get("full_determinism") or rm_determinism):
         return {}
     return {"VERL_FULL_DETERMINISM": "1", "VLLM_BATCH_INVARIANT": "1", "PYTHONHASHSEED": str(rollout.seed)}
 

@@ -4,10 +4,10 @@ Without `async_pipeline=True`, a verl command that asks for `trainer.device=cpu`
 `actor_rollout_ref.rollout.name=cpu` (a backend only this package provides) runs verl's own
 trainer on the CPU backend: the synchronous one by default. `rollout.name=vllm` does the same
 through verl's own vLLM servers where vLLM's CPU build is installed (`verl_patches/vllm_cpu.py`), and
-`rollout.name=sglang` through verl's SGLang servers where SGLang's CPU build is (`verl_patches/sglang_cpu.py`). The plugin then does, before
-Ray starts, what the pipeline does for itself: the CPU platform and patches in the driver;
-logical CPUs and GPUs for Ray (verl's resource check counts GPUs; on CPU a "GPU" is one worker
-process); `VERL_PLATFORM=cpu` in every Ray worker, where the plugin applies the same patches
+`rollout.name=sglang` through verl's SGLang servers where SGLang's CPU build is
+(`verl_patches/sglang_cpu.py`); `ROLLOUTS_ON_CPU` lists them. The plugin then does, before Ray
+starts, what the pipeline does for itself: the CPU platform and patches in the driver; logical
+CPUs and GPUs for Ray (verl's resource check counts GPUs; on CPU a "GPU" is one worker process); `VERL_PLATFORM=cpu` in every Ray worker, where the plugin applies the same patches
 and registers the backend, each when the verl module it concerns is imported
 (`verl_patches/post_import.py`). Every other verl command is left alone.
 """
@@ -15,6 +15,8 @@ and registers the backend, each when the verl module it concerns is imported
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
 
 from omegaconf import open_dict
 
@@ -25,9 +27,26 @@ from verl_patches.cpu_patches import apply_cpu_worker_patches
 from verl_patches.cpu_reward_model import patch_disrm_on_cpu
 from verl_patches.post_import import when_imported
 
-# verl's own trainer on trainer.device=cpu: the rollouts it can use there, and whether each is installed
-ROLLOUTS_ON_CPU = {"cpu": lambda: True, "vllm": lambda: vllm_cpu.vllm_cpu_installed(),
-                   "sglang": lambda: sglang_cpu.sglang_cpu_installed()}
+
+
+@dataclass(frozen=True)
+class RolloutOnCpu:
+    """A rollout verl's own trainer can use on trainer.device=cpu: whether it is installed, the keys its
+    servers need there (set in place on `actor_rollout_ref.rollout`, returning the names changed) and the
+    environment of every Ray worker."""
+    label: str
+    installed: Callable[[], bool]
+    server_overrides: Optional[Callable[[Any], list]] = None
+    worker_env: dict = field(default_factory=dict)
+
+
+ROLLOUTS_ON_CPU = {
+    "cpu": RolloutOnCpu("the CPU backend", lambda: True),
+    "vllm": RolloutOnCpu("vLLM on CPU", vllm_cpu.vllm_cpu_installed, vllm_cpu.cpu_rollout_overrides,
+                         vllm_cpu.WORKER_ENV),
+    "sglang": RolloutOnCpu("SGLang on CPU", sglang_cpu.sglang_cpu_installed, sglang_cpu.cpu_rollout_overrides,
+                           sglang_cpu.WORKER_ENV),
+}
 WORKER_ENV = {"VERL_PLATFORM": "cpu", "VERL_ENGINE_DEVICE": "cuda", "TOKENIZERS_PARALLELISM": "false"}
 
 
@@ -37,7 +56,7 @@ def wants_cpu_rollout(config) -> bool:
     name = str(config.get("actor_rollout_ref", {}).get("rollout", {}).get("name", ""))
     return (
         not async_pipeline_enabled(config)
-        and name in ROLLOUTS_ON_CPU and ROLLOUTS_ON_CPU[name]()
+        and name in ROLLOUTS_ON_CPU and ROLLOUTS_ON_CPU[name].installed()
         and runs_on_cpu(config)
     )
 
@@ -48,17 +67,12 @@ def prepare(config) -> None:
     resources."""
     strip_async_keys(config)  # the pipeline's keys may remain in a demo command with the flag off
     worker_env = dict(WORKER_ENV)
-    if str(config.actor_rollout_ref.rollout.name) == "vllm":
-        changed = vllm_cpu.cpu_rollout_overrides(config.actor_rollout_ref.rollout)
-        if changed:
-            print(f"[async_rl] vLLM on CPU: actor_rollout_ref.rollout.{', '.join(changed)}", flush=True)
-        worker_env.update({k: os.environ.get(k, v) for k, v in vllm_cpu.WORKER_ENV.items()})
-    if str(config.actor_rollout_ref.rollout.name) == "sglang":
-        changed = sglang_cpu.cpu_rollout_overrides(config.actor_rollout_ref.rollout)
-        if changed:
-            print(f"[async_rl] SGLang on CPU: actor_rollout_ref.rollout.{', actor_rollout_ref.rollout.'.join(changed)}",
-                  flush=True)
-        worker_env.update({k: os.environ.get(k, v) for k, v in sglang_cpu.WORKER_ENV.items()})
+    rollout = ROLLOUTS_ON_CPU[str(config.actor_rollout_ref.rollout.name)]
+    changed = rollout.server_overrides(config.actor_rollout_ref.rollout) if rollout.server_overrides else []
+    if changed:
+        print(f"[async_rl] {rollout.label}: " + ", ".join(f"actor_rollout_ref.rollout.{c}" for c in changed),
+              flush=True)
+    worker_env.update({k: os.environ.get(k, v) for k, v in rollout.worker_env.items()})
     os.environ.update(worker_env)
     set_up_worker_process()
     devices = int(config.trainer.nnodes) * int(config.trainer.n_gpus_per_node)

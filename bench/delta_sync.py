@@ -139,7 +139,8 @@ def start_stage(holder, node: str, delta: bool):
     from state_machines.param_update import ParamUpdateStage
 
     stage = ray.remote(ParamUpdateStage).options(max_concurrency=64, **on_node(node)).remote(
-        receivers=[ActorReceiver("holder", holder, True)], clock=VersionLog.remote(), transports=TransportTable(delta=delta))
+        receivers=[ActorReceiver("holder", holder, True)], clock=VersionLog.remote(),
+        transports=TransportTable(delta=delta))
     ray.get(stage.connect.remote([], 1), timeout=TIMEOUT_S)
     stage.run.remote()
     return stage

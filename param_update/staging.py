@@ -4,11 +4,11 @@ A receiver (rollout engine, logp worker, GPU checkpoint-engine worker) stages ve
 bucket by bucket while it keeps serving v - 1; v becomes loadable only once every bucket
 (0 .. num_buckets - 1) and every byte of every expected tensor has arrived. A staged
 bucket is not copied: the receiver keeps zero-copy views of what its transport hands out
-(the sender's shared buffer on the sender's node, Ray's object store elsewhere:
-param_update/transports/), so a node's shared memory holds each version once for all its
-receivers. `WeightStaging` is the receiving actor's side of the sync, the one implementation
-every weight holder (CPU rollout server, logp worker, verl checkpoint-engine worker) uses,
-through the holder bases of param_update/holder.py.
+(the sender's shared buffer on the sender's node, what the gloo group delivered on other nodes,
+Ray's object store as the table's fallback: param_update/transports/), so a node's shared memory
+holds each version once for all its receivers. `WeightStaging` is the receiving actor's side of
+the sync, the one implementation every weight holder (CPU rollout server, logp worker, verl
+checkpoint-engine worker) uses, through the holder bases of param_update/holder.py.
 
 The load then either
 - swaps (`swap_into`, the dual buffer, `enable_dual_buffer=True`): the staged tensors

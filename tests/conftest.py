@@ -28,7 +28,7 @@ os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
 os.environ.setdefault("LOG_NAME_UPDATE_INTERVAL_S", "1")
 
 # A hang guard for one Ray call in a test, not a performance bound: a new actor's first answer includes its
-# process start and imports, which took over 60 s in CI's run of three lanes on 2 cores (the CPU saturated).
+# process start and imports, which can take over 60 s on 2 cores saturated by the test lanes.
 RAY_CALL_GUARD_S = 300
 
 

@@ -4,8 +4,8 @@ verl 0.9.1's `get_master_addr_port` (verl.single_controller.ray.base) binds port
 takes from its ephemeral range (`/proc/sys/net/ipv4/ip_local_port_range`), closes it, and hands the
 number to the worker group; rank 0's TCPStore binds it only once its workers have started and
 loaded their modules, seconds later. Meanwhile every outgoing connection on the machine (Ray's gRPC
-clients open many) may take that port as its local port, and rank 0 fails with EADDRINUSE (seen on
-2 cores with three test lanes' Ray clusters, 2026-11-28). A port below the ephemeral range is never
+clients open many) may take that port as its local port, and rank 0 fails with EADDRINUSE (likelier the
+more Ray clusters share the machine). A port below the ephemeral range is never
 given to an outgoing connection; picked at random, two worker groups starting at once rarely pick the
 same one. An explicit `master_port_range` keeps verl's own search.
 """

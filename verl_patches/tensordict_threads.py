@@ -4,10 +4,11 @@ tensordict 0.10 marks one module-wide recorder while a `TensorDict(..., device=<
 (`tensordict.base._device_recorder`) and raises "Can only mark one TensorDict at a time." when another
 thread builds one meanwhile. verl's worker-group calls build TensorDicts when they gather the ranks'
 outputs (`concat_tensordict`), and a stage runs those calls through `asyncio.to_thread`, several at once
-in a stage process: the CI run of 2026-11-28 lost a run to it. The patch keeps the recorder's two flags
-per thread; a build marks and unmarks in its own thread, so each build sees only its own transfers.
-Applied in every stage (`StateMachine.__init__`), in the driver and in the pipeline's train workers (whose
-weight-staging concurrency group runs beside their training calls), on every device.
+in a stage process, so without the patch a stage's calls can fail with that error. The patch keeps
+the recorder's two flags per thread; a build marks and unmarks in its own thread, so each build sees
+only its own transfers. Applied in every stage (`StateMachine.__init__`), in the driver and in the
+pipeline's train workers (whose weight-staging concurrency group runs beside their training calls),
+on every device.
 """
 
 from __future__ import annotations

@@ -173,7 +173,7 @@ def test_an_estimator_the_pipeline_cannot_run_is_refused_before_ray(demo_dir, tm
 
 
 def test_more_workers_than_ray_can_place_fails_at_once(demo_dir, tmp_path):
-    """Checked before any pool is placed (it used to wait out the 300 s placement timeout)."""
+    """Checked before any pool is placed (not by waiting out the 300 s placement timeout)."""
     code, out, _ = run_verl(demo_dir, {"trainer.n_gpus_per_node": 64}, tmp_path, timeout_s=240)
     assert code != 0
     # train 32 + generate 32 (no logp group: pi_prox on the train ranks; no ref: no KL), one node

@@ -20,7 +20,7 @@ STEPS = 4
 PATH = ("dataloader", "generate", "rollout", "reward", "logp", "actor_train")
 
 
-# the demo's training and generation are close (CI's lanes saw either busier: 65% and 69%): four epochs a step
+# the demo's training and generation are close (under load either can be the busier): four epochs a step
 # make training the bottleneck whatever the load
 TRAINING_BOUND = {"actor_rollout_ref.actor.ppo_epochs": 4}
 
@@ -122,7 +122,7 @@ def test_a_stalled_runs_error_comes_with_its_timeline_and_report(demo_dir, tmp_p
     assert_nothing_left(proc, "after the stall")
 
 
-# 2 s: in CI's three lanes on 2 cores a replica's serving spans varied by 0.5 s from load alone (2.4-2.9 s)
+# 2 s: well above the spread that load alone gives a replica's serving spans on 2 cores (about 0.5 s)
 SLOW_REPLICA_DELAY_S = 2.0
 
 

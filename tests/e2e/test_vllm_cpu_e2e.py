@@ -114,9 +114,9 @@ def test_pipeline_on_vllm_serves_each_version_of_a_lora_adapter(demo_dir, tmp_pa
     assert 3 in val_rows(rows)  # validation through vLLM with the adapter
 
 
-RESTART_GUARD_S = 480  # reward.async_timeout_s: a hang guard; in CI's three lanes on 2 cores a vLLM reward-model
-# restart took 220 s (vLLM's imports and engine start, then verl's router started again). verl's client gives a
-# row 16 tries, about 330 s of backoff in all.
+RESTART_GUARD_S = 480  # reward.async_timeout_s: a hang guard; on 2 cores under the test lanes' load a vLLM
+# reward-model restart takes about 220 s (vLLM's imports and engine start, then verl's router started again). verl's
+# client gives a row 16 tries, about 330 s of backoff in all.
 
 
 def listening_ports(process) -> set[int]:

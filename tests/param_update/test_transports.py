@@ -54,8 +54,8 @@ from sync_actors import (
 
 SHM, STORE, COLLECTIVE = SharedMemory.name, ObjectStore.name, Collective.name
 
-# generous: beside the end-to-end lane a call here can wait minutes for the 2 cores (one test of this module
-# failed once there on 2026-11-28, load average 12, and passed alone)
+# generous: beside the end-to-end lane a call here can wait minutes for the 2 cores; a hang guard, not a
+# performance bound
 TIMEOUT_S = 300
 
 
@@ -481,6 +481,7 @@ def test_a_restarted_server_gets_the_newest_version_from_the_retained_region(two
     ray.get(trainer.close.remote(), timeout=TIMEOUT_S)
 
 
+@pytest.mark.ray  # a Ray of its own
 def test_servers_on_another_node_get_every_version_through_a_group_rebuilt_across_a_restart(two_nodes, model_dir):
     """Restarts on, two servers on the other node: every version reaches both through the collective
     group bit-identical, nothing through the object store; one server dies, the next version reaches the

@@ -47,7 +47,7 @@ def test_a_reward_manager_from_a_file_scores_the_batch(demo_dir, tmp_path):
     manager = {"reward.reward_manager.source": "importlib", "reward.reward_manager.name": "LengthManager",
                "reward.reward_manager.module.path": str(path)}
     run = read_run_config(compose_ppo(demo_overrides(demo_dir, extra=manager)))
-    stage = RewardStage(run.config, AutoTokenizer.from_pretrained(demo_dir / "model"), timeout_s=30)
+    stage = RewardStage(config=run.config, tokenizer=AutoTokenizer.from_pretrained(demo_dir / "model"), timeout_s=30)
     scores, failures = asyncio.run(stage._score(batch([1, 4, 2]), 0))
     assert failures == [] and scores.tolist() == pytest.approx([0.1, 0.4, 0.2])
     with pytest.raises(ValueError, match="reward.reward_manager.module.path: verl's reward manager 'NoSuchManager'"):
@@ -60,7 +60,8 @@ def test_a_sandbox_url_reaches_verls_default_compute_score(demo_dir):
     url = "http://127.0.0.1:1/run_code"
     no_function = {"reward.custom_reward_function.path": None, "reward.sandbox_fusion.url": url}
     run = read_run_config(compose_ppo(demo_overrides(demo_dir, extra=no_function)))
-    stage = RewardStage(run.config, AutoTokenizer.from_pretrained(demo_dir / "model"), timeout_s=30, on_error="zero")
+    stage = RewardStage(config=run.config, tokenizer=AutoTokenizer.from_pretrained(demo_dir / "model"), timeout_s=30,
+                        on_error="zero")
 
     async def scorer():  # builds verl's reward loop in this loop; verl scores no 'copy' data source itself
         _, failures = await stage._score(batch([1]), 0)
