@@ -33,6 +33,8 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 
+from verl_patches.post_import import when_imported
+
 SGLANG_CPU_KERNELS = "sglang-kernel-cpu"
 
 CPU_ENGINE_KWARGS = {
@@ -120,6 +122,4 @@ def apply_sglang_cpu_patches() -> None:
     weight-transfer patch, right after SGLang's weight-sync module is imported (never imports SGLang)."""
     if not sglang_cpu_installed():
         return
-    from verl_patches.post_import import when_imported
-
     when_imported("sglang.srt.weight_sync.utils", patch_cpu_weight_transfer)
