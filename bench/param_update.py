@@ -406,7 +406,8 @@ def link_row(first: dict, runs: list[dict], naive: dict, raw_copy_s: float, warm
         "step_wait_s": best[STEP_WAIT], "total_with_wait_s": best[TOTAL], "blocked_s": blocked,
         "naive_total_s": naive["total_s"], "naive_blocked_s": naive["blocked_s"],
         "total_over_raw": net_total(best) / raw_copy_s, "blocked_over_naive": blocked / naive["blocked_s"],
-        **{f"{name}_receivers": best[f"async/param_update/{name}_receivers"] for name in LINK_NAMES},
+        # a transport not in the link's table reports no count: none of its receivers read through it
+        **{f"{name}_receivers": best.get(f"async/param_update/{name}_receivers", 0.0) for name in LINK_NAMES},
     }
 
 
@@ -629,7 +630,7 @@ def main(argv=None) -> list[dict]:
         keys = ("params", "pipeline_total_s", "pipeline_blocked_s", "naive_total_s", "naive_blocked_s",
                 "raw_copy_s", "train_step_slowdown", "pipeline_first_sync_s", "pipeline_total_training_s",
                 "warmup_syncs", "raw_copy_torch_s", "raw_copy_decoding_s", "put_threads",
-                "by_put_threads", "pipeline_total_idle_s", "pipeline_step_wait_s", "links")
+                "by_put_threads", "pipeline_total_idle_s", "pipeline_step_wait_s", "raw_link_s", "links")
         with open(args.json, "w") as f:
             json.dump([{"size": r["size"], **{k: r[k] for k in keys}} for r in rows], f, indent=1)
     return rows
