@@ -1,0 +1,22 @@
+"""bench/delta_sync.py runs and writes what the delta-sync issue asks for (the smallest size, one step)."""
+
+from __future__ import annotations
+
+import json
+
+from bench_script import run_bench
+
+
+def test_bench_compares_delta_and_full_syncs_and_checks_bits(tmp_path):
+    out = tmp_path / "delta.json"
+    proc = run_bench("delta_sync.py", ["--size", "2M", "--lrs", "1e-6", "--steps", "1", "--json", out], tmp_path)
+    assert "command: python bench/delta_sync.py --size 2M" in proc.stdout and "bit-identical" in proc.stdout
+    result = json.loads(out.read_text())
+    first, second = result["rows"]
+    assert (first["full_is_delta"], first["delta_is_delta"]) == (0.0, 0.0)  # nothing to diff against yet
+    assert (second["full_is_delta"], second["delta_is_delta"]) == (0.0, 1.0)
+    assert all(r["full_collective"] == r["delta_collective"] == 1.0 for r in result["rows"])  # the same link
+    assert all(r["full_bit_identical"] and r["delta_bit_identical"] for r in result["rows"])
+    summary = result["summary"]["1e-06"]
+    assert summary["versions"] == 1 and summary["bit_identical"]
+    assert summary["bytes_ratio"] == second["delta_bytes"] / second["full_bytes"] < 1
