@@ -18,7 +18,8 @@ the project's worker, async_rl/training/workers.py, built on it) cannot run wher
 gather here is what verl's FSDP2 engine does per tensor (`full_tensor()` of each sharded parameter).
 
 Prints per part seconds and GB/s (model bytes / seconds) against the device's own copy (device to device on a
-GPU, memcpy on the CPU) and, on a GPU, the pinned host-to-device copy, each the best of five 1 GiB copies.
+GPU, memcpy on the CPU) and, on a GPU, the pinned host-to-device copy, each the best of five copies of 1 GiB
+(256 MiB on the CPU).
 """
 
 from __future__ import annotations
