@@ -25,7 +25,7 @@ MAX_BUCKETS_PER_VERSION = 100_000  # more means per-bucket overhead dominates th
 
 
 def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous CPU tensor (no copy)."""
+    """A flat uint8 view of a tensor's bytes (no copy when it is contiguous), on its own device."""
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
@@ -46,22 +46,25 @@ def tensor_digest(tensor: torch.Tensor) -> str:
     return f"{cpu.dtype}{tuple(cpu.shape)}:{hashlib.blake2b(raw, digest_size=16).hexdigest()}"
 
 
-def pack_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, version: int) -> Iterator[Bucket]:
+def pack_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, version: int,
+                 device: str | None = "cpu") -> Iterator[Bucket]:
     """Group `(name, tensor)` pairs, in order, into buckets of at most `bucket_bytes` bytes.
 
     A tensor that would straddle two buckets but fits in one starts a new bucket; only
-    tensors larger than a bucket are split. Copies nothing: the bucket's arrays are views
-    of the (CPU) tensors, which they keep alive.
+    tensors larger than a bucket are split. `device`: where the buckets live, `"cpu"` (arrays: numpy
+    views) or None (each tensor's own device; arrays: uint8 tensor views, e.g. on a GPU). Copies nothing
+    beyond the move to `device`: the bucket's arrays are views of the tensors, which they keep alive.
     """
     if bucket_bytes < 1:
         raise BucketSizeError(f"bucket size must be at least 1 byte, got {bucket_bytes}")
     index, data, slices, used = 0, [], [], 0
     for name, tensor in named_tensors:
-        cpu = tensor.detach().to("cpu")
-        src = tensor_bytes(cpu).numpy()
+        held = tensor.detach() if device is None else tensor.detach().to(device)
+        src = tensor_bytes(held)
+        src = src.numpy() if src.device.type == "cpu" else src
         if len(src) == 0:  # an empty tensor still has to arrive (shape and dtype)
             data.append(src)
-            slices.append(TensorSlice(name, cpu.dtype, tuple(cpu.shape), 0, 0))
+            slices.append(TensorSlice(name, held.dtype, tuple(held.shape), 0, 0))
         if 0 < len(src) <= bucket_bytes < used + len(src):  # fits a bucket of its own: do not split it
             yield Bucket(version, index, data, slices)
             index, data, slices, used = index + 1, [], [], 0
@@ -72,7 +75,7 @@ def pack_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes
                 index, data, slices, used = index + 1, [], [], 0
             take = min(len(src) - start, bucket_bytes - used)
             data.append(src[start : start + take])
-            slices.append(TensorSlice(name, cpu.dtype, tuple(cpu.shape), start, take))
+            slices.append(TensorSlice(name, held.dtype, tuple(held.shape), start, take))
             used += take
             start += take
     if slices:

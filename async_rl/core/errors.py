@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import ray
-
 
 class AsyncConfigError(ValueError):
     """A pipeline config key has a value that cannot work: one message naming the key, the value
@@ -34,4 +32,6 @@ class PipelineError(RuntimeError):
 def is_lost_server_error(exc: BaseException) -> bool:
     """True for the errors that mean a Ray actor's process is gone or unreachable (killed, OOM,
     node lost): Ray's `ActorDiedError` and `ActorUnavailableError`."""
+    import ray  # here, so that the weight path's modules import on a machine without Ray
+
     return isinstance(exc, ray.exceptions.RayActorError)

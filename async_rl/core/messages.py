@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
-import ray
 import torch
 
 if TYPE_CHECKING:
@@ -159,6 +158,8 @@ class GeneratedBatch:
 
 async def resolve(value):
     """The object behind a `ray.ObjectRef`, or `value` itself."""
+    import ray  # here, so that the weight path's modules import on a machine without Ray
+
     return await value if isinstance(value, ray.ObjectRef) else value
 
 

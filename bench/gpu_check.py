@@ -1,0 +1,275 @@
+"""GPU check of the weight path without Ray or vLLM: a training step under torch's FSDP2, then the sync's
+device parts between two processes, at Qwen2-shaped sizes built locally (random init, no model hub).
+
+    python bench/gpu_check.py --device cuda --sizes 0.5B,1.5B,7B
+    python bench/gpu_check.py --device cpu --sizes tiny          # what CI runs (tests/param_update/test_gpu_check.py)
+
+Per size, two spawned processes:
+- trainer: a Qwen2ForCausalLM wrapped in `fully_shard` (one rank), one AdamW step on random tokens, then
+  **gather** (each parameter's `full_tensor()`, packed by `param_update.buckets.pack_buckets` on the device)
+  and **send** (each bucket copied into one of two transport buffers, handed over a torch.multiprocessing
+  queue: CUDA IPC on a GPU, shared memory on the CPU; a buffer is reused once the receiver has staged it).
+- receiver: **recv** (open the handle) and **register-buffer** (`param_update.staging.VersionStager`
+  with `device=` the GPU: one device copy per bucket), then **load** (`copy_into` an HF model on the device).
+Then the trainer compares every tensor the receiver loaded with its own, byte for byte (exit 1 on a mismatch).
+
+Why not verl's engine: `import verl` imports `verl.protocol`, which imports Ray, so verl's FSDP2 engine (and
+the project's worker, async_rl/training/workers.py, built on it) cannot run where Ray is not installed. The
+gather here is what verl's FSDP2 engine does per tensor (`full_tensor()` of each sharded parameter).
+
+Prints per part seconds and GB/s (model bytes / seconds) against the device's own copy (device to device on a
+GPU, memcpy on the CPU) and, on a GPU, the pinned host-to-device copy, each the best of five copies of 1 GiB
+(256 MiB on the CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from async_rl.api.weights import Bucket  # noqa: E402
+from bench.command import command_line  # noqa: E402
+from param_update.buckets import pack_buckets, tensor_bytes  # noqa: E402
+from param_update.staging import VersionStager, weight_layout  # noqa: E402
+
+GB = 1e9
+QUEUE_TIMEOUT_S = 300  # one bucket, or one 7B model build, never takes this long; a dead peer ends the run
+# Qwen2.5 shapes (hidden, intermediate, layers, heads, kv heads, vocab, tied embeddings)
+SIZES = {
+    "tiny": (64, 128, 2, 4, 2, 512, True),
+    "0.5B": (896, 4864, 24, 14, 2, 151936, True),
+    "1.5B": (1536, 8960, 28, 12, 2, 151936, True),
+    "7B": (3584, 18944, 28, 28, 4, 152064, False),
+}
+PARTS = ("gather", "send", "recv", "register", "load")
+
+
+def qwen2(size: str, device: str, seed: int):
+    """A random-init Qwen2ForCausalLM of `size` in bf16 on `device`."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    hidden, inter, layers, heads, kv, vocab, tied = SIZES[size]
+    config = Qwen2Config(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
+                         tie_word_embeddings=tied, max_position_embeddings=4096)
+    torch.manual_seed(seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16 (a 7B model never exists in float32)
+    try:
+        with torch.device(device):
+            return Qwen2ForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_rates(device: str, nbytes: int) -> dict[str, float]:
+    """GB/s of the device's own copy and (GPU) the pinned host-to-device copy of `nbytes`, best of five."""
+    def best(dst, src):
+        times = []
+        for _ in range(5):
+            sync(device)
+            start = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            sync(device)
+            times.append(time.perf_counter() - start)
+        return nbytes / min(times) / GB
+
+    src, dst = torch.ones(nbytes, dtype=torch.uint8, device=device), torch.empty(nbytes, dtype=torch.uint8, device=device)
+    rates = {"device copy": best(dst, src)}
+    if device == "cuda":
+        rates["pinned host copy"] = best(dst, torch.ones(nbytes, dtype=torch.uint8).pin_memory())
+    return rates
+
+
+def trainer(size: str, device: str, bucket_bytes: int, port: int, to_recv, to_train, save_dir: str | None) -> None:
+    """Train one step under FSDP2, then gather and send the weights in buckets; then check the receiver's."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=0, world_size=1)
+    model = qwen2(size, device, seed=1)
+    mesh = init_device_mesh(device, (1,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    full = lambda: ((n, p.full_tensor()) for n, p in model.named_parameters())  # noqa: E731 (verl's per-tensor gather)
+    if save_dir:
+        torch.save({n: t.cpu() for n, t in full()}, os.path.join(save_dir, "before.pt"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 128 if device == "cuda" else 16), device=device)
+    loss = model(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    del optimizer
+    sync(device)
+    print(f"[{size}] training step: loss {loss.item():.4f}", flush=True)
+
+    buffers = [torch.empty(bucket_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
+    if device == "cpu":
+        buffers = [b.share_memory_() for b in buffers]
+    assert to_train.get(timeout=QUEUE_TIMEOUT_S) == "ready"
+    seconds, count, nbytes = {"gather": 0.0, "send": 0.0}, 0, 0
+    start = time.perf_counter()
+    buckets = pack_buckets(full(), bucket_bytes, version=1, device=None)
+    while True:
+        t0 = time.perf_counter()
+        bucket = next(buckets, None)
+        sync(device)
+        t1 = time.perf_counter()
+        seconds["gather"] += t1 - t0
+        if bucket is None:
+            break
+        if count >= 2:  # the buffer's previous bucket must be staged before it is overwritten
+            assert to_train.get(timeout=QUEUE_TIMEOUT_S) == ("staged", count - 2)
+        buffer, offsets, at = buffers[count % 2], [], 0
+        for array in bucket.data:
+            n = len(array)
+            buffer[at:at + n].copy_(torch.as_tensor(array))
+            offsets.append((at, n))
+            at += n
+        sync(device)
+        to_recv.put(("bucket", count, buffer, offsets, bucket.slices, time.monotonic()))
+        seconds["send"] += time.perf_counter() - t1
+        nbytes += bucket.nbytes
+        count += 1
+    to_recv.put(("end", count))
+    message = to_train.get(timeout=QUEUE_TIMEOUT_S)
+    while message[0] == "staged":  # acks of the last buckets
+        message = to_train.get(timeout=QUEUE_TIMEOUT_S)
+    _, receiver_seconds, loaded = message
+    total = time.perf_counter() - start
+    differ, missing, after = [], [], {}
+    for n, t in full():  # one gathered tensor at a time
+        if n not in loaded:
+            missing.append(n)
+        elif not tensor_bytes(t).equal(tensor_bytes(loaded[n])):
+            differ.append(n)
+        if save_dir:
+            after[n] = t.cpu()
+    if save_dir:
+        torch.save(after, os.path.join(save_dir, "after.pt"))
+    extra = sorted(set(loaded) - {n for n, _ in model.named_parameters()})
+    to_recv.put("done")
+    seconds.update(receiver_seconds)
+    copy_bytes = 1 << (30 if device == "cuda" else 28)
+    rates = copy_rates(device, copy_bytes)
+    print(f"[{size}] {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {nbytes / 2**20:.2f} MiB "
+          f"in {count} buckets of {bucket_bytes / 2**20:.2f} MiB, {device}", flush=True)
+    for part in PARTS:
+        rate = nbytes / seconds[part] / GB
+        against = ", ".join(f"{rate / r:.3f} x {name}" for name, r in rates.items())
+        print(f"[{size}] {part:9s} {seconds[part]:8.3f} s  {rate:8.2f} GB/s  ({against})", flush=True)
+    print(f"[{size}] total     {total:8.3f} s  {nbytes / total / GB:8.2f} GB/s  (gather start to loaded, parts overlap)")
+    for name, r in rates.items():
+        print(f"[{size}] {name}: {r:.2f} GB/s ({copy_bytes / 2**20:.0f} MiB, best of 5)", flush=True)
+    print(f"[{size}] bitwise: {len(differ)} of {len(loaded)} tensors differ, {len(missing)} never loaded, "
+          f"{len(extra)} not the trainer's", flush=True)
+    dist.destroy_process_group()
+    check_no_ray("trainer")
+    if differ or missing or extra:
+        raise SystemExit(f"[{size}] loaded weights differ from the trainer's: {(differ + missing + extra)[:5]}")
+
+
+def receiver(size: str, device: str, consume_bytes: int, to_recv, to_train, save_dir: str | None) -> None:
+    """Stage each bucket into a device buffer, load the version into an HF model, hand the model back."""
+    model = qwen2(size, device, seed=2)
+    expected, aliases, params = weight_layout(model.state_dict())
+    stager = VersionStager(expected, aliases, device=device)
+    to_train.put("ready")
+    seconds = {"recv": 0.0, "register": 0.0, "load": 0.0}
+    while True:
+        t0 = time.monotonic()
+        message = to_recv.get(timeout=QUEUE_TIMEOUT_S)
+        if message[0] == "end":
+            break
+        _, index, buffer, offsets, slices, sent_at = message
+        t1 = time.monotonic()
+        stager.stage(1, Bucket(1, index, [buffer[at:at + n] for at, n in offsets], slices))
+        sync(device)
+        t2 = time.monotonic()
+        del buffer, message
+        to_train.put(("staged", index))
+        seconds["recv"] += t1 - max(t0, sent_at)  # from the put (or our get, if later) to the bucket's handle open
+        seconds["register"] += t2 - t1
+    stager.check_complete(1, message[1])
+    t0 = time.perf_counter()
+    stager.copy_into(params, consume_bytes)
+    sync(device)
+    seconds["load"] = time.perf_counter() - t0
+    if save_dir:
+        torch.save({n: t.detach().cpu() for n, t in params.items()}, os.path.join(save_dir, "receiver.pt"))
+    to_train.put(("loaded", seconds, {n: t.detach() for n, t in params.items()}))
+    assert to_recv.get(timeout=QUEUE_TIMEOUT_S) == "done"  # the trainer read our tensors
+    check_no_ray("receiver")
+
+
+def check_no_ray(process: str) -> None:
+    """Exit 1 if this process imported Ray, vLLM or verl: the kit must run where they are not installed."""
+    loaded = [name for name in ("ray", "vllm", "verl") if name in sys.modules]
+    print(f"{process} imported none of ray, vllm, verl: {not loaded}", flush=True)
+    if loaded:
+        raise SystemExit(f"{process} imported {loaded}, which a bare CUDA PyTorch machine does not have")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--sizes", default="0.5B,1.5B,7B", help=f"comma-separated, of {','.join(SIZES)}")
+    parser.add_argument("--bucket-mb", type=float, default=512, help="gather / send bucket (MiB)")
+    parser.add_argument("--consume-mb", type=float, default=128, help="load group (MiB)")
+    parser.add_argument("--save-dir", help="write before.pt / after.pt (trainer) and receiver.pt there")
+    args = parser.parse_args()
+    sizes = args.sizes.split(",")
+    unknown = [s for s in sizes if s not in SIZES]
+    if unknown:
+        parser.error(f"unknown sizes {unknown}; known: {list(SIZES)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda but torch sees no GPU (torch.cuda.is_available() is False)")
+    print(command_line(), flush=True)
+    print(f"torch {torch.__version__}" + (f", {torch.cuda.get_device_name()}" if args.device == "cuda" else ""), flush=True)
+    ctx = mp.get_context("spawn")
+    for size in sizes:
+        to_recv, to_train = ctx.Queue(), ctx.Queue()
+        procs = [ctx.Process(target=trainer, args=(size, args.device, int(args.bucket_mb * 2**20), free_port(),
+                                                   to_recv, to_train, args.save_dir)),
+                 ctx.Process(target=receiver, args=(size, args.device, int(args.consume_mb * 2**20), to_recv,
+                                                    to_train, args.save_dir))]
+        for p in procs:
+            p.start()
+        while any(p.is_alive() for p in procs):  # one failing ends the other (no wait for its queue timeout)
+            if any(p.exitcode for p in procs):
+                for p in procs:
+                    p.terminate()
+            time.sleep(0.2)
+        codes = [p.exitcode for p in procs]
+        if any(codes):
+            print(f"[{size}] FAILED: trainer exit {codes[0]}, receiver exit {codes[1]}", flush=True)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+"""The GPU check kit (bench/gpu_check.py) on the CPU: its training step under FSDP2, the sync's device parts
+between two processes, and the printed rates, at a tiny Qwen2 shape (the GPU run: scripts/gpu_check.sh)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from param_update.buckets import tensor_bytes
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_gpu_check_cpu_path_loads_the_trained_weights_bit_for_bit(tmp_path):
+    # buckets of 50 KiB: the 64 KiB embedding is split across two, and the load copies 10 KiB groups
+    run = subprocess.run([sys.executable, "bench/gpu_check.py", "--device", "cpu", "--sizes", "tiny",
+                          "--bucket-mb", "0.05", "--consume-mb", "0.01", "--save-dir", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    before, after, loaded = (torch.load(tmp_path / f"{name}.pt") for name in ("before", "after", "receiver"))
+    assert set(loaded) == set(after) and len(after) > 20
+    assert [n for n in after if not tensor_bytes(loaded[n]).equal(tensor_bytes(after[n]))] == []
+    assert any(not torch.equal(before[n], after[n]) for n in after)  # the training step changed the weights
+    for part in ("gather", "send", "recv", "register", "load"):
+        assert re.search(rf"^\[tiny\] {part} +[\d.]+ s +[\d.]+ GB/s +\([\d.]+ x device copy\)$", run.stdout, re.M), part
+    assert re.search(r"^\[tiny\] device copy: [\d.]+ GB/s", run.stdout, re.M)
+    assert "[tiny] bitwise: 0 of 26 tensors differ, 0 never loaded, 0 not the trainer's" in run.stdout
+    assert run.stdout.count("imported none of ray, vllm, verl: True") == 2
