@@ -42,10 +42,11 @@ class RolloutOnCpu:
 
 ROLLOUTS_ON_CPU = {
     "cpu": RolloutOnCpu("the CPU backend", lambda: True),
-    "vllm": RolloutOnCpu("vLLM on CPU", vllm_cpu.vllm_cpu_installed, vllm_cpu.cpu_rollout_overrides,
+    # installed: looked up at each call (a test or a late install changes the module's answer)
+    "vllm": RolloutOnCpu("vLLM on CPU", lambda: vllm_cpu.vllm_cpu_installed(), vllm_cpu.cpu_rollout_overrides,
                          vllm_cpu.WORKER_ENV),
-    "sglang": RolloutOnCpu("SGLang on CPU", sglang_cpu.sglang_cpu_installed, sglang_cpu.cpu_rollout_overrides,
-                           sglang_cpu.WORKER_ENV),
+    "sglang": RolloutOnCpu("SGLang on CPU", lambda: sglang_cpu.sglang_cpu_installed(),
+                           sglang_cpu.cpu_rollout_overrides, sglang_cpu.WORKER_ENV),
 }
 WORKER_ENV = {"VERL_PLATFORM": "cpu", "VERL_ENGINE_DEVICE": "cuda", "TOKENIZERS_PARALLELISM": "false"}
 
