@@ -5,16 +5,20 @@ verl: the driver and every Ray worker).
 Each process appends one JSON line per new record to `<dir>/reads-<pid>.jsonl`:
 
 - `key`: the dotted key read, its full path from the config's root;
-- `how`: `read` (an attribute, an item, `get`, `in`, `OmegaConf.select`, a container made of its subtree) or
-  `class` (its subtree converted into a class by verl's `omega_conf_to_dataclass`: every leaf under it);
+- `how`: `read` (an attribute, an item, `get`, `in`, `OmegaConf.select`, a container made of its subtree),
+  `write` (an assignment, an attribute or an item, by code outside OmegaConf: a merge's or `OmegaConf.update`'s
+  inner writes are not recorded) or `class` (its subtree converted into a class by verl's
+  `omega_conf_to_dataclass`: every leaf under it);
 - `reader`: the module that read it (the first frame outside omegaconf, hydra and this module); for `class`,
   the class;
 - `owner`: `verl`, `pipeline` (this project's packages) or `other`, the reader's;
 - `via`: for a read by verl's code, the nearest pipeline module on the stack (the pipeline called verl), else null.
 
+The recorder's own time in each process goes to `<dir>/cost-<pid>.json` ({"calls", "seconds"}).
 A value that interpolates other keys (`${oc.select:data.max_prompt_length,512}`) reads them too. Not recorded:
 Hydra composing the config, and the key checks marked `not_a_use` (they compare every key with verl's
-default, which is not honouring it)."""
+default, which is not honouring it), verl's `validate_config` (checks too), and a container of the whole
+config at once (a copy, or Tracking's log of it)."""
 
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import os
 import re
 import sys
 import threading
+import time
 from typing import Any, Optional
 
 ENV = "ASYNC_RL_KEY_READS"
@@ -30,13 +35,14 @@ PIPELINE_PACKAGES = ("async_rl", "state_machines", "param_update", "verl_patches
 # frames skipped when looking for the reader: OmegaConf's own and the standard library's machinery under it
 _LIBRARY = ("omegaconf", "copy", "dataclasses", "functools", "typing", "contextlib", "collections", "_collections_abc",
             "abc", "enum", __name__)
-_INTERPOLATED = re.compile(r"\$\{(?:oc\.select:)?([A-Za-z_][\w.]*)")
+_INTERPOLATED = re.compile(r"\$\{(?:oc\.select:)?([A-Za-z_][\w.]*)(?=[,}])")  # ${a.b}, ${oc.select:a.b,default}
 
 _NOT_A_USE: set = set()  # code objects of the key checks
 _state = threading.local()
 _lock = threading.Lock()
 _seen: set = set()
 _out = None
+_cost = {"calls": 0, "seconds": 0.0}  # the recorder's own time in this process, in `<dir>/cost-<pid>.json`
 
 
 def not_a_use(fn):
@@ -94,6 +100,7 @@ def _write(key: str, how: str, reader: str, via: Optional[str]) -> None:
             _out = open(os.path.join(directory, f"reads-{os.getpid()}.jsonl"), "a", buffering=1)
         _out.write(json.dumps({"key": key, "how": how, "reader": reader, "owner": owner_of(reader),
                                "via": via}) + "\n")
+        _write_cost()
 
 
 def _full_key(node, key) -> Optional[str]:
@@ -123,10 +130,25 @@ def _interpolated(value) -> list[str]:
     return _INTERPOLATED.findall(value) if isinstance(value, str) and "${" in value else []
 
 
-def _record_read(node, key, depth: int = 3) -> None:
+def _count(start: float) -> None:
+    _cost["calls"] += 1
+    _cost["seconds"] += time.perf_counter() - start
+    if _cost["calls"] % 2000 == 0:
+        _write_cost()
+
+
+def _write_cost() -> None:
+    path = os.path.join(os.environ[ENV], f"cost-{os.getpid()}.json")
+    tmp = f"{path}.{threading.get_ident()}"
+    with open(tmp, "w") as f:
+        json.dump(_cost, f)
+    os.replace(tmp, path)
+
+
+def _record_read(node, key, depth: int = 3, how: str = "read") -> None:
     if getattr(_state, "busy", False) or not isinstance(key, str) or key.startswith("__"):
         return
-    _state.busy = True
+    _state.busy, start = True, time.perf_counter()
     try:
         who = _reader(depth)
         if who is None:
@@ -134,7 +156,9 @@ def _record_read(node, key, depth: int = 3) -> None:
         full = _full_key(node, key)
         if full is None:
             return
-        _write(full, "read", *who)
+        _write(full, how, *who)
+        if how == "write":
+            return
         try:
             child = node._get_node(key)
             raw = child._value() if child is not None else None
@@ -144,15 +168,16 @@ def _record_read(node, key, depth: int = 3) -> None:
             _write(other, "read", *who)
     finally:
         _state.busy = False
+        _count(start)
 
 
 def _record_subtree(node, how: str, depth: int = 3, reader: Optional[str] = None) -> None:
     """Every leaf of `node` (a DictConfig) read at once: a container or a class made of it."""
-    from omegaconf import DictConfig, OmegaConf
+    from omegaconf import DictConfig
 
-    if getattr(_state, "busy", False) or not isinstance(node, DictConfig):
-        return
-    _state.busy = True
+    if getattr(_state, "busy", False) or not isinstance(node, DictConfig) or node._get_parent() is None:
+        return  # the whole config at once: a copy or a log of it (Tracking's), no key's use
+    _state.busy, start = True, time.perf_counter()
     try:
         who = _reader(depth)
         if who is None:
@@ -170,6 +195,7 @@ def _record_subtree(node, how: str, depth: int = 3, reader: Optional[str] = None
                 _write(other, how, *who)
     finally:
         _state.busy = False
+        _count(start)
 
 
 _ORIGINAL: dict[str, Any] = {}
@@ -179,7 +205,7 @@ def _class_name(config, dataclass_type) -> str:
     if dataclass_type is not None:
         return f"{dataclass_type.__module__}.{dataclass_type.__qualname__}"
     try:
-        return str(config["_target_"])
+        return str(_ORIGINAL["getitem"](config, "_target_"))  # not recorded: the class's name, no setting
     except Exception:
         return "unknown"
 
@@ -192,13 +218,24 @@ def install() -> None:
 
     import verl.utils.config as verl_config
 
-    _ORIGINAL.update(getattr=DictConfig.__getattr__, getitem=DictConfig.__getitem__, get=DictConfig.get,
+    _ORIGINAL.update(setattr=DictConfig.__setattr__, setitem=DictConfig.__setitem__,
+                     getattr=DictConfig.__getattr__, getitem=DictConfig.__getitem__, get=DictConfig.get,
                      contains=DictConfig.__contains__, select=OmegaConf.select, to_container=OmegaConf.to_container,
                      to_object=OmegaConf.to_object, to_dataclass=verl_config.omega_conf_to_dataclass)
 
     def __getattr__(self, key):
         _record_read(self, key)
         return _ORIGINAL["getattr"](self, key)
+
+    def __setattr__(self, key, value):
+        if not _module_of(sys._getframe(1)).startswith("omegaconf"):  # a write of the caller's, not a merge's
+            _record_read(self, key, how="write")
+        return _ORIGINAL["setattr"](self, key, value)
+
+    def __setitem__(self, key, value):
+        if not _module_of(sys._getframe(1)).startswith("omegaconf"):
+            _record_read(self, key, how="write")
+        return _ORIGINAL["setitem"](self, key, value)
 
     def __getitem__(self, key):
         _record_read(self, key)
@@ -246,9 +283,12 @@ def install() -> None:
             _state.busy = previous
 
     DictConfig.__getattr__, DictConfig.__getitem__, DictConfig.get = __getattr__, __getitem__, get
+    DictConfig.__setattr__, DictConfig.__setitem__ = __setattr__, __setitem__
     DictConfig.__contains__ = __contains__
     OmegaConf.select, OmegaConf.to_container, OmegaConf.to_object = (
         staticmethod(select), staticmethod(to_container), staticmethod(to_object))
+    # verl's own checks of the config (the plugin calls them after the pipeline's) read it whole: no use
+    not_a_use(getattr(verl_config.validate_config, "__wrapped__", verl_config.validate_config))
     for module in list(sys.modules.values()):  # those that imported verl's function before this ran
         names = getattr(module, "__dict__", None) or {}  # not getattr: lazy modules would import on it
         if names.get("omega_conf_to_dataclass") is _ORIGINAL["to_dataclass"]:

@@ -109,6 +109,8 @@ VERL_KEYS = (
     KeyRow("data.val_files", P, "async_rl/validation.py (checked before Ray)"),
     KeyRow("data.train_batch_size", P, "prompts per step (state_machines/dataloader.py)"),
     KeyRow("data.train_max_samples", P, "the dataset's cap and the run's step count (run_config.py)"),
+    KeyRow("data.val_max_samples", P, "the validation set's cap, passed to verl's create_rl_dataset as verl's "
+           "trainer passes it (async_rl/core/prompts.py)"),
     KeyRow("data.dataloader_num_workers", P, "run_config.py: 0 unless the command names it"),
     KeyRow("data.gen_batch_size", R, "the pipeline draws data.train_batch_size prompts per generation batch; "
            "dynamic sampling draws more batches until a step's batch is full"),
@@ -150,9 +152,9 @@ VERL_KEYS = (
     *switched("distillation", "enabled", "no teacher servers are started under the flag"),
     # trainer
     KeyRow("trainer", P, "the pipeline's loop (async_rl/loop.py), checkpoints (async_rl/checkpoints.py), placement"),
-    KeyRow("trainer.project_name", N, "Tracking's names"),
-    KeyRow("trainer.experiment_name", N, "Tracking's names"),
-    KeyRow("trainer.logger", N, "Tracking's backends"),
+    *(KeyRow(f"trainer.{k}", P, "verl's Tracking, with the run's names and backends, as verl's trainer "
+             "(async_rl/pipeline.py); the names also in trainer.default_local_dir's default")
+      for k in ("project_name", "experiment_name", "logger")),
     KeyRow("trainer.use_v1", N, "chooses verl's trainer; the flag runs the pipeline instead of either"),
     KeyRow("trainer.v1", R, "verl's v1 trainer modes: the pipeline is the async trainer"),
     KeyRow("trainer.v1.sampler", X, "off-policy sampling: the pipeline bounds staleness by "

@@ -1,9 +1,16 @@
-"""End to end: verl's PPO (gae with a critic) through the pipeline (its checkpoints: test_verl_trainer_on_cpu)."""
+"""End to end: verl's PPO (gae with a critic) through the pipeline (its checkpoints: test_verl_trainer_on_cpu); and
+the table of verl's keys (async_rl/core/verl_key_table.py) against the keys this run reads, recorded in every
+process (async_rl/core/key_reads.py)."""
 
 from __future__ import annotations
 
+import pytest
+
+from async_rl.core import key_reads
+from async_rl.demo import demo_overrides
 from async_rl.demo.task import GROUP_SIZE, TRAIN_BATCH_SIZE
-from conftest import every_step_with, run_verl, val_rows
+from conftest import compose_ppo, every_step_with, run_verl, val_rows
+from key_table_record import disagreements
 from state_machines.actor_train import trainable_rows
 
 CRITIC_KEYS = ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm", "critic/lr",
@@ -11,23 +18,36 @@ CRITIC_KEYS = ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "cri
                "critic/vf_explained_var", "async/values/busy_ratio", "async/critic_train/busy_ratio")
 USER_STAGE = {"+trainer.async_stages.group_filter.cls": "examples.group_filter_stage.GroupFilterStage",
               "+trainer.async_stages.group_filter.after": "reward"}
+K, STEPS, WARMUP = 3, 5, 2
+RUN = {"trainer.total_training_steps": STEPS, "trainer.test_freq": STEPS, "+trainer.generate_ahead_steps": K,
+       "trainer.critic_warmup": WARMUP, **USER_STAGE}
 
 
-def test_ppo_with_a_critic_trains_with_values_from_the_critic_of_its_step(demo_dir, tmp_path, ray_address):
+@pytest.fixture(scope="module")
+def critic_run(demo_dir, tmp_path_factory, ray_address):
+    """The run, with every process recording the config keys it reads (the driver from its environment, the
+    Ray workers from the job's runtime env): (exit code, output, metric rows, the records' folder)."""
+    workdir = tmp_path_factory.mktemp("critic")
+    reads = workdir / "key_reads"
+    recording = {f"+ray_kwargs.ray_init.runtime_env.env_vars.{key_reads.ENV}": str(reads)}
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(key_reads.ENV, str(reads))
+        code, out, rows = run_verl(demo_dir, {**RUN, **recording}, workdir, critic=True, ray_address=ray_address)
+    return code, out, rows, reads
+
+
+def test_ppo_with_a_critic_trains_with_values_from_the_critic_of_its_step(critic_run):
     """k = 3: each step's values come from the critic after the previous steps' updates (verl's order),
     the critic trains on every step, with trainer.critic_warmup=2 the actor makes no update at step 1,
     and a user stage inserted from the command line filters what both train."""
-    k, steps, warmup = 3, 5, 2
-    run = {"trainer.total_training_steps": steps, "trainer.test_freq": steps, "+trainer.generate_ahead_steps": k,
-           "trainer.critic_warmup": warmup, **USER_STAGE}
-    code, out, rows = run_verl(demo_dir, run, tmp_path, critic=True, ray_address=ray_address)
+    code, out, rows, _ = critic_run
     assert code == 0, out[-4000:]
-    by_step = every_step_with(rows, steps, CRITIC_KEYS)
+    by_step = every_step_with(rows, STEPS, CRITIC_KEYS)
     for step, metrics in by_step.items():
         assert metrics["async/critic_version"] == step - 1  # the rule: batch j's values from critic version j
-        assert metrics["async/staleness/max"] <= k - 1
+        assert metrics["async/staleness/max"] <= K - 1
         assert metrics["critic/vf_clipfrac"] >= 0 and metrics["critic/grad_norm"] > 0
-        assert ("actor/pg_loss" in metrics) == (step >= warmup)
+        assert ("actor/pg_loss" in metrics) == (step >= WARMUP)
         # the user stage (examples/group_filter_stage.py, two config lines) between reward and actor_train
         assert "async/group_filter/busy_ratio" in metrics
         kept_groups = metrics["async/group_filter/kept_groups"]
@@ -36,4 +56,17 @@ def test_ppo_with_a_critic_trains_with_values_from_the_critic_of_its_step(demo_d
         expected = trainable_rows(int(kept_groups) * GROUP_SIZE, TRAIN_BATCH_SIZE * GROUP_SIZE, 1, GROUP_SIZE)
         assert metrics["async/trained_rows"] == expected
     assert max(m["async/staleness/max"] for m in by_step.values()) >= 1
-    assert "val-core/async_rl/copy_digits/reward/mean@1" in val_rows(rows)[steps]
+    assert "val-core/async_rl/copy_digits/reward/mean@1" in val_rows(rows)[STEPS]
+
+
+def test_the_key_table_says_what_the_run_read(critic_run, demo_dir):
+    """Every PIPELINE row's keys read by the pipeline, every VERL row's reaching a verl class, no NO_EFFECT
+    key read, except the keys only a setting this run leaves off reads (key_table_record.ONLY_WITH)."""
+    code, out, _, reads = critic_run
+    assert code == 0, out[-4000:]
+    records = key_reads.read_records(str(reads))
+    assert {r["reader"] for r in records if r["how"] == "class"} >= {  # the driver, the stages' host, the workers
+        "verl.workers.config.FSDPActorConfig", "verl.workers.config.FSDPCriticConfig",
+        "verl.workers.config.RolloutConfig"}
+    lines = disagreements(records, compose_ppo(demo_overrides(demo_dir, extra=RUN, critic=True)))
+    assert not lines, f"{len(lines)} keys whose row the run contradicts:\n" + "\n".join(lines)
