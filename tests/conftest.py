@@ -36,6 +36,28 @@ RAY_FIXTURES = {"ray_address", "ray_cluster", "small_objects_ray_address", "smal
 FAST_LANE_LEAVES_OUT = ("e2e", "bench")  # folders of end-to-end runs and bench scripts run as commands
 
 
+_SESSION_EXIT: dict[str, int] = {}  # pytest's exit status, kept for the way out
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    _SESSION_EXIT["status"] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """Once every result is reported (summary, durations): Ray disconnected, then out with pytest's exit status
+    without the interpreter's teardown, where a native library's thread (Ray's core worker, torch's and
+    gloo's pools) can take the process down with SIGSEGV after a run whose results are all written."""
+    if "status" not in _SESSION_EXIT:
+        return
+    if ray.is_initialized():
+        ray.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_SESSION_EXIT["status"])
+
+
 def pytest_addoption(parser):
     parser.addoption("--fast", action="store_true",
                      help="the fast lane (scripts/test.sh --fast): no Ray start, no end-to-end run, no bench script")
