@@ -37,9 +37,33 @@ ONLY_WITH: dict[str, tuple[str, Callable]] = {
     # verl's reward-model replicas are started only with reward.reward_model.enable
     **{f"reward.reward_model.{k}": ("reward.reward_model.enable", _on("reward.reward_model.enable"))
        for k in ("model_path", "rollout")},
+    **{f"reward.reward_model.{k}": ("reward.reward_model.enable", _on("reward.reward_model.enable"))
+       for k in ("enable_resource_pool", "n_gpus_per_node", "nnodes")},
     # verl's dataset loads a class of the user's only from data.custom_cls.path
     "data.custom_cls.name": ("data.custom_cls.path", _on("data.custom_cls.path")),
+    # a reward manager's file is loaded only with source=importlib (async_rl/core/reward_loop_scoring.py)
+    "reward.reward_manager.module": ("reward.reward_manager.source=importlib",
+                                     lambda config: select_value(config, "reward.reward_manager.source", None)
+                                     == "importlib"),
+    # verl's sandbox client is built only with a sandbox url (verl's default_compute_score)
+    **{f"reward.sandbox_fusion.{k}": ("reward.sandbox_fusion.url", _on("reward.sandbox_fusion.url"))
+       for k in ("max_concurrent", "memory_limit_mb")},
+    # verl's bypass-mode loss (async_rl/core/decoupled_ppo.py bypass_loss_settings) only with bypass_mode
+    "algorithm.rollout_correction.loss_type": ("algorithm.rollout_correction.bypass_mode",
+                                               _on("algorithm.rollout_correction.bypass_mode")),
+    # the dynamic_sampling stage exists only with filter_groups.enable
+    **{f"algorithm.filter_groups.{k}": ("algorithm.filter_groups.enable", _on("algorithm.filter_groups.enable"))
+       for k in ("metric", "max_num_gen_batches")},
+    # verl's KL controller in the reward (state_machines/actor_train.py) only with use_kl_in_reward
+    "algorithm.kl_ctrl": ("algorithm.use_kl_in_reward", _on("algorithm.use_kl_in_reward")),
+    # the run's length in epochs only when trainer.total_training_steps is unset (async_rl/run_config.py)
+    "trainer.total_epochs": ("trainer.total_training_steps unset",
+                             lambda config: not select_value(config, "trainer.total_training_steps", None)),
 }
+
+# PIPELINE keys the pipeline reads from the verl dataclass it builds of their section (a `class` record whose
+# `via` is the pipeline module that built it), not from the config
+READ_FROM_CLASS = {"critic.ppo_max_token_len_per_gpu": "async_rl.training.worker_groups"}
 
 
 def switched(row: KeyRow) -> bool:
@@ -62,7 +86,8 @@ def disagreements(records: list[dict], config) -> list[str]:
     read or set, a VERL key no verl class or code got, a NO_EFFECT key someone read (but a switched subtree's);
     and an ONLY_WITH entry that does not hold (its key read with its setting off, or not read with it on)."""
     pipeline = keys_of(records, lambda r: r["how"] in ("read", "write") and (
-        r["owner"] == "pipeline" or r["owner"] == "verl" and r["via"] and r["reader"].startswith(VERL_TRAINER)))
+        r["owner"] == "pipeline" or r["owner"] == "verl" and r["via"] and r["reader"].startswith(VERL_TRAINER))
+        or r["how"] == "class" and READ_FROM_CLASS.get(r["key"]) == r["via"])
     verl = keys_of(records, lambda r: r["owner"] == "verl")
     anyone = keys_of(records, lambda r: r["how"] == "read" and r["reader"] != VERL_ENTRY)
     lines = []

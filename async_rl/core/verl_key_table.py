@@ -82,7 +82,8 @@ VERL_KEYS = (
     KeyRow(f"{ARR}.rollout.name", P, "the rollout backend (async_rl/api/rollout.py)"),
     KeyRow(f"{ARR}.rollout.n", P, "responses per prompt (state_machines/generate.py)"),
     KeyRow(f"{ARR}.rollout.val_kwargs.n", P, "async_rl/validation.py"),
-    KeyRow(f"{ARR}.rollout.calculate_log_probs", P, "always on: decoupled PPO trains on the behaviour log-probs"),
+    KeyRow(f"{ARR}.rollout.calculate_log_probs", R, "always on: every request asks for its tokens' log-probs, which "
+           "decoupled PPO trains on"),
     KeyRow(f"{ARR}.rollout.checkpoint_engine", R, "the pipeline's five-part weight sync moves the weights"),
     KeyRow(f"{ARR}.rollout.agent.num_workers", R, "the generate stage runs the agent loops itself"),
     KeyRow(f"{ARR}.rollout.nnodes", X, "standalone rollout nodes: the pipeline places replicas by "
