@@ -45,7 +45,10 @@ CPU_ENGINE_KWARGS = {
     "mem_fraction_static": 0.05,
 }
 CPU_ROLLOUT_OVERRIDES = {"free_cache_engine": False}
-WORKER_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
+# verl's SGLangReplica.launch_servers reads CUDA_VISIBLE_DEVICES in each rollout worker to place its server;
+# on CPU Ray sets none (the workers hold no GPU), so each worker names one pseudo device, as the CPU platform's
+# accelerator ids do (verl_patches/vllm_cpu.py); SGLang's CPU engine ignores it
+WORKER_ENV = {"SGLANG_USE_CPU_ENGINE": "1", "CUDA_VISIBLE_DEVICES": "0"}
 
 
 def sglang_cpu_installed() -> bool:
