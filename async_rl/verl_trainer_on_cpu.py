@@ -28,7 +28,6 @@ from verl_patches.cpu_reward_model import patch_disrm_on_cpu
 from verl_patches.post_import import when_imported
 
 
-
 @dataclass(frozen=True)
 class RolloutOnCpu:
     """A rollout verl's own trainer can use on trainer.device=cpu: whether it is installed, the keys its
