@@ -41,7 +41,7 @@ _SESSION_EXIT: dict[str, int] = {}  # pytest's exit status, kept for the way out
 
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session, exitstatus):
-    _SESSION_EXIT["status"] = int(exitstatus)
+    _SESSION_EXIT["status"] = int(session.exitstatus)  # as pytest returns it, after every other hook
 
 
 @pytest.hookimpl(trylast=True)
