@@ -39,8 +39,6 @@ import torch.distributed as dist
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from async_rl.api.weights import Bucket, WeightTransport, register_transport
-from async_rl.core.config import MB
-from async_rl.core.errors import BucketSizeError
 from async_rl.core.timeouts import CALL_TIMEOUT_S
 from param_update.transports.shared_memory import (
     REGIONS,
@@ -48,6 +46,7 @@ from param_update.transports.shared_memory import (
     RegionLedger,
     SharedBucket,
     SharedBuffer,
+    check_buffer_room,
     shared_arrays,
     shm_free_bytes,
 )
@@ -336,9 +335,4 @@ class Collective(WeightTransport):
 
     def check_room(self, model_bytes: int, bucket_bytes: int, versions_held: int, room_bytes: Optional[int]) -> None:
         """The sends read from a shared buffer of two regions on the trainer's node."""
-        if room_bytes is not None and REGIONS * model_bytes > room_bytes:
-            raise BucketSizeError(
-                f"the collective weight transport's buffer needs {REGIONS} x {model_bytes / MB:.0f} MB in {SHM_DIR} "
-                f"on the trainer's node, which has {room_bytes / MB:.0f} MB free: give it more room (a container's "
-                f"--shm-size)"
-            )
+        check_buffer_room("the collective weight transport's buffer", "", model_bytes, room_bytes)

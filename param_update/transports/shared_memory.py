@@ -318,10 +318,16 @@ class SharedMemory(WeightTransport):
 
     def check_room(self, model_bytes: int, bucket_bytes: int, versions_held: int, room_bytes: Optional[int]) -> None:
         """The regions (a version being written, one being served) must fit the node's tmpfs."""
-        if room_bytes is not None and REGIONS * model_bytes > room_bytes:
-            raise BucketSizeError(
-                f"the weight sync's shared buffer needs {REGIONS} x {model_bytes / MB:.0f} MB (a version being "
-                f"written, one being served) in {SHM_DIR} on the trainer's node, which has {room_bytes / MB:.0f} MB "
-                f"free: give it more room (a container's --shm-size), or put the rollout on other nodes "
-                f"(trainer.use_nodes_ratios), whose weights go through Ray's object store"
-            )
+        check_buffer_room("the weight sync's shared buffer", " (a version being written, one being served)",
+                          model_bytes, room_bytes, ", or put the rollout on other nodes (trainer.use_nodes_ratios), "
+                          "whose weights go through Ray's object store")
+
+
+def check_buffer_room(owner: str, regions: str, model_bytes: int, room_bytes: Optional[int], advice: str = "") -> None:
+    """A shared buffer of REGIONS x `model_bytes` must fit the trainer's node's tmpfs (`room_bytes`, None: not
+    known, not checked); BucketSizeError names `owner`, what its regions hold and `advice` beyond more room."""
+    if room_bytes is not None and REGIONS * model_bytes > room_bytes:
+        raise BucketSizeError(
+            f"{owner} needs {REGIONS} x {model_bytes / MB:.0f} MB{regions} in {SHM_DIR} on the trainer's node, "
+            f"which has {room_bytes / MB:.0f} MB free: give it more room (a container's --shm-size){advice}"
+        )
