@@ -23,8 +23,8 @@ from verl.trainer.ppo.utils import need_reference_policy
 
 import param_update.transports  # noqa: F401 - registers the built-in transports
 from async_rl.api.weights import ReceiverSetup, TransportTable, transports_by_rank
-from async_rl.checkpoints import (CheckpointDir, ResumePoint, RunCheckpointer, dataloader_workers_in_state,
-                                  find_resume_point)
+from async_rl.checkpoint_dir import CheckpointDir
+from async_rl.checkpoints import ResumePoint, RunCheckpointer, dataloader_workers_in_state, find_resume_point
 from async_rl.core.devices import GroupDevices, reserve_nodes
 from async_rl.core.errors import PipelineError
 from async_rl.core.messages import NewWeights

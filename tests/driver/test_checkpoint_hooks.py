@@ -12,7 +12,8 @@ import time
 import pytest
 from omegaconf import OmegaConf
 
-from async_rl.checkpoints import CheckpointDir, RunCheckpointer, read_checkpoint_config
+from async_rl.checkpoint_dir import CheckpointDir
+from async_rl.checkpoints import RunCheckpointer, read_checkpoint_config
 from async_rl.core.errors import AsyncConfigError
 
 ESI_ENV = "MLP_CURRENT_CAPACITY_BLOCK_EXPIRATION_TIMESTAMP"  # verl's (vemlp)

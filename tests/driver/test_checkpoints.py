@@ -11,11 +11,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from async_rl.checkpoint_dir import DATA_FILE, TRACKER_FILE, CheckpointDir
 from async_rl.checkpoints import (
-    DATA_FILE,
     STATE_FILE,
-    TRACKER_FILE,
-    CheckpointDir,
     RunState,
     dataloader_workers_in_state,
     find_resume_point,
@@ -128,14 +126,14 @@ def test_auto_falls_back_to_the_newest_complete_checkpoint_below_a_broken_tracke
         fake_checkpoint(tmp_path, step)
     fake_checkpoint(tmp_path, 8)  # an abandoned run's, above the tracker: not resumed
     CheckpointDir(str(tmp_path))._write_tracker(6)
-    with caplog.at_level("WARNING", logger="async_rl.checkpoints"):
+    with caplog.at_level("WARNING", logger="async_rl.checkpoint_dir"):
         assert find_resume_point(_auto(tmp_path), 1, 0, False).path == str(tmp_path / "global_step_4")
     assert f"{tmp_path / TRACKER_FILE} names step 6, but {tmp_path / 'global_step_6'} is missing" in caplog.text
     assert f"resuming from the newest complete checkpoint, {tmp_path / 'global_step_4'}" in caplog.text
     os.remove(tmp_path / "global_step_4" / DATA_FILE)  # a copy cut short
     CheckpointDir(str(tmp_path))._write_tracker(4)
     caplog.clear()
-    with caplog.at_level("WARNING", logger="async_rl.checkpoints"):
+    with caplog.at_level("WARNING", logger="async_rl.checkpoint_dir"):
         assert find_resume_point(_auto(tmp_path), 1, 0, False).path == str(tmp_path / "global_step_2")
     assert f"is incomplete (no {DATA_FILE})" in caplog.text
     (tmp_path / TRACKER_FILE).write_text("four")
@@ -151,7 +149,7 @@ def test_auto_stops_naming_a_tracker_with_nothing_complete_to_resume(tmp_path, c
                                                 f".*global_step_4 is incomplete.*trainer.resume_mode=disable")):
         find_resume_point(_auto(tmp_path), 1, 0, False)
     os.remove(tmp_path / TRACKER_FILE)  # no tracker, nothing complete: step 0, said so
-    with caplog.at_level("WARNING", logger="async_rl.checkpoints"):
+    with caplog.at_level("WARNING", logger="async_rl.checkpoint_dir"):
         assert find_resume_point(_auto(tmp_path), 1, 0, False) is None
     assert f"no complete checkpoint in {tmp_path}" in caplog.text and "training from step 0" in caplog.text
 
@@ -533,7 +531,8 @@ def test_a_writer_killed_at_any_point_of_a_save_leaves_a_complete_checkpoint_to_
 
     from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 
-    from async_rl.checkpoints import incomplete_reason, load_plain
+    from async_rl.checkpoint_dir import incomplete_reason
+    from async_rl.checkpoints import load_plain
 
     cases = [{"name": name, "root": str(tmp_path / name / "ckpt"), "holds": str(tmp_path / name / "holds"),
               "lineages": lineages, "keep": keep} for name, lineages, keep, _ in CRASHES]

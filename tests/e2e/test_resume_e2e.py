@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from async_rl.checkpoints import CheckpointDir
+from async_rl.checkpoint_dir import CheckpointDir
 from async_rl.core.fault_points import HOLD_AT_ENV, HOLD_DIR_ENV
 from conftest import (
     dumped_step_inputs,

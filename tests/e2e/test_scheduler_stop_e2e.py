@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from async_rl.checkpoints import CheckpointDir
+from async_rl.checkpoint_dir import CheckpointDir
 from async_rl.core.fault_points import HOLD_AT_ENV, HOLD_DIR_ENV
 from conftest import assert_nothing_left, read_jsonl, start_verl, step_rows, wait_for_file, wait_until
 
