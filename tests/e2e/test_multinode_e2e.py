@@ -51,13 +51,19 @@ def test_stages_and_workers_run_where_use_nodes_ratios_places_them(cluster, demo
     code, out, rows = run_verl(demo_dir, {**JOB, "trainer.total_training_steps": steps}, tmp_path)
     assert code == 0, out[-4000:]
     assert "placement: node 0: train x2, ref_logp x2; node 1: generate x2 replica(s)" in out
-    for step, metrics in every_step_with(rows, steps, ["critic/score/mean", "actor/kl_loss"]).items():
+    by_step = every_step_with(rows, steps, ["critic/score/mean", "actor/kl_loss"])
+    synced = {}  # a row carries the newest sync completed when it was logged: none yet on the first rows
+    for step, metrics in by_step.items():
         assert metrics["async/param_version"] == step  # weights crossed nodes every step
-        # in the collective group (gloo), both servers, nothing through the object store or shared memory
-        assert (metrics["async/param_update/collective_receivers"], metrics["async/param_update/store_receivers"],
-                metrics["async/param_update/shm_receivers"]) == (2.0, 0.0, 0.0)
+        if "async/param_update/synced_version" in metrics:
+            # in the collective group (gloo), both servers, nothing through the object store or shared memory
+            synced[metrics["async/param_update/synced_version"]] = (
+                metrics["async/param_update/collective_receivers"], metrics["async/param_update/store_receivers"],
+                metrics["async/param_update/shm_receivers"])
         assert (metrics["async/devices/train"], metrics["async/devices/ref_logp"], metrics["async/devices/generate"],
                 metrics["async/devices/shared"]) == (2.0, 2.0, 2.0, 1.0)
+    # generate_ahead_steps=2: step 3's batch is generated on version 1 at least, so its row has a sync
+    assert synced and set(synced.values()) == {(2.0, 0.0, 0.0)}, synced
 
     nodes = _actor_nodes(ray_cluster.address)
     train, ref = _named(nodes, "train", "PipelineWorker"), _named(nodes, "ref", "PipelineWorker")
