@@ -65,6 +65,16 @@ def wrap(owner, attr: str, name: str, extra=None) -> None:
     fn = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
     if fn is None or getattr(fn, "__step_probe__", False):
         return
+    inner = getattr(fn, "__wrapped__", None)
+    if inner is not None and inspect.iscoroutinefunction(inner) and not inspect.iscoroutinefunction(fn):
+        # verl's `auto_await`: it looks at its caller's frame to return the coroutine to an awaiting caller;
+        # the timed coroutine goes inside it, so that its caller stays the function's own
+        from verl.utils.ray_utils import auto_await
+
+        wrapped = auto_await(timed(name, inner, extra))
+        wrapped.__step_probe__ = True
+        setattr(owner, attr, wrapped)
+        return
     setattr(owner, attr, timed(name, fn, extra))
 
 

@@ -140,3 +140,27 @@ def test_the_probe_records_sync_and_async_calls_once_per_wrapped_function(tmp_pa
     assert [s[0] for s in spans] == ["engine_forward", "server_generate"]
     assert spans[0][4] == {"rows": 3} and spans[0][3] is not None  # a sync call: its thread's CPU
     assert spans[1][3] is None and spans[1][2] - spans[1][1] >= 0.01  # an async one: wall only
+
+
+def test_the_probe_keeps_verls_auto_await_returning_the_coroutine_to_an_awaiting_caller(tmp_path, monkeypatch):
+    from verl.utils.ray_utils import auto_await
+
+    monkeypatch.setenv(step_probe.ENV, str(tmp_path))
+    monkeypatch.setattr(step_probe, "_FILE", None)
+
+    class Manager:
+        @auto_await
+        async def update_weights(self, step):
+            await asyncio.sleep(0.01)
+            return {"step": step}
+
+    step_probe.wrap(Manager, "update_weights", "checkpoint_manager_update_weights")
+
+    async def caller():  # as verl's fully_async trainer calls it: awaited inside a running loop
+        return await Manager().update_weights(3)
+
+    assert asyncio.run(caller()) == {"step": 3}
+    assert Manager().update_weights(4) == {"step": 4}  # called without a loop: auto_await runs it
+    step_probe._FILE.flush()
+    spans = [json.loads(line) for line in next(tmp_path.glob("spans-*.jsonl")).read_text().splitlines()]
+    assert [s[0] for s in spans] == ["checkpoint_manager_update_weights"] * 2
