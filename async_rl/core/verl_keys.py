@@ -135,8 +135,8 @@ def refuse_unsupported(config) -> None:
         if rm_backend not in REWARD_MODEL_BACKENDS:
             raise AsyncConfigError(f"{REWARD_MODEL}.rollout.name", rm_backend,
                                    f"{' or '.join(REWARD_MODEL_BACKENDS)} (the async pipeline starts the reward "
-                                   "model's servers on the CPU backend and on vLLM; SGLang's is untested: no run "
-                                   "of verl's SGLang rollout has completed here yet, docs/sglang_cpu.md)")
+                                   "model's servers on the CPU backend and on vLLM; no run has served a reward "
+                                   "model on SGLang's CPU build here, docs/sglang_cpu.md)")
         if rm_backend != "cpu" and select_value(config, f"{REWARD_MODEL}.enable_resource_pool", False) is not True:
             raise AsyncConfigError(f"{REWARD_MODEL}.enable_resource_pool", False,
                                    f"True with {REWARD_MODEL}.rollout.name={rm_backend}: its servers need devices of "

@@ -18,7 +18,7 @@ REFUSED = [
      "sum_pi_squared"),
     ({"algorithm.adv_estimator": "tir_optimal_token_baseline"}, "tir_optimal_token_baseline", "sum_pi_squared"),
     ({"reward.reward_model.enable": True, "reward.reward_model.rollout.name": "sglang"},
-     "reward.reward_model.rollout.name='sglang'", "SGLang's is untested"),
+     "reward.reward_model.rollout.name='sglang'", "no run has served a reward model on SGLang"),
     ({"reward.reward_model.enable": True, "reward.reward_model.rollout.name": "vllm"},
      "reward.reward_model.enable_resource_pool=False", "True with reward.reward_model.rollout.name=vllm"),
     ({"actor_rollout_ref.model.lora_rank": 8, "actor_rollout_ref.rollout.name": "sglang"},
