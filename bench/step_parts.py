@@ -48,6 +48,8 @@ from bench.command import command_line  # noqa: E402
 FLAG_OFF = {"+actor_rollout_ref.async_pipeline": False}
 SYSTEMS = {  # name -> (verl's entry module, overrides on the demo's; `steps` is filled in)
     "verl-sync": (e2e.VERL_MAIN, FLAG_OFF),
+    # verl's legacy synchronous trainer (main_ppo_v0: no TransferQueue, no replay buffer), deprecated in 0.9.1
+    "verl-sync-v0": (e2e.VERL_MAIN, {**FLAG_OFF, "trainer.use_v1": False}),
     "verl-sync-tp2": (e2e.VERL_MAIN, {**FLAG_OFF, "actor_rollout_ref.rollout.tensor_model_parallel_size": 2}),
     "verl-sync-aw2": (e2e.VERL_MAIN, {**FLAG_OFF, "actor_rollout_ref.rollout.agent.num_workers": 2}),
     "pipeline-k1": (e2e.VERL_MAIN, {"+trainer.generate_ahead_steps": 1}),
