@@ -183,7 +183,7 @@ def lineage_counts(demo: Path, dumps: Path, steps: int) -> tuple[int, int]:
     """(samples lost, samples trained twice) of the final lineage: verl's rollout dumps against the
     prompts verl's dataloader gives steps 1..`steps`."""
     sys.path.insert(0, str(TESTS))
-    from lineage import dumped_step_inputs, expected_step_inputs
+    from helpers.lineage import dumped_step_inputs, expected_step_inputs
 
     return compare_lineage(expected_step_inputs(demo, steps), dumped_step_inputs(dumps))
 

@@ -14,7 +14,7 @@ import pytest
 import ray
 
 from async_rl.stop_signals import session_processes
-from lineage import compose_ppo, dumped_step_inputs, expected_step_inputs, read_jsonl  # noqa: F401 - tests import them from here
+from helpers.lineage import compose_ppo, dumped_step_inputs, expected_step_inputs, read_jsonl  # noqa: F401 - tests import them from here
 
 # Every Ray the tests start (their own, verl's, the shared clusters) skips Ray's prestart of one idle
 # Python worker per logical CPU when the first driver connects: 1.7-2.6 s of CPU each on these 2 cores,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import re
 
-from browser import open_page
+from helpers.browser import open_page
 from conftest import assert_nothing_left, run_verl, start_verl, step_rows
 
 from async_rl.core.fault_points import DELAY_ENV, HOLD_AT_ENV, HOLD_DIR_ENV

@@ -124,7 +124,7 @@ def test_the_stage_gives_every_tool_its_own_pool_of_the_configured_size(demo_dir
     from async_rl.core.policy_clock import ClockRef
     from async_rl.core.staleness import StalenessGate
     from state_machines.generate import GenerateStage
-    from scripted_server import ScriptedServer
+    from helpers.scripted_server import ScriptedServer
 
     config = compose_ppo(demo_overrides(demo_dir))
     strip_async_keys(config)
