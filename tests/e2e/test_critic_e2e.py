@@ -9,8 +9,10 @@ import pytest
 from async_rl.core import key_reads
 from async_rl.demo import demo_overrides
 from async_rl.demo.task import GROUP_SIZE, TRAIN_BATCH_SIZE
-from conftest import compose_ppo, every_step_with, run_verl, val_rows
 from helpers.key_table_record import disagreements
+from helpers.lineage import compose_ppo
+from helpers.rows import every_step_with, val_rows
+from helpers.runs import run_verl
 from state_machines.actor_train import trainable_rows
 
 CRITIC_KEYS = ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm", "critic/lr",

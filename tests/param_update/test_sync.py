@@ -323,7 +323,7 @@ def test_verl_builds_the_staged_engine_from_the_pipeline_config(demo_dir):
 
     from async_rl.core.config import strip_async_keys
     from async_rl.demo import demo_overrides
-    from conftest import compose_ppo
+    from helpers.lineage import compose_ppo
     from param_update.verl_engine import StagedCheckpointEngine, use_staged_checkpoint_engine
 
     config = compose_ppo(demo_overrides(demo_dir, extra={"actor_rollout_ref.rollout.name": "vllm"}))

@@ -12,7 +12,7 @@ import time
 import pytest
 import ray
 
-from conftest import RAY_CALL_GUARD_S
+from helpers.clusters import RAY_CALL_GUARD_S
 from state_machines.base import END_OF_STREAM, BusyTimer, StageError, StateMachine
 
 HANG_S = 10  # generous limit that only a hang reaches
