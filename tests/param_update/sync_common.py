@@ -6,9 +6,7 @@ CheckpointEngineWorker."""
 
 from __future__ import annotations
 
-import asyncio
 import sys
-import time
 import uuid
 from types import SimpleNamespace
 
@@ -19,7 +17,7 @@ import transformers
 from async_rl.api.weights import BucketRef
 from async_rl.rollout.cpu.server import CPURolloutServer
 from param_update.buckets import tensor_digest
-from param_update.sync import BucketStream, OverlappedWeightSync
+from param_update.sync import BucketStream
 from param_update.transports.object_store import StoredBucket
 from sync_actors import tiny_model
 
@@ -144,10 +142,6 @@ def server_pool(small_objects_ray_address, model_dir):
 def version_0_servers(small_objects_ray, server_pool):
     """`server_pool.servers` for this test (its driver connected)."""
     return server_pool.servers
-
-
-def run_sync(sync: OverlappedWeightSync, version: int):
-    return asyncio.run(asyncio.wait_for(sync.sync(version, time.time()), TIMEOUT_S))
 
 
 def announce(stream: BucketStream, buckets, refs):
