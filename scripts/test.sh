@@ -43,9 +43,9 @@ LANE_A=()
 for file in tests/e2e/test_*.py; do
   [[ " ${LANE_B_E2E[*]} ${LANE_C_E2E[*]} " == *" $file "* ]] || LANE_A+=("$file")
 done
-LANE_B_DIRS=()  # every test folder but e2e/
+LANE_B_DIRS=()  # every test folder but e2e/ (helpers/ holds none)
 for dir in tests/*/; do
-  [[ "$dir" == tests/e2e/ || "$dir" == tests/__* ]] || LANE_B_DIRS+=("${dir%/}")
+  [[ "$dir" == tests/e2e/ || "$dir" == tests/helpers/ || "$dir" == tests/__* ]] || LANE_B_DIRS+=("${dir%/}")
 done
 
 lane_a() {

@@ -311,7 +311,7 @@ def test_critic_follows_verls_rule_and_gae_without_one_is_refused(demo_dir):
     from async_rl.core.config import critic_enabled
     from async_rl.demo import demo_overrides
     from async_rl.run_config import read_run_config
-    from conftest import compose_ppo
+    from helpers.lineage import compose_ppo
 
     for overrides in ([], ["algorithm.adv_estimator=grpo"], ["algorithm.adv_estimator=grpo", "critic.enable=True"],
                       ["algorithm.adv_estimator=rloo", "critic.enable=False"], ["critic.enable=True"]):
@@ -332,7 +332,7 @@ def test_verls_checkpoint_keys_are_checked_before_ray_starts(demo_dir, tmp_path)
     (each key's rules: tests/driver/test_checkpoints.py)."""
     from async_rl.demo import demo_overrides
     from async_rl.run_config import read_run_config
-    from conftest import compose_ppo
+    from helpers.lineage import compose_ppo
 
     missing = str(tmp_path / "global_step_3")
     extra = {"trainer.resume_mode": "resume_path", "trainer.resume_from_path": missing}

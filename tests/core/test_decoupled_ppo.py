@@ -184,7 +184,7 @@ def test_settings_survive_verls_config_and_dataclass():
     from verl.trainer.config.algorithm import RolloutCorrectionConfig
     from verl.utils.config import omega_conf_to_dataclass
 
-    from conftest import compose_ppo
+    from helpers.lineage import compose_ppo
 
     config = compose_ppo([])
     assert conflicting_settings(config.algorithm.rollout_correction) == {}

@@ -9,7 +9,7 @@ import logging
 from async_rl.core.legacy_reward_keys import migrate_legacy_reward_keys
 from async_rl.demo import demo_overrides
 from async_rl.run_config import read_run_config
-from conftest import compose_ppo
+from helpers.lineage import compose_ppo
 
 
 def legacy_keys(demo_dir) -> dict:

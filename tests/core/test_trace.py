@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from async_rl.core.trace import TraceRecorder, chrome_events, clock_offset, same_clock, write_trace
-from stage_chain import traced_run
+from helpers.stage_chain import traced_run
 
 
 def test_a_disabled_recorder_records_nothing_and_an_enabled_one_pops_each_span_once():

@@ -20,7 +20,7 @@ from async_rl.core.verl_keys import (
 )
 from async_rl.demo import demo_overrides
 from async_rl.run_config import read_run_config, total_training_steps
-from conftest import compose_ppo
+from helpers.lineage import compose_ppo
 
 VERL_KEY_NAMES = list(leaf_keys(verl_defaults()))
 REFUSED_KEYS = [k for k in VERL_KEY_NAMES if row_for(k).handling is Handling.REFUSED]

@@ -11,7 +11,7 @@ from async_rl.core.errors import AsyncConfigError
 from async_rl.core.verl_keys import OPTIMAL_TOKEN_BASELINES, UNSUPPORTED
 from async_rl.demo import demo_overrides
 from async_rl.run_config import read_run_config
-from conftest import compose_ppo
+from helpers.lineage import compose_ppo
 
 REFUSED = [
     ({"algorithm.adv_estimator": "optimal_token_baseline"}, "algorithm.adv_estimator='optimal_token_baseline'",

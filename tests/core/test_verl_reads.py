@@ -16,7 +16,7 @@ from async_rl.core.verl_keys import leaf_keys, verl_defaults
 from async_rl.core.verl_reads import OUTSIDE_YAML, reading_of, refuse_unread_keys
 from async_rl.demo import demo_overrides
 from async_rl.run_config import read_run_config
-from conftest import compose_ppo
+from helpers.lineage import compose_ppo
 
 FLAG = "+actor_rollout_ref.async_pipeline"
 

@@ -12,7 +12,7 @@ from async_rl.demo.__main__ import main as cli_main
 from async_rl.demo.reward import compute_score
 from async_rl.demo.task import DATA_SOURCE, demo_overrides
 from async_rl.demo.tokenizer import SEPARATOR
-from conftest import compose_ppo
+from helpers.lineage import compose_ppo
 
 TRAIN_SIZE, VAL_SIZE = 48, 8
 

@@ -19,8 +19,8 @@ from async_rl.demo import lookup
 from async_rl.demo.lookup_reward import compute_score, model_turns
 from async_rl.demo.task import demo_overrides
 from async_rl.rollout.agent_loops import check_agent_loops
-from conftest import compose_ppo
-from scripted_server import ScriptedServer
+from helpers.lineage import compose_ppo
+from helpers.scripted_server import ScriptedServer
 from state_machines.actor_train import agent_loop_timings
 from async_rl.core.policy_clock import ClockRef
 from async_rl.core.staleness import StalenessGate

@@ -1,4 +1,4 @@
-"""The tests' leftover check (`assert_nothing_left`, tests/conftest.py): a weight-sync shared-memory file
+"""The tests' leftover check (`assert_nothing_left`, tests/helpers/processes.py): a weight-sync shared-memory file
 left by a process of the run fails it; one left by another run on the machine (CI runs three lanes at
 once, and a SIGKILLed run leaves its files) does not."""
 
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import assert_nothing_left, watch_session
+from helpers.processes import assert_nothing_left, watch_session
 from param_update.transports.shared_memory import PREFIX, SHM_DIR
 
 # a process that writes a file named as the weight sender names its regions, then dies without removing it

@@ -15,7 +15,7 @@ from async_rl.report import ReportError, write_report
 from async_rl.report.__main__ import main as report_main
 from async_rl.report.charts import CHART_W, LABEL_W
 from async_rl.report.summary import covered_s, read_metrics, read_timeline
-from stage_chain import traced_run
+from helpers.stage_chain import traced_run
 
 
 def test_covered_seconds_count_overlaps_once():
@@ -195,7 +195,7 @@ def test_each_second_of_a_stage_counts_once_and_the_sync_is_a_distribution(tmp_p
 
 
 def test_the_page_renders_in_a_browser_with_its_bars_inside_their_axes(tmp_path):
-    from browser import open_page
+    from helpers.browser import open_page
 
     many_versions_trace(tmp_path / "trace.json")
     page = open_page(Path(write_report(str(tmp_path), metrics_file(tmp_path / "m.jsonl"))))

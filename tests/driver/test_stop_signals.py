@@ -104,7 +104,7 @@ def test_the_training_dataloader_has_its_workers_die_with_the_stage(demo_dir):
 
     from async_rl.core.prompts import die_with_parent, load_prompt_dataset, make_train_dataloader
     from async_rl.demo import demo_overrides
-    from conftest import compose_ppo
+    from helpers.lineage import compose_ppo
 
     config = compose_ppo(demo_overrides(demo_dir))
     tokenizer = AutoTokenizer.from_pretrained(config.actor_rollout_ref.model.path)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from conftest import compose_ppo
+from helpers.lineage import compose_ppo
 
 N = 3
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from conftest import run_pipeline_reading_digests
+from helpers.runs import run_pipeline_reading_digests
 
 
 def test_a_backend_registered_from_outside_trains_on_policy(demo_dir, tmp_path, ray_address):

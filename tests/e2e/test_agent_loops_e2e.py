@@ -7,7 +7,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from conftest import dumped_step_inputs, every_step_with, read_jsonl, run_verl
+from helpers.lineage import dumped_step_inputs, read_jsonl
+from helpers.rows import every_step_with
+from helpers.runs import run_verl
 from two_turn_loop import ENV_REPLY
 
 HERE = Path(__file__).parent

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from async_rl.core.data_checks import BadDataError, check_rl_files, prompt_too_long_error
-from conftest import run_verl, step_rows
+from helpers.rows import step_rows
+from helpers.runs import run_verl
 
 LONG_ROW = 7
 

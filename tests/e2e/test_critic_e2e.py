@@ -9,8 +9,10 @@ import pytest
 from async_rl.core import key_reads
 from async_rl.demo import demo_overrides
 from async_rl.demo.task import GROUP_SIZE, TRAIN_BATCH_SIZE
-from conftest import compose_ppo, every_step_with, run_verl, val_rows
-from key_table_record import disagreements
+from helpers.key_table_record import disagreements
+from helpers.lineage import compose_ppo
+from helpers.rows import every_step_with, val_rows
+from helpers.runs import run_verl
 from state_machines.actor_train import trainable_rows
 
 CRITIC_KEYS = ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm", "critic/lr",
@@ -61,7 +63,7 @@ def test_ppo_with_a_critic_trains_with_values_from_the_critic_of_its_step(critic
 
 def test_the_key_table_says_what_the_run_read(critic_run, demo_dir):
     """Every PIPELINE row's keys read by the pipeline, every VERL row's reaching a verl class, no NO_EFFECT
-    key read, except the keys only a setting this run leaves off reads (key_table_record.ONLY_WITH)."""
+    key read, except the keys only a setting this run leaves off reads (helpers/key_table_record.py, ONLY_WITH)."""
     code, out, _, reads = critic_run
     assert code == 0, out[-4000:]
     records = key_reads.read_records(str(reads))

@@ -9,7 +9,8 @@ import pytest
 
 from async_rl.demo.task import sample_prompts
 from async_rl.demo.vision import image_rows, save_vl_model
-from conftest import every_step_with, run_verl, val_rows
+from helpers.rows import every_step_with, val_rows
+from helpers.runs import run_verl
 
 FP32_NOISE = 1e-4  # the server's vs the trainer's log-probs with the same weights
 STEPS = 2

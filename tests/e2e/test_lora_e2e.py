@@ -7,7 +7,8 @@ from __future__ import annotations
 from safetensors.torch import load_file
 
 from async_rl.demo.task import LORA_OVERRIDES
-from conftest import every_step_with, run_pipeline_reading_digests, run_verl, step_rows
+from helpers.rows import every_step_with, step_rows
+from helpers.runs import run_pipeline_reading_digests, run_verl
 from param_update.buckets import tensor_digest
 
 FLAG_OFF = {"+actor_rollout_ref.async_pipeline": False}

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import ray
 
-from conftest import every_step_with, run_verl
+from helpers.rows import every_step_with
+from helpers.runs import run_verl
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import every_step_with, run_verl, step_rows, val_rows
+from helpers.rows import every_step_with, step_rows, val_rows
+from helpers.runs import run_verl
 
 STAGES = ("dataloader", "generate", "rollout", "reward", "logp", "ref_logp", "actor_train", "param_update")
 REQUIRED_STEP_KEYS = (

@@ -14,8 +14,10 @@ import time
 import pytest
 
 from bench import faults
-from conftest import (assert_nothing_left, dumped_step_inputs, expected_step_inputs, read_jsonl, start_verl, step_rows,
-                      wait_until)
+from helpers.lineage import dumped_step_inputs, expected_step_inputs, read_jsonl
+from helpers.processes import assert_nothing_left, wait_until
+from helpers.rows import step_rows
+from helpers.runs import start_verl
 
 STEPS = 60  # long enough after the hang's detection (30 s) for its restart (~7 s) before the end: at ~0.35 s
 # a step, 30 steps once ended first

@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 
 from bench import faults
-from conftest import (assert_nothing_left, dumped_step_inputs, expected_step_inputs, read_jsonl, start_verl,
-                      step_rows, wait_until)
+from helpers.lineage import dumped_step_inputs, expected_step_inputs, read_jsonl
+from helpers.processes import assert_nothing_left, wait_until
+from helpers.rows import step_rows
+from helpers.runs import start_verl
 
 
 def restarted_from(out: str, n: int, of: int) -> int:

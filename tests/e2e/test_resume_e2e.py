@@ -20,17 +20,10 @@ import pytest
 
 from async_rl.checkpoint_dir import CheckpointDir
 from async_rl.core.fault_points import HOLD_AT_ENV, HOLD_DIR_ENV
-from conftest import (
-    dumped_step_inputs,
-    expected_step_inputs,
-    kill_session,
-    read_jsonl,
-    assert_nothing_left,
-    start_verl,
-    step_rows,
-    val_rows,
-    wait_for_file,
-)
+from helpers.lineage import dumped_step_inputs, expected_step_inputs, read_jsonl
+from helpers.processes import assert_nothing_left, kill_session, wait_for_file
+from helpers.rows import step_rows, val_rows
+from helpers.runs import start_verl
 
 VAL_KEY = "val-core/async_rl/copy_digits/reward/mean@1"
 SAVE_FREQ = 2

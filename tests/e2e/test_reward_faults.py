@@ -13,7 +13,8 @@ import pytest
 from async_rl.core.config import read_async_config
 from async_rl.core.errors import AsyncConfigError
 from async_rl.core.scoring import ResponseToScore, score_each_zeroing_failures
-from conftest import every_step_with, run_verl
+from helpers.rows import every_step_with
+from helpers.runs import run_verl
 
 HANG_S = 30.0  # a hung call sleeps this long: far past the timeouts below
 
@@ -126,7 +127,7 @@ def test_validation_scores_through_the_same_guard(demo_dir, tmp_path, on_error):
     from async_rl.core.policy_clock import ClockRef
     from async_rl.core.staleness import StalenessGate
     from state_machines.generate import GenerateStage
-    from conftest import compose_ppo
+    from helpers.lineage import compose_ppo
 
     flaky = tmp_path / "flaky.py"
     flaky.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw):\n"

@@ -15,7 +15,8 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from conftest import every_step_with, run_verl, val_rows
+from helpers.rows import every_step_with, val_rows
+from helpers.runs import run_verl
 
 RESPONSE_LENGTH = 4  # the demo's
 

@@ -12,7 +12,10 @@ import pytest
 
 from async_rl.checkpoint_dir import CheckpointDir
 from async_rl.core.fault_points import HOLD_AT_ENV, HOLD_DIR_ENV
-from conftest import assert_nothing_left, read_jsonl, start_verl, step_rows, wait_for_file, wait_until
+from helpers.lineage import read_jsonl
+from helpers.processes import assert_nothing_left, wait_for_file, wait_until
+from helpers.rows import step_rows
+from helpers.runs import start_verl
 
 STOP_DEADLINE_S = 25  # trainer.stop_deadline_s default
 SAVE_FREQ = 2

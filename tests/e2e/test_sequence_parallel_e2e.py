@@ -11,7 +11,8 @@ import pytest
 from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from async_rl.demo.task import MODEL_KWARGS
-from conftest import every_step_with, run_verl
+from helpers.rows import every_step_with
+from helpers.runs import run_verl
 
 FP32_NOISE = 1e-5  # measured 9e-8 at both steps; without verl_patches/ulysses_sdpa.py, 5e-4 at step 2
 

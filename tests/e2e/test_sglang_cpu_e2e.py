@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import every_step_with, run_verl, val_rows
+from helpers.rows import every_step_with, val_rows
+from helpers.runs import run_verl
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 

@@ -10,7 +10,8 @@ import json
 import pytest
 
 import tool_task
-from conftest import every_step_with, run_verl
+from helpers.rows import every_step_with
+from helpers.runs import run_verl
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import re
 
-from browser import open_page
-from conftest import assert_nothing_left, run_verl, start_verl, step_rows
+from helpers.browser import open_page
+from helpers.processes import assert_nothing_left
+from helpers.rows import step_rows
+from helpers.runs import run_verl, start_verl
 
 from async_rl.core.fault_points import DELAY_ENV, HOLD_AT_ENV, HOLD_DIR_ENV
 from async_rl.core.stage_graph import build_edges

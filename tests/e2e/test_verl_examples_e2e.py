@@ -14,7 +14,8 @@ import pytest
 
 from async_rl.demo.task import GROUP_SIZE
 from bench.verl_examples import ACTOR, EXAMPLES, run_keys, with_critic
-from conftest import every_step_with, run_verl, val_rows
+from helpers.rows import every_step_with, val_rows
+from helpers.runs import run_verl
 
 ELSEWHERE = {"rollout_correction/run_with_rollout_corr.sh": "tests/e2e/test_pipeline_e2e.py",
              "ppo_trainer/run_qwen2-7b_rm_seq_balance.sh": "tests/e2e/test_reward_model_e2e.py"}

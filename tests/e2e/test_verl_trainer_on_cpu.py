@@ -5,15 +5,9 @@ from __future__ import annotations
 from omegaconf import OmegaConf, open_dict
 
 from async_rl.verl_trainer_on_cpu import WORKER_ENV, prepare, wants_cpu_rollout
-from conftest import (
-    compose_ppo,
-    dumped_step_inputs,
-    expected_step_inputs,
-    read_jsonl,
-    run_verl,
-    step_rows,
-    val_rows,
-)
+from helpers.lineage import compose_ppo, dumped_step_inputs, expected_step_inputs, read_jsonl
+from helpers.rows import step_rows, val_rows
+from helpers.runs import run_verl
 
 FLAG_OFF = {"+actor_rollout_ref.async_pipeline": False}
 

@@ -16,21 +16,10 @@ import signal
 import pytest
 
 from async_rl.rollout.vllm_digests import ALLOW_PICKLE_ENV
-from conftest import (
-    dumped_step_inputs,
-    every_step_with,
-    expected_step_inputs,
-    assert_nothing_left,
-    kill_session,
-    read_digests,
-    read_jsonl,
-    run_verl,
-    start_pipeline_reading_digests,
-    start_verl,
-    step_rows,
-    val_rows,
-    wait_until,
-)
+from helpers.lineage import dumped_step_inputs, expected_step_inputs, read_jsonl
+from helpers.processes import assert_nothing_left, kill_session, wait_until
+from helpers.rows import every_step_with, step_rows, val_rows
+from helpers.runs import read_digests, run_verl, start_pipeline_reading_digests, start_verl
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 from bench import e2e, faults

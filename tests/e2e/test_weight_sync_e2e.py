@@ -7,7 +7,7 @@ and buckets smaller than most tensors: the paths the other end-to-end runs do no
 
 from __future__ import annotations
 
-from conftest import run_pipeline_reading_digests
+from helpers.runs import run_pipeline_reading_digests
 
 
 def test_every_receiver_holds_the_trainers_bytes(demo_dir, tmp_path, ray_address):

@@ -1,4 +1,4 @@
-"""What the weight-sync tests share (test_sync.py, test_transports.py, test_a_new_transport.py): a
+"""What the weight-sync tests share (test_sync_*.py, test_transports.py, test_a_new_transport.py): a
 trainer actor that sends its tiny model as a train rank does, a stand-in for the generate stage, and
 helpers that start a CPU rollout server and a param_update stage and sync a version through them.
 

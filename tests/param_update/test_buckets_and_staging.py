@@ -1,6 +1,6 @@
 """The weight sync's parts without Ray: buckets, staging (dual / single buffer), the engine's load.
 
-The Ray-level sync (object store, receivers as actors, failures) is in test_sync.py.
+The Ray-level sync (object store, receivers as actors, failures) is in test_sync_*.py.
 """
 
 from __future__ import annotations

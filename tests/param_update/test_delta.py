@@ -86,7 +86,7 @@ def test_delta_sync_is_refused_at_start_where_a_receiver_keeps_no_base(demo_dir)
     from async_rl.core.errors import AsyncConfigError
     from async_rl.demo import demo_overrides
     from async_rl.run_config import read_run_config
-    from conftest import compose_ppo
+    from helpers.lineage import compose_ppo
 
     key = "+actor_rollout_ref.rollout.param_update_delta_sync"
     read_run_config(compose_ppo(demo_overrides(demo_dir, extra={key: True})))  # the demo: CPU servers

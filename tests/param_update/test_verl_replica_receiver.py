@@ -114,7 +114,7 @@ def test_partial_rollout_false_is_refused_for_sglang(demo_dir):
     from async_rl.api.rollout import register_rollout_backend, rollout_backend
     from async_rl.core.errors import AsyncConfigError
     from async_rl.demo import demo_overrides
-    from conftest import compose_ppo
+    from helpers.lineage import compose_ppo
 
     sglang = rollout_backend("sglang")
     register_rollout_backend(dataclasses.replace(sglang, unavailable=lambda device: None))  # not installed here

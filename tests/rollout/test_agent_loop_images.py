@@ -13,8 +13,8 @@ import torch
 from async_rl.core.messages import MULTI_MODAL_INPUTS, PromptBatch, build_batch
 from async_rl.demo.task import sample_prompts
 from async_rl.demo.vision import IMAGE_PAD, image_rows, save_vl_model
-from conftest import compose_ppo
-from scripted_server import ScriptedServer
+from helpers.lineage import compose_ppo
+from helpers.scripted_server import ScriptedServer
 from async_rl.core.policy_clock import ClockRef
 from async_rl.core.staleness import StalenessGate
 from state_machines.generate import GenerateStage

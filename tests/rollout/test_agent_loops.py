@@ -17,9 +17,9 @@ from async_rl.core.messages import PromptBatch, build_batch, response_lengths
 from async_rl.core.scoring import decode_responses
 from async_rl.core.staleness import oldest_versions
 from async_rl.rollout.agent_loops import check_agent_loops
-from conftest import compose_ppo
+from helpers.lineage import compose_ppo
 from state_machines.actor_train import place_scores_on_last_token
-from scripted_server import ScriptedServer
+from helpers.scripted_server import ScriptedServer
 from async_rl.core.policy_clock import ClockRef
 from async_rl.core.staleness import StalenessGate
 from state_machines.generate import GenerateStage

@@ -23,8 +23,8 @@ from async_rl.api.rollout import rollout_backend
 from async_rl.core.errors import AsyncConfigError
 from async_rl.core.messages import PromptBatch
 from async_rl.rollout.verl_replicas import make_rollout_replicas
-from conftest import compose_ppo
-from scripted_server import ScriptedServer
+from helpers.lineage import compose_ppo
+from helpers.scripted_server import ScriptedServer
 from async_rl.core.policy_clock import ClockRef
 from async_rl.core.staleness import StalenessGate
 from state_machines.generate import GenerateStage

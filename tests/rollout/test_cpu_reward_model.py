@@ -22,7 +22,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from async_rl.core.reward_loop_scoring import RewardLoopScorer, one_row
 from async_rl.rollout.cpu.reward_server import check_reward_model
 from async_rl.rollout.reward_models import reward_model_devices, reward_model_replica_count, start_reward_model
-from conftest import RAY_CALL_GUARD_S
+from helpers.clusters import RAY_CALL_GUARD_S
 
 RAW_PROMPT = [{"role": "user", "content": "1234"}]
 

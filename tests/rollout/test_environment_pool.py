@@ -118,13 +118,13 @@ def test_a_stateful_tool_holds_its_environment_from_create_to_release():
 
 
 def test_the_stage_gives_every_tool_its_own_pool_of_the_configured_size(demo_dir):
-    from conftest import compose_ppo
+    from helpers.lineage import compose_ppo
     from async_rl.core.config import strip_async_keys
     from async_rl.demo import demo_overrides
     from async_rl.core.policy_clock import ClockRef
     from async_rl.core.staleness import StalenessGate
     from state_machines.generate import GenerateStage
-    from scripted_server import ScriptedServer
+    from helpers.scripted_server import ScriptedServer
 
     config = compose_ppo(demo_overrides(demo_dir))
     strip_async_keys(config)
@@ -140,7 +140,7 @@ def test_the_stage_gives_every_tool_its_own_pool_of_the_configured_size(demo_dir
 
 @pytest.mark.parametrize("value", [0, -1, 1.5, "four", True])
 def test_a_pool_size_that_is_not_a_positive_integer_is_refused_naming_the_key(demo_dir, value):
-    from conftest import compose_ppo
+    from helpers.lineage import compose_ppo
     from async_rl.demo import demo_overrides
 
     config = compose_ppo(demo_overrides(demo_dir, extra={f"+{TOOL_POOL_SIZE_KEY}": value}))

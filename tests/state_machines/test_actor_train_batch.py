@@ -9,7 +9,7 @@ import torch
 from async_rl.core.messages import LogpResult, RefLogpResult, ScoredBatch
 from async_rl.core.policy_clock import ClockRef
 from async_rl.core.staleness import StalenessGate
-from conftest import compose_ppo
+from helpers.lineage import compose_ppo
 from state_machines.actor_train import ActorTrainStage
 
 ROWS, RESPONSE_LEN, GROUP = 4, 5, 2

@@ -86,7 +86,7 @@ def test_clip_higher_and_token_mean_reach_the_train_workers_unchanged(demo_dir):
     loss they drive is checked against the equations in test_decoupled_ppo.py, with eps_high != eps_low)."""
     from async_rl.demo import demo_overrides
     from async_rl.run_config import read_run_config
-    from conftest import compose_ppo
+    from helpers.lineage import compose_ppo
 
     dapo = {"actor_rollout_ref.actor.clip_ratio_low": 0.2, "actor_rollout_ref.actor.clip_ratio_high": 0.28,
             "actor_rollout_ref.actor.clip_ratio_c": 10.0, "actor_rollout_ref.actor.loss_agg_mode": "token-mean"}

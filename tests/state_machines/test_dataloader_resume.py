@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from async_rl.checkpoints import dataloader_workers_in_state
-from conftest import compose_ppo
+from helpers.lineage import compose_ppo
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ import asyncio
 from async_rl.core.messages import PromptBatch
 from async_rl.core.policy_clock import ClockRef
 from async_rl.core.staleness import StalenessGate
-from conftest import compose_ppo
-from scripted_server import ScriptedServer
+from helpers.lineage import compose_ppo
+from helpers.scripted_server import ScriptedServer
 from state_machines.base import END_OF_STREAM
 from state_machines.generate import GenerateStage
 

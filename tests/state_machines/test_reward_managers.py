@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from async_rl.core.messages import Sample, build_batch
 from async_rl.demo import demo_overrides
 from async_rl.run_config import read_run_config
-from conftest import compose_ppo
+from helpers.lineage import compose_ppo
 from state_machines.reward import RewardStage
 
 MANAGER = '''

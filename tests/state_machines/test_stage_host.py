@@ -12,7 +12,7 @@ import threading
 import pytest
 import ray
 
-from conftest import RAY_CALL_GUARD_S
+from helpers.clusters import RAY_CALL_GUARD_S
 from state_machines.base import END_OF_STREAM, StageError, StateMachine
 from state_machines.host import THREADS_PER_STAGE, HostedStage, StageHost, StageNotBuilt
 

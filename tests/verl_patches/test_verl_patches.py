@@ -44,7 +44,7 @@ def test_with_the_flag_validate_config_points_main_ppos_run_ppo_at_the_pipeline(
     from async_rl.demo import demo_overrides
     from async_rl.plugin import enter_async_pipeline
     from async_rl.run_config import RunConfig
-    from conftest import compose_ppo
+    from helpers.lineage import compose_ppo
 
     cfg = compose_ppo(demo_overrides(demo_dir))
     main = types.ModuleType("__main__")
