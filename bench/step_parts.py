@@ -87,6 +87,7 @@ PROCESS_KINDS = (
     ("ray::StageHost", "pipeline stages"),
     ("ray::vLLMHttpServer", "vLLM server"),
     ("EngineCore", "vLLM engine"),
+    ("VLLM::Worker", "vLLM worker"),
     ("ray::FullyAsyncTrainer", "trainer driver"),
     ("ray::FullyAsyncRollouter", "fully_async rollouter"),
     ("ray::PipelineWorker", "trainer ranks"),
@@ -283,14 +284,17 @@ def load_spans(out: Path) -> dict[int, list[tuple]]:
 
 
 def process_kinds(out: Path, cmdlines: dict) -> dict[int, str]:
-    """pid -> kind, from the command line (Ray's `ray::<class>`), else from the run's log (`(<class> pid=N)`)."""
+    """pid -> kind: a kind of PROCESS_KINDS its command line names, else Ray's `ray::<class>`, else the name its
+    lines carry in the run's log (`(<class> pid=N)`)."""
     import re
 
     named = {int(m.group(2)): m.group(1) for m in re.finditer(r"\((\w+) pid=(\d+)\)", (out / "log.txt").read_text())}
     kinds = {}
     for pid, cmdline in cmdlines.items():
         pid = int(pid)
-        kinds[pid] = process_kind(cmdline if cmdline.startswith("ray::") or pid not in named else f"ray::{named[pid]}")
+        known = any(prefix in cmdline for prefix, _ in PROCESS_KINDS)
+        by_log = not known and not cmdline.startswith("ray::") and pid in named
+        kinds[pid] = process_kind(f"ray::{named[pid]}" if by_log else cmdline)
     return kinds
 
 
@@ -559,7 +563,8 @@ OWNERS = (  # part name prefix -> whose code runs in it
     ("pipeline stages", "ours"), ("generation: Ray's own", "Ray"), ("Ray's own", "Ray"),
     ("generation: other processes", "machine"), ("other processes", "machine"), ("generation: idle", "idle"),
     ("idle", "idle"), ("weight sync into the replicas", "verl+ours"), ("weight sync (this package", "ours+verl"),
-    ("generation: vLLM", "vLLM"), ("generation: py-spy", "bench"), ("rest of", "-"),
+    ("generation: vLLM", "vLLM"), ("vLLM", "vLLM"), ("generation: py-spy", "bench"), ("py-spy", "bench"),
+    ("rest of", "-"),
 )
 PIPELINE_OWNED = ("waiting for the next batch", "pi_prox pass", "actor update", "weight gather", "rest of the train")
 

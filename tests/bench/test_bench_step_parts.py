@@ -110,11 +110,23 @@ def test_py_spy_groups_leave_blocked_stacks_out():
 
 
 def test_process_kinds_from_command_lines_and_the_log(tmp_path):
-    (tmp_path / "log.txt").write_text("(RewardLoopWorker pid=12) x\n")
+    (tmp_path / "log.txt").write_text("(RewardLoopWorker pid=12) x\n(Worker pid=15) vLLM's worker logs as Worker\n")
     kinds = step_parts.process_kinds(tmp_path, {"10": "ray::AgentLoopWorkerTQ", "11": "ray::IDLE", "12": "",
-                                                "13": "/usr/bin/raylet --x", "14": "ray::SomeActor.method"})
+                                                "13": "/usr/bin/raylet --x", "14": "ray::SomeActor.method",
+                                                "15": "VLLM::Worker"})
     assert kinds == {10: "agent-loop worker", 11: "Ray's own processes", 12: "reward-loop worker",
-                     13: "Ray's own processes", 14: "SomeActor.method"}
+                     13: "Ray's own processes", 14: "SomeActor.method", 15: "vLLM worker"}
+
+
+def test_each_part_is_owned_by_whose_code_runs_in_it_in_a_phase_and_beside_the_step():
+    for part in ("generation: vLLM worker", "actor update: vLLM engine", "vLLM server"):
+        assert step_parts.owner("verl-fully-async", part) == "vLLM", part
+    # the generate stage's busy time beside the pipeline's step: the same owners
+    assert step_parts.owner("pipeline-k2-vllm", "vLLM worker") == "vLLM"
+    assert step_parts.owner("pipeline-k2", "py-spy (this bench's profiler)") == "bench"
+    assert step_parts.owner("pipeline-k2", "rollout server: engine decode forwards") == "ours"
+    assert step_parts.owner("pipeline-k2", "actor update") == "ours+verl"
+    assert step_parts.owner("verl-sync", "generation: agent-loop worker: tokenizing the prompt") == "verl"
 
 
 def test_the_probe_records_sync_and_async_calls_once_per_wrapped_function(tmp_path, monkeypatch):
