@@ -13,6 +13,9 @@ cut at the limit, as with reasoning models).
 
 - `verl-sync`: verl's synchronous trainer (`main_ppo`, V1 `sync` mode, its default), flag
   off, with this package's CPU rollout backend as a hybrid replica (weights synced each step).
+- `verl-sync v0` (`--verl-v0`): verl's legacy synchronous trainer (`trainer.use_v1=False`,
+  `main_ppo_v0`, deprecated in 0.9.1): no TransferQueue and no replay buffer between its agent
+  loops and its trainer.
 - `verl-fully-async` (`--rollout vllm`): verl's own async trainer, `fully_async_policy`, its weights
   sent by this package's `async_rl` checkpoint-engine backend (verl's others need GPUs or RDMA),
   one param sync per 32-prompt update (`trigger_parameter_sync_step=1`) and up to one batch
@@ -96,6 +99,7 @@ STAGES = ("dataloader", "generate", "rollout", "reward", "logp", "ref_logp", "ac
 VERL_SYNC_PARTS = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor",
                    "update_weights")
 TARGET = 0.9  # the validation reward every system is timed to; fixed before the runs
+VERL_V0 = "verl-sync v0"  # verl's legacy synchronous trainer
 GOAL_SPEEDUP = 3.0  # time to TARGET: the pipeline at least this many times sooner than verl-sync
 GOAL_BUBBLE = BUBBLE_GOAL  # and at generate_ahead_steps >= 2: step time / the busiest stage's time at most this
 FULLY_ASYNC_NOT_RUN = (
@@ -463,6 +467,7 @@ def main(argv=None) -> list[dict]:
                         help="PPO with GAE and a critic: verl-sync PPO and the pipeline at these generate_ahead_steps")
     parser.add_argument("--skip-verl", action="store_true", help="pipeline runs only")
     parser.add_argument("--skip-verl-sync", action="store_true", help="no verl-sync run (verl-fully-async still runs)")
+    parser.add_argument("--verl-v0", action="store_true", help="also verl's legacy synchronous trainer (use_v1=False)")
     parser.add_argument("--rollout", choices=("cpu", "vllm"), default="cpu",
                         help="vllm: every system on verl's vLLM servers (vLLM's CPU build), verl-fully-async too")
     parser.add_argument("--target", type=float, default=TARGET,
@@ -507,6 +512,8 @@ def main(argv=None) -> list[dict]:
     grpo_verl = not args.skip_verl and (systems or not ppo_ks)  # verl's GRPO run: the baseline of the GRPO rows
     if grpo_verl and args.rollout == "vllm":
         systems.insert(0, ("verl-fully-async", None, fully_async_overrides(args.steps, TRAIN_BATCH_SIZE), False))
+    if grpo_verl and args.verl_v0:
+        systems.insert(0, (VERL_V0, None, {**flag_off, "trainer.use_v1": False}, False))
     if grpo_verl and not args.skip_verl_sync:
         systems.insert(0, ("verl-sync", None, flag_off, False))
     if ppo_ks and not args.skip_verl:
@@ -577,16 +584,17 @@ def main(argv=None) -> list[dict]:
             continue
         base_name = "verl-sync PPO" if r["system"].endswith(" PPO") and "naive" not in r["system"] else "verl-sync"
         base = next((b for b in rows if b["system"] == base_name and b["seed"] == r["seed"]), None)
-        peer = next((b for b in rows if b["system"] == "verl-fully-async" and b["seed"] == r["seed"]), None)
+        peers = [b for b in rows if b["system"] in (VERL_V0, "verl-fully-async") and b["seed"] == r["seed"]
+                 and not r["system"].endswith(" PPO")]
         if base:
             print(explain(r, base))
             ratio, against = time_to_target_ratio(r, base)
             met, checks = goal_verdict(r, ratio)
             print(f"  time to {target}: {against}; {checks}: goal {'met' if met else 'missed'}"
                   + ("" if met else f"; {why_short_of_goal(r, base, target)}"))
-        if peer:
+        for peer in peers:
             print(explain(r, peer))
-            print(f"  against verl-fully-async: time to {target} {time_to_target_ratio(r, peer)[1]}")
+            print(f"  against {peer['system']}: time to {target} {time_to_target_ratio(r, peer)[1]}")
     if args.png and importlib.util.find_spec("matplotlib") is None:
         print("plot: not drawn (matplotlib is not installed in this venv)")
     elif args.png:

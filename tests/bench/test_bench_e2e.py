@@ -126,6 +126,28 @@ def test_a_summary_writes_only_the_files_asked_for(tmp_path, monkeypatch):
     assert "# at commit" in saved["command"] and [r["system"] for r in saved["rows"]] == ["async-pipeline k=2"]
 
 
+def test_verls_legacy_trainer_is_a_baseline_the_pipeline_is_compared_with(tmp_path, monkeypatch, capsys):
+    """--verl-v0: verl's legacy synchronous trainer runs with trainer.use_v1=False and each pipeline row names
+    its time to the target against it."""
+    import json
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    for name, step_s, reached, parts in (("verl-sync v0", 8.0, 4, {"timing_s/gen": 6.0}),
+                                         ("async-pipeline k=2", 2.0, 2, {"async/actor_train/busy_ratio": 1.0})):
+        rows = rows_for(step_s, e2e.VAL_KEYS[0], {0: 0.0, reached: 0.95}, **parts)
+        e2e.metrics_file(runs, name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    started = []
+    monkeypatch.setattr(e2e, "run_system", lambda name, *args, **kwargs: started.append((name, args[3])))
+    e2e.main(["--summarize-only", "--metrics-dir", str(runs), "--ks", "2", "--skip-verl-sync", "--verl-v0",
+              "--seeds", "0"])
+    out = capsys.readouterr().out
+    assert "against verl-sync v0: time to 0.9 4 s against 32 s (8.00x)" in out, out
+    assert started == []  # summarized, not run
+    e2e.main(["--metrics-dir", str(runs), "--reuse", "--ks", "2", "--skip-verl-sync", "--verl-v0", "--seeds", "0"])
+    assert started == []  # both files there: nothing run again
+
+
 def test_a_baseline_that_never_reaches_the_target_gives_a_lower_bound():
     verl, _ = e2e.summarize("verl-sync", None, rows_for(8.0, e2e.VAL_KEYS[1], {0: 0.0, 4: 0.3},
                                                         **{"timing_s/gen": 5.0}), 8, 0.5)
