@@ -59,19 +59,22 @@ def timed(name: str, fn, extra=None):
     return wrapper
 
 
+async def _awaited():
+    """A coroutine function, to tell verl's `auto_await` wrapper by its code."""
+
+
 def wrap(owner, attr: str, name: str, extra=None) -> None:
     """Replace `owner.attr` by its timed version (once; a missing attribute is left alone). Not for a class
     decorated `@ray.remote` at module level: Ray pickles such a class by value, and a wrapper's globals with it."""
     fn = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
     if fn is None or getattr(fn, "__step_probe__", False):
         return
-    inner = getattr(fn, "__wrapped__", None)
-    if inner is not None and inspect.iscoroutinefunction(inner) and not inspect.iscoroutinefunction(fn):
-        # verl's `auto_await`: it looks at its caller's frame to return the coroutine to an awaiting caller;
-        # the timed coroutine goes inside it, so that its caller stays the function's own
-        from verl.utils.ray_utils import auto_await
+    from verl.utils.ray_utils import auto_await
 
-        wrapped = auto_await(timed(name, inner, extra))
+    if getattr(fn, "__code__", None) is auto_await(_awaited).__code__:
+        # verl's `auto_await` looks at its caller's frame to hand an awaiting caller the coroutine: the timed
+        # coroutine goes inside it, so that its caller stays the function's own
+        wrapped = auto_await(timed(name, fn.__wrapped__, extra))
         wrapped.__step_probe__ = True
         setattr(owner, attr, wrapped)
         return
