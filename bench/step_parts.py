@@ -558,13 +558,10 @@ def pipeline_parts(out: Path, warmup: int) -> dict:
             "generate_busy": mean_parts(busy_parts), "warmup_end": train[warmup][2]}
 
 
-OWNERS = (  # part name prefix -> whose code runs in it
-    ("generation: rollout server", "ours"), ("rollout server", "ours"), ("generation: pipeline stages", "ours"),
-    ("pipeline stages", "ours"), ("generation: Ray's own", "Ray"), ("Ray's own", "Ray"),
-    ("generation: other processes", "machine"), ("other processes", "machine"), ("generation: idle", "idle"),
+OWNERS = (  # process or part name prefix -> whose code runs in it (a phase's parts: the name after "<phase>: ")
+    ("rollout server", "ours"), ("pipeline stages", "ours"), ("Ray's own", "Ray"), ("other processes", "machine"),
     ("idle", "idle"), ("weight sync into the replicas", "verl+ours"), ("weight sync (this package", "ours+verl"),
-    ("generation: vLLM", "vLLM"), ("vLLM", "vLLM"), ("generation: py-spy", "bench"), ("py-spy", "bench"),
-    ("rest of", "-"),
+    ("vLLM", "vLLM"), ("py-spy", "bench"), ("rest of", "-"),
 )
 PIPELINE_OWNED = ("waiting for the next batch", "pi_prox pass", "actor update", "weight gather", "rest of the train")
 
@@ -575,9 +572,8 @@ def owner(system: str, part: str) -> str:
         return "ours+verl" if part.startswith(("pi_prox", "actor update")) else "ours"
     if system.startswith("pipeline") and part == "trainer ranks":
         return "ours+verl"  # this package's worker running verl's engine
-    phase = phase_of(part)
-    if phase is not None and phase != "generation":
-        part = "generation: " + part.split(": ", 1)[1]  # the same processes, the same owners
+    if phase_of(part) is not None:
+        part = part.split(": ", 1)[1]  # a process in any phase: the same owner
     for prefix, who in OWNERS:
         if part.startswith(prefix):
             return who
