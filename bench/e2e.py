@@ -327,24 +327,42 @@ def summarize(name: str, k, rows: list[dict], samples_per_step: int, target: flo
 
 def held_target(vals: dict[int, float], target: float) -> dict:
     """Whether a run stayed learned: the step of its first validation >= `target` (None: never), the lowest
-    validation from then to its last one, and the step of that lowest one (`held`: it never fell below)."""
+    validation from then to its last one and its step (`held`: it never fell below), how many validations
+    since the first fell below, and the step from which every validation to the last is >= `target`
+    (`settled_step`; None when the last one is below)."""
     first = next((step for step in sorted(vals) if vals[step] >= target), None)
     if first is None:
-        return {"target_step": None, "min_val_after_target": None, "min_val_step": None, "held": None}
-    lowest = min((step for step in vals if step >= first), key=lambda step: (vals[step], step))
+        return {"target_step": None, "min_val_after_target": None, "min_val_step": None, "held": None,
+                "vals_below_after_target": None, "settled_step": None}
+    since = sorted(step for step in vals if step >= first)
+    lowest = min(since, key=lambda step: (vals[step], step))
+    below = [step for step in since if vals[step] < target]
+    if not below:
+        settled = first
+    elif below[-1] == since[-1]:
+        settled = None
+    else:
+        settled = next(step for step in since if step > below[-1])
     return {"target_step": first, "min_val_after_target": vals[lowest], "min_val_step": lowest,
-            "held": vals[lowest] >= target}
+            "held": vals[lowest] >= target, "vals_below_after_target": len(below), "settled_step": settled}
 
 
 def held_line(row: dict, target: float) -> str:
-    """One line: whether the run held validation >= `target` from its first validation there to its last."""
+    """One line: whether the run held validation >= `target` from its first validation there to its last, and
+    where it did not, whether it came back to stay."""
     if row.get("target_step") is None:
         return f"{row['system']} seed {row['seed']}: never reached {target}"
     if row["held"]:
         return (f"{row['system']} seed {row['seed']}: held >= {target} from step {row['target_step']} to its last "
                 f"validation (lowest {row['min_val_after_target']:.3f}, step {row['min_val_step']})")
-    return (f"{row['system']} seed {row['seed']}: reached {target} at step {row['target_step']}, then fell to "
+    line = (f"{row['system']} seed {row['seed']}: reached {target} at step {row['target_step']}, then fell to "
             f"{row['min_val_after_target']:.3f} at step {row['min_val_step']}")
+    if row.get("vals_below_after_target") is None:  # a row from before these fields
+        return line
+    if row["settled_step"] is None:
+        return line + f"; below {target} at its last validation"
+    return (line + f" ({row['vals_below_after_target']} validation(s) below {target}); >= {target} from step "
+            f"{row['settled_step']} to its last")
 
 
 def bottleneck(row: dict) -> str | None:
@@ -604,7 +622,7 @@ def main(argv=None) -> list[dict]:
         keys = ("system", "seed", "generate_ahead_steps", "wall_s_per_sample", "time_to_target_s", "steps",
                 "final_val_reward", "bubble_ratio", "busiest_stage", "busy_ratio", "train_chain_busy", "mean_step_s",
                 "breakdown", "beside", "tokens_per_step", "cpu_patches", "engine_processes", "target_step",
-                "min_val_after_target", "min_val_step", "held")
+                "min_val_after_target", "min_val_step", "held", "vals_below_after_target", "settled_step")
         with open(args.json, "w") as f:
             json.dump({"command": command, "rows": [{k: r.get(k) for k in keys} for r in rows]}, f, indent=1)
     return rows

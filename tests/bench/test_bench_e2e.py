@@ -220,16 +220,25 @@ def test_a_run_that_falls_after_the_target_is_reported_as_not_held():
     """`held_target`: the first validation at the target, the lowest one after it; a run that dips below it
     after reaching it (the LoRA demo's collapse: 1.0 to 0.08) is not held, one that stays is."""
     fell = e2e.held_target({0: 0.0, 10: 0.93, 20: 1.0, 30: 0.39, 40: 0.08, 50: 0.09}, 0.9)
-    assert fell == {"target_step": 10, "min_val_after_target": 0.08, "min_val_step": 40, "held": False}
+    assert fell == {"target_step": 10, "min_val_after_target": 0.08, "min_val_step": 40, "held": False,
+                    "vals_below_after_target": 3, "settled_step": None}
     stayed = e2e.held_target({0: 0.0, 10: 0.5, 20: 0.9, 30: 1.0, 40: 0.95}, 0.9)
-    assert stayed == {"target_step": 20, "min_val_after_target": 0.9, "min_val_step": 20, "held": True}
+    assert stayed == {"target_step": 20, "min_val_after_target": 0.9, "min_val_step": 20, "held": True,
+                      "vals_below_after_target": 0, "settled_step": 20}
+    # one dip at the crossing, then back to stay: not held, settled from the validation after the dip
+    dipped = e2e.held_target({0: 0.0, 130: 0.91, 140: 0.87, 150: 0.97, 160: 1.0}, 0.9)
+    assert (dipped["held"], dipped["vals_below_after_target"], dipped["settled_step"]) == (False, 1, 150)
     assert e2e.held_target({0: 0.0, 10: 0.5}, 0.9)["held"] is None
     rows = rows_for(2.0, e2e.VAL_KEYS[0], {0: 0.0, 2: 0.95, 4: 0.5},
                     **{"prompt_length/mean": 6.0, "async/actor_train/busy_ratio": 0.9})
     row, _ = e2e.summarize("async-pipeline k=2 LoRA", 2, rows, samples_per_step=8, target=0.9)
     row["seed"] = 1
     assert row["held"] is False and row["tokens_per_step"] == pytest.approx(8 * (6.0 + 10.0))
-    assert e2e.held_line(row, 0.9) == "async-pipeline k=2 LoRA seed 1: reached 0.9 at step 2, then fell to 0.500 at step 4"
+    assert e2e.held_line(row, 0.9) == ("async-pipeline k=2 LoRA seed 1: reached 0.9 at step 2, then fell to 0.500 at "
+                                       "step 4; below 0.9 at its last validation")
+    row.update(e2e.held_target({0: 0.0, 2: 0.95, 4: 0.5, 6: 0.92}, 0.9))
+    assert e2e.held_line(row, 0.9) == ("async-pipeline k=2 LoRA seed 1: reached 0.9 at step 2, then fell to 0.500 at "
+                                       "step 4 (1 validation(s) below 0.9); >= 0.9 from step 6 to its last")
 
 
 def test_a_runs_engine_patches_are_those_every_engine_process_applied(tmp_path):
