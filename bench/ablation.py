@@ -38,7 +38,7 @@ from pathlib import Path
 # bench/param_update.py would shadow the `param_update` package: drop this folder from the path
 sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
-from bench.command import command_line  # noqa: E402
+from bench.command import command_line, shown_path  # noqa: E402
 
 VAL_KEY = "val-core/async_rl/copy_digits/reward/mean@1"
 NAIVE = {"+algorithm.decoupled_ppo": False, "algorithm.rollout_correction.bypass_mode": True}
@@ -214,7 +214,7 @@ def main(argv=None) -> list[dict]:
         print(line)
     if args.png:
         plot(curves, args.png)
-        print(f"plot: {args.png}")
+        print(f"plot: {shown_path(args.png)}")
     if args.json:
         keys = ("eta", "decoupled", "seed", "steps", "final_val_reward", "wall_s", "cap", "capped_token_fraction",
                 "capped_token_fraction_last_third")

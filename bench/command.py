@@ -13,11 +13,11 @@ ROOT = Path(__file__).resolve().parents[1]
 OUTSIDE = "/path/to"  # stands for the folders of a path outside the repository (no machine's paths in results)
 
 
-def _relative(word: str) -> str:
-    """A path inside the repository, relative to it; one outside it as `/path/to/<name>`; `--opt=PATH` alike."""
+def shown_path(word: str) -> str:
+    """A path as results show it: inside the repository, relative to it; outside it, `/path/to/<name>`; `--opt=PATH` alike."""
     if word.startswith("-") and "=" in word:
         option, _, value = word.partition("=")
-        return f"{option}={_relative(value)}"
+        return f"{option}={shown_path(value)}"
     path = Path(word)
     if not path.is_absolute():
         return word
@@ -46,7 +46,7 @@ def command_line(argv: list[str] | None = None) -> str:
     """`python bench/<script> <args>  # at commit <hash>` for `argv` (default: this process's), led by
     GLIBC_TUNABLES when set (it changes how memcpy stores: bench/store_floor.py)."""
     argv = list(sys.argv if argv is None else argv)
-    words = ["python", *(_relative(word) for word in argv)]
+    words = ["python", *(shown_path(word) for word in argv)]
     tunables = os.environ.get("GLIBC_TUNABLES")
     return ((f"GLIBC_TUNABLES={tunables} " if tunables else "") + " ".join(shlex.quote(w) for w in words)
             + f"  # at commit {commit()}")

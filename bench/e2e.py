@@ -79,7 +79,7 @@ from pathlib import Path
 # bench/param_update.py would shadow the `param_update` package: drop this folder from the path
 sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
-from bench.command import command_line  # noqa: E402
+from bench.command import command_line, shown_path  # noqa: E402
 from async_rl.core.bottleneck import BUBBLE_GOAL, waiting_cause  # noqa: E402
 from async_rl.stop_signals import session_processes  # noqa: E402
 from verl_patches.cpu_patches import PATCH_LOG_ENV, applied_patches  # noqa: E402
@@ -617,7 +617,7 @@ def main(argv=None) -> list[dict]:
         print("plot: not drawn (matplotlib is not installed in this venv)")
     elif args.png:
         plot(curves, args.png, target, plot_title(args.task, args.response_length, list(curves)))
-        print(f"plot: {args.png}")
+        print(f"plot: {shown_path(args.png)}")
     if args.json:
         keys = ("system", "seed", "generate_ahead_steps", "wall_s_per_sample", "time_to_target_s", "steps",
                 "final_val_reward", "bubble_ratio", "busiest_stage", "busy_ratio", "train_chain_busy", "mean_step_s",

@@ -21,7 +21,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from bench.command import command_line  # noqa: E402
+from bench.command import command_line, shown_path  # noqa: E402
 
 GOAL = 0.02
 
@@ -142,7 +142,7 @@ def main(argv=None) -> dict:
           "(an upper bound: the stages record in their own processes, beside each other)")
     if args.png:
         draw(traced, args.png)
-        print(f"plot: {args.png}")
+        print(f"plot: {shown_path(args.png)}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"command": command_line(), "runs": [{k: v for k, v in r.items() if k != "dir"} for r in runs],

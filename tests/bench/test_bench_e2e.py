@@ -126,6 +126,22 @@ def test_a_summary_writes_only_the_files_asked_for(tmp_path, monkeypatch):
     assert "# at commit" in saved["command"] and [r["system"] for r in saved["rows"]] == ["async-pipeline k=2"]
 
 
+def test_a_summary_prints_no_machine_path(tmp_path, monkeypatch, capsys):
+    """What a bench prints goes into bench/results: a plot outside the repository is shown as /path/to/<name>."""
+    import json
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    rows = rows_for(2.0, e2e.VAL_KEYS[0], {0: 0.0, 4: 0.95}, **{"async/actor_train/busy_ratio": 1.0})
+    (runs / "async-pipeline_k2_seed0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setattr(e2e, "plot", lambda *args, **kwargs: None)
+    monkeypatch.setattr(e2e.importlib.util, "find_spec", lambda name: object())  # as if matplotlib were there
+    e2e.main(["--summarize-only", "--metrics-dir", str(runs), "--ks", "2", "--skip-verl", "--seeds", "0",
+              "--png", str(tmp_path / "curve.png")])
+    out = capsys.readouterr().out
+    assert "plot: /path/to/curve.png" in out and str(tmp_path) not in out
+
+
 def test_verls_legacy_trainer_is_a_baseline_the_pipeline_is_compared_with(tmp_path, monkeypatch, capsys):
     """--verl-v0: verl's legacy synchronous trainer runs with trainer.use_v1=False and each pipeline row names
     its time to the target against it."""
