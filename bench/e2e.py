@@ -60,7 +60,20 @@ package's CPU engine; verl's synchronous trainer then runs on one device (its hy
 2 to 4 turns a trajectory), the same target. `--lora-ks 2`: pipeline runs that train a LoRA adapter
 (`overrides_lora.txt`: rank 16 on every Linear layer, lr 1e-3) instead of the whole model.
 
-    python bench/e2e.py [--seeds 0,1] [--steps 400] [--rollout cpu|vllm] [--task copy|lookup] [--json PATH] [--png PATH]
+`--task long`: a workload shaped like RL on GPUs, where generation dominates the step and waits for a
+long tail (`overrides_long.txt`, `async_rl.demo.long_tail`): the copy task's prompts and reward, each
+response forced to a length drawn once per prompt (log-normal, cut at 256 tokens: a mean of about 52,
+about 2% at the cap), the same for every system and every step. `--model-size NAME` builds the demo's
+model at a size of `async_rl.demo.task.MODEL_SIZES` (default tiny; `--task long` needs one whose positions
+cover 256-token responses: small or medium). For each verl synchronous run (`verl-sync`, `verl-sync v0`)
+it prints the overlap limit from verl's own parts, (generation + training) / max(generation, training)
+with training = log-prob passes + update + weight sync (mean s per step), and the share of its step that
+is model compute, (generation + log-prob passes + update) / step (the whole generation phase counted as
+compute); for every other GRPO run, its speed-up against that verl run per step and in time to `TARGET`,
+each as a fraction of the limit.
+
+    python bench/e2e.py [--seeds 0,1] [--steps 400] [--rollout cpu|vllm] [--task copy|lookup|long]
+        [--model-size tiny|small|medium] [--json PATH] [--png PATH]
 """
 
 from __future__ import annotations
@@ -88,7 +101,8 @@ ENGINE_PATCH = "patch_unpinned_cpu_offload"  # applied when a process imports ve
 
 # the validation reward: the pipeline logs it as val-core; verl's trainer logs the same score as val-aux
 # (its val-core entry is `acc`, which verl's reward manager sets to the same float)
-VAL_KEYS = tuple(f"val-{kind}/{source}/reward/mean@1" for source in ("async_rl/copy_digits", "async_rl/lookup")
+VAL_KEYS = tuple(f"val-{kind}/{source}/reward/mean@1"
+                 for source in ("async_rl/copy_digits", "async_rl/lookup", "async_rl/long_tail")
                  for kind in ("core", "aux"))
 # AReaL's naive PPO: pi_old = the behaviour policy, logp recomputes nothing (README "Algorithms")
 NAIVE_PPO = {"+algorithm.decoupled_ppo": False, "algorithm.rollout_correction.bypass_mode": True}
@@ -100,6 +114,8 @@ VERL_SYNC_PARTS = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "upd
                    "update_weights")
 TARGET = 0.9  # the validation reward every system is timed to; fixed before the runs
 VERL_V0 = "verl-sync v0"  # verl's legacy synchronous trainer
+VERL_SYNC_BASES = ("verl-sync", VERL_V0)  # verl's synchronous GRPO runs: each gives an overlap limit
+COMPUTE_SHARE_GOAL = 0.7  # a workload shaped like GPU RL: model compute at least this share of verl's sync step
 GOAL_SPEEDUP = 3.0  # time to TARGET: the pipeline at least this many times sooner than verl-sync
 GOAL_BUBBLE = BUBBLE_GOAL  # and at generate_ahead_steps >= 2: step time / the busiest stage's time at most this
 FULLY_ASYNC_NOT_RUN = (
@@ -175,9 +191,9 @@ def stop_like_a_scheduler(proc: subprocess.Popen, kill_wait_s: float = KILL_WAIT
 
 def run_system(name: str, demo_dir: Path, workdir: Path, metrics_path: Path, extra: dict, timeout_s: float,
                critic: bool = False, stop_at: float | None = None, main: str = "verl.trainer.main_ppo",
-               agent: bool = False) -> list[dict]:
-    """One training run by the plain verl command (`critic`: the demo's PPO with GAE; `agent`: the lookup
-    task, `overrides_agent.txt`); returns its JSONL rows.
+               task: str = "copy") -> list[dict]:
+    """One training run by the plain verl command (`critic`: the demo's PPO with GAE; `task`: the demo's
+    copy task, "lookup" (`overrides_agent.txt`) or "long" (`overrides_long.txt`)); returns its JSONL rows.
 
     ``stop_at``: end the run at its first validation reward >= this (the rows up to it are kept).
     ``timeout_s``: end the run after this many seconds (wall, start included); its rows so far are kept
@@ -191,7 +207,7 @@ def run_system(name: str, demo_dir: Path, workdir: Path, metrics_path: Path, ext
     patch_log.unlink(missing_ok=True)
     env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(metrics_path), "PYTHONUNBUFFERED": "1",
            PATCH_LOG_ENV: str(patch_log)}
-    overrides = demo_overrides(demo_dir, extra=extra, critic=critic, agent=agent)
+    overrides = demo_overrides(demo_dir, extra=extra, critic=critic, agent=task == "lookup", long=task == "long")
     if main == FULLY_ASYNC_MAIN:
         overrides = [o for o in overrides if not o.startswith(PIPELINE_KEYS)]
     cmd = [sys.executable, "-m", main, *overrides]
@@ -375,8 +391,10 @@ def bottleneck(row: dict) -> str | None:
 
 def plot_title(task: str, response_length: int, systems: list) -> str:
     """The picture's title: the workload, and verl's trainers only where a curve is theirs."""
-    workload = (f"copy-digits, responses up to {response_length} tokens" if task == "copy"
-                else "lookup agent, 2-4 turns")
+    from async_rl.demo.long_tail import LONG_RESPONSE_TOKENS
+
+    workload = {"copy": f"copy-digits, responses up to {response_length} tokens", "lookup": "lookup agent, 2-4 turns",
+                "long": f"copy-digits, long-tailed responses up to {LONG_RESPONSE_TOKENS} tokens"}[task]
     return f"{workload}: {'verl vs async pipeline' if any(s.startswith('verl') for s in systems) else 'async pipeline'}"
 
 
@@ -433,6 +451,85 @@ def time_to_target_ratio(row: dict, base: dict) -> tuple[float | None, str]:
     return ratio, f"{fmt(mine)} s against {fmt(theirs)} s ({'-' if ratio is None else f'{ratio:.2f}x'})"
 
 
+def training_side(breakdown: dict) -> float:
+    """verl's training side of a step (mean s): its log-prob passes + update + weight sync."""
+    return breakdown["log-prob passes"] + breakdown["update"] + breakdown["weight sync"]
+
+
+def overlap_limit(breakdown: dict) -> float | None:
+    """The most a step of verl's synchronous trainer can gain by running its generation (G) beside its training
+    (T, `training_side`) with nothing else changed: (G + T) / max(G, T); None when neither was logged."""
+    gen, train = breakdown["generation"], training_side(breakdown)
+    return (gen + train) / max(gen, train) if max(gen, train) > 0 else None
+
+
+def compute_share(row: dict) -> float:
+    """The share of a verl run's step that is model compute: (generation + log-prob passes + update) / step
+    (the whole generation phase counted as compute)."""
+    parts = row["breakdown"]
+    return (parts["generation"] + parts["log-prob passes"] + parts["update"]) / row["mean_step_s"]
+
+
+def against_limit(row: dict, base: dict) -> dict:
+    """`row`'s speed-up against verl's synchronous run `base`: per step (`base`'s s/step over `row`'s) and in time
+    to the target (None unless both reached it), each also as a fraction of `base`'s overlap limit (None
+    without a limit)."""
+    limit = overlap_limit(base["breakdown"])
+    per_step = base["mean_step_s"] / row["mean_step_s"]
+    mine, theirs = row["time_to_target_s"], base["time_to_target_s"]
+    to_target = theirs / mine if mine and theirs else None
+    return {"limit": limit, "per_step": per_step, "per_step_of_limit": per_step / limit if limit else None,
+            "to_target": to_target,
+            "to_target_of_limit": to_target / limit if limit and to_target is not None else None}
+
+
+def limit_line(base: dict) -> str:
+    """One line: a verl synchronous run's overlap limit and the model-compute share of its step, each with the
+    formula and the parts it was computed from."""
+    parts, step = base["breakdown"], base["mean_step_s"]
+    gen, train, limit = parts["generation"], training_side(parts), overlap_limit(parts)
+    name = f"{base['system']} seed {base['seed']}"
+    if limit is None:
+        line = f"{name}: no overlap limit (no generation or training time logged)"
+    else:
+        line = (f"{name}: overlap limit (generation + training) / max(generation, training) = ({gen:.2f} + {train:.2f})"
+                f" / {max(gen, train):.2f} = {limit:.2f}, training = log-prob passes {parts['log-prob passes']:.2f} + "
+                f"update {parts['update']:.2f} + weight sync {parts['weight sync']:.2f} (mean s per step)")
+    share = compute_share(base)
+    return (line + f"; model compute share of its step (generation + log-prob passes + update) / step = ({gen:.2f} + "
+            f"{parts['log-prob passes']:.2f} + {parts['update']:.2f}) / {step:.2f} = {share:.2f} "
+            f"({'>=' if share >= COMPUTE_SHARE_GOAL else '<'} {COMPUTE_SHARE_GOAL:.2f}; the whole generation phase "
+            "counted as compute)")
+
+
+def against_limit_line(row: dict, base: dict, target: float = TARGET) -> str:
+    """One line: `row`'s speed-up against `base` per step and in time to `target`, each as a fraction of
+    `base`'s overlap limit (`against_limit`)."""
+    got = against_limit(row, base)
+    limit = got["limit"]
+    line = (f"  {row['system']} seed {row['seed']} against {base['system']}: {got['per_step']:.2f}x per step "
+            f"({base['mean_step_s']:.2f} s / {row['mean_step_s']:.2f} s)")
+    if limit is not None:
+        line += f", {got['per_step_of_limit']:.2f} of the overlap limit {limit:.2f}"
+    if got["to_target"] is None:
+        missing = [r["system"] for r in (row, base) if not r["time_to_target_s"]]
+        return line + f"; time to {target}: not compared ({' and '.join(missing)} did not reach it)"
+    line += (f"; time to {target}: {got['to_target']:.2f}x ({base['time_to_target_s']:.0f} s / "
+             f"{row['time_to_target_s']:.0f} s)")
+    return line + (f", {got['to_target_of_limit']:.2f} of the overlap limit" if limit is not None else "")
+
+
+def model_words(kwargs: dict) -> str:
+    """A model size in words: its hidden size, MLP size and layers."""
+    return (f"hidden {kwargs['hidden_size']}, MLP {kwargs['intermediate_size']}, {kwargs['num_hidden_layers']} layers, "
+            f"{kwargs['num_attention_heads']} attention head(s)")
+
+
+def critic_run(name: str) -> bool:
+    """Whether a system is one of the PPO-with-a-critic runs (`--ppo-ks`), compared with `verl-sync PPO`."""
+    return name.endswith(" PPO") and "naive" not in name
+
+
 def goal_verdict(row: dict, ratio: float | None) -> tuple[bool, str]:
     """Whether a pipeline run meets the goal, checking each of its conditions (time to the target at least
     GOAL_SPEEDUP x sooner; at k >= 2 a bubble ratio at most GOAL_BUBBLE), and each check as printed."""
@@ -471,8 +568,11 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--seeds", default="0,1", help="demo seeds (model init and data), runs interleaved")
     parser.add_argument("--no-stop-at-target", action="store_true", help="run all --steps")
     parser.add_argument("--response-length", type=int, default=4, help="max response tokens (the copy task's: 4)")
-    parser.add_argument("--task", choices=("copy", "lookup"), default="copy",
-                        help="the demo's copy task, or its lookup task (an agent loop calling a tool, overrides_agent.txt)")
+    parser.add_argument("--task", choices=("copy", "lookup", "long"), default="copy",
+                        help="the demo's copy task, its lookup task (an agent loop calling a tool, overrides_agent.txt), "
+                             "or its long-tail task (responses of forced long-tailed lengths up to 256, overrides_long.txt)")
+    parser.add_argument("--model-size", default="tiny",
+                        help="the demo model's size, a row of async_rl.demo.task.MODEL_SIZES (tiny, small, medium)")
     parser.add_argument("--ks", default="1,2,5", help="generate_ahead_steps of the pipeline runs")
     parser.add_argument("--test-freq", type=int, default=10)
     parser.add_argument("--naive-ks", default="",
@@ -503,7 +603,13 @@ def main(argv=None) -> list[dict]:
     if (args.summarize_only or args.reuse) and not args.metrics_dir:
         parser.error("--summarize-only and --reuse read the JSONL files in --metrics-dir: give it")
     command = command_line()
-    from async_rl.demo.task import GROUP_SIZE, TRAIN_BATCH_SIZE
+    from async_rl.demo.task import GROUP_SIZE, MODEL_SIZES, TRAIN_BATCH_SIZE, covers_long_task
+
+    if args.model_size not in MODEL_SIZES:
+        parser.error(f"--model-size {args.model_size}: one of {', '.join(MODEL_SIZES)}")
+    if args.task == "long" and not covers_long_task(args.model_size):
+        parser.error(f"--task long needs a model whose positions hold its responses: --model-size "
+                     f"{' or '.join(s for s in MODEL_SIZES if covers_long_task(s))}")
 
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     common = {
@@ -553,19 +659,22 @@ def main(argv=None) -> list[dict]:
                     if not demo_dir.exists():
                         from async_rl.demo import prepare
 
-                        prepare(demo_dir, seed=seed)
+                        prepare(demo_dir, seed=seed, model_size=args.model_size)
                     entry = FULLY_ASYNC_MAIN if name == "verl-fully-async" else "verl.trainer.main_ppo"
                     metrics = run_system(name, demo_dir, Path(tmp), path, {**common, **extra}, args.timeout_s,
-                                         critic, stop_at, entry, agent=args.task == "lookup")
+                                         critic, stop_at, entry, task=args.task)
                 row, curve = summarize(name, k, metrics, TRAIN_BATCH_SIZE * GROUP_SIZE, target)
                 row["seed"] = seed
                 row.update(engine_patches(path))
+                if name in VERL_SYNC_BASES:
+                    row["overlap_limit"], row["compute_share"] = overlap_limit(row["breakdown"]), compute_share(row)
                 rows.append(row)
                 curves[f"{name} seed {seed}"] = curve
                 print(f"done: {json.dumps(row)}", flush=True)
     print(f"\ncommand: {command}\ncpus: {os.cpu_count()}; up to {args.steps} steps of {TRAIN_BATCH_SIZE} prompts x "
           f"{GROUP_SIZE} samples; task {args.task}; "
           + (f"responses up to {args.response_length} tokens; " if args.task == "copy" else "")
+          + f"model {args.model_size} ({model_words(MODEL_SIZES[args.model_size])}); "
           + f"target {target} (fixed); "
           f"seeds {seeds}; rollout {args.rollout}; " + ("each run stops at the target" if stop_at else "all steps"))
     if grpo_verl and args.rollout == "cpu":
@@ -591,6 +700,15 @@ def main(argv=None) -> list[dict]:
                    "loaded verl's FSDP engine module, its training workers among them)"
                    if r.get("engine_processes") else "not recorded")
         print(f"{r['system']} seed {r['seed']}: {r['tokens_per_step']:.0f} tokens; {patches}")
+    bases = [r for r in rows if r["system"] in VERL_SYNC_BASES]
+    if bases:
+        print("\noverlap limit from verl's own parts (mean s per step), the share of verl's step that is model compute, "
+              "and each run's speed-up against that verl run as a fraction of its limit")
+    for base in bases:
+        print(limit_line(base))
+        for r in rows:
+            if r["seed"] == base["seed"] and r["system"] not in VERL_SYNC_BASES and not critic_run(r["system"]):
+                print(against_limit_line(r, base, target))
     if stop_at is None:  # every run went on past the target: did it stay there?
         print(f"\nstays learned (validation >= {target} from its first validation there to its last)")
         for r in rows:
@@ -622,7 +740,8 @@ def main(argv=None) -> list[dict]:
         keys = ("system", "seed", "generate_ahead_steps", "wall_s_per_sample", "time_to_target_s", "steps",
                 "final_val_reward", "bubble_ratio", "busiest_stage", "busy_ratio", "train_chain_busy", "mean_step_s",
                 "breakdown", "beside", "tokens_per_step", "cpu_patches", "engine_processes", "target_step",
-                "min_val_after_target", "min_val_step", "held", "vals_below_after_target", "settled_step")
+                "min_val_after_target", "min_val_step", "held", "vals_below_after_target", "settled_step",
+                "overlap_limit", "compute_share")
         with open(args.json, "w") as f:
             json.dump({"command": command, "rows": [{k: r.get(k) for k in keys} for r in rows]}, f, indent=1)
     return rows

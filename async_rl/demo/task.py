@@ -2,8 +2,10 @@
 
 Prompt: 4 random digits (e.g. "3141"); the correct response is the same 4
 digits. The reward (``async_rl.demo.reward.compute_score``) gives per-position
-partial credit. On this model a single-process GRPO loop (group 8, 32 prompts a
-step, lr 3e-4) reaches greedy reward 0.9 in about 180-200 steps.
+partial credit. On the tiny model a single-process GRPO loop (group 8, 32 prompts a
+step, lr 3e-4) reaches greedy reward 0.9 in about 180-200 steps. ``prepare`` also
+writes the lookup task (``lookup``) and the long-tail task (``long_tail``) for the same
+model, whose size is a row of ``MODEL_SIZES``.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from async_rl.demo import lookup, lookup_reward
+from async_rl.demo import long_tail, lookup, lookup_reward
 from async_rl.demo import reward as reward_module
 from async_rl.demo.reward import NUM_DIGITS
 from async_rl.demo.tokenizer import build_tokenizer
@@ -26,6 +28,7 @@ DATA_SOURCE = "async_rl/copy_digits"
 ABILITY = "copy"
 
 LOOKUP_AGENT = "lookup"  # the lookup task's agent loop, as registered in AGENT_LOOPS_FILE
+LONG_AGENT = long_tail.LONG_AGENT  # the long-tail task's, registered there too
 AGENT_LOOPS_FILE = "agent_loops.yaml"
 
 DEFAULT_TRAIN_SIZE = 4096
@@ -41,17 +44,34 @@ LOOKUP_LEARNING_RATE = 1e-3  # the lookup task learns faster at 1e-3 than at 3e-
 # 0.98 at step 200 (docs/agent_loops.md)
 LOOKUP_ENTROPY_COEFF = 0.05
 
-# one attention head of 64: vLLM's CPU attention refuses head_dim 16 (4 heads of 64) and its
-# Qwen2 ignores an explicit `head_dim`, so the same model runs on both rollout backends
-MODEL_KWARGS = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=1,
-    num_key_value_heads=1,
-    tie_word_embeddings=True,
-    max_position_embeddings=64,
-)
+# Every size has one attention head (head_dim = hidden_size): vLLM's CPU attention refuses head_dim 16
+# (4 heads of 64) and its Qwen2 ignores an explicit `head_dim`, so the same model runs on both rollout
+# backends. `prepare(model_size=...)` builds one; "tiny" is the demo's. The larger ones cover a prompt
+# (MAX_PROMPT_LENGTH) + the long-tail task's longest response (LONG_CONTEXT) in max_position_embeddings,
+# which verl's servers take as their max_model_len.
+LONG_CONTEXT = MAX_PROMPT_LENGTH + long_tail.LONG_RESPONSE_TOKENS
+MODEL_SIZES: dict[str, dict[str, Any]] = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=1,
+                 num_key_value_heads=1, tie_word_embeddings=True, max_position_embeddings=64),
+    "small": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=1,
+                  num_key_value_heads=1, tie_word_embeddings=True, max_position_embeddings=512),
+    "medium": dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=6, num_attention_heads=1,
+                   num_key_value_heads=1, tie_word_embeddings=True, max_position_embeddings=512),
+}
+DEFAULT_MODEL_SIZE = "tiny"
+MODEL_KWARGS = MODEL_SIZES[DEFAULT_MODEL_SIZE]
+
+
+def model_kwargs(size: str) -> dict[str, Any]:
+    """The Qwen2 config keys of a named size (MODEL_SIZES); ValueError naming the sizes for another name."""
+    if size not in MODEL_SIZES:
+        raise ValueError(f"model size {size!r}: one of {', '.join(MODEL_SIZES)}")
+    return MODEL_SIZES[size]
+
+
+def covers_long_task(size: str) -> bool:
+    """Whether a size's max_position_embeddings holds a prompt + the long-tail task's longest response."""
+    return model_kwargs(size)["max_position_embeddings"] >= LONG_CONTEXT
 
 
 def sample_prompts(rng: np.random.Generator, train_size: int, val_size: int) -> tuple[list[str], list[str]]:
@@ -86,13 +106,15 @@ def make_rows(prompts: list[str], split: str) -> pd.DataFrame:
     )
 
 
-def build_model(vocab_size: int, eos_token_id: int, pad_token_id: int, seed: int = 0):
-    """Random-init tiny Qwen2ForCausalLM in float32 with eos/pad set in config and generation config."""
+def build_model(vocab_size: int, eos_token_id: int, pad_token_id: int, seed: int = 0,
+                size: str = DEFAULT_MODEL_SIZE):
+    """Random-init Qwen2ForCausalLM of a named size (MODEL_SIZES) in float32 with eos/pad set in config and
+    generation config."""
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
-        **MODEL_KWARGS,
+        **model_kwargs(size),
         vocab_size=vocab_size,
         bos_token_id=None,
         eos_token_id=eos_token_id,
@@ -107,13 +129,14 @@ def build_model(vocab_size: int, eos_token_id: int, pad_token_id: int, seed: int
     return model
 
 
-def build_reward_model(vocab_size: int, pad_token_id: int, seed: int = 0):
-    """Random-init tiny Qwen2ForSequenceClassification (one label: a score), float32, the policy's
-    architecture and tokenizer: a discriminative reward model for verl's `reward.reward_model.*` keys."""
+def build_reward_model(vocab_size: int, pad_token_id: int, seed: int = 0, size: str = DEFAULT_MODEL_SIZE):
+    """Random-init Qwen2ForSequenceClassification (one label: a score), float32, the policy's
+    architecture (a size of MODEL_SIZES) and tokenizer: a discriminative reward model for verl's
+    `reward.reward_model.*` keys."""
     import torch
     from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
-    config = Qwen2Config(**MODEL_KWARGS, vocab_size=vocab_size, bos_token_id=None, pad_token_id=pad_token_id,
+    config = Qwen2Config(**model_kwargs(size), vocab_size=vocab_size, bos_token_id=None, pad_token_id=pad_token_id,
                          num_labels=1, dtype="float32")
     torch.manual_seed(seed)
     return Qwen2ForSequenceClassification(config).to(torch.float32)
@@ -226,15 +249,31 @@ def lookup_overrides(root: Path) -> dict[str, str]:
     }
 
 
+def long_tail_overrides(root: Path) -> dict[str, str]:
+    """The long-tail task (``async_rl.demo.long_tail``) in place of the copy task: its data (the copy task's
+    prompts and reward, each row's response length in its extra_info), responses up to
+    LONG_RESPONSE_TOKENS, and its agent loop, which generates exactly each row's length."""
+    return {
+        "data.train_files": _format_value(str(root / "data" / "long_train.parquet")),
+        "data.val_files": _format_value(str(root / "data" / "long_val.parquet")),
+        "data.max_response_length": _format_value(long_tail.LONG_RESPONSE_TOKENS),
+        "actor_rollout_ref.rollout.agent.agent_loop_config_path": _format_value(str(root / AGENT_LOOPS_FILE)),
+        "actor_rollout_ref.rollout.agent.default_agent_loop": LONG_AGENT,
+        "trainer.experiment_name": "long_tail",
+    }
+
+
 def demo_overrides(output_dir: str | Path, extra: Mapping[str, Any] | Iterable[str] | None = None,
-                   critic: bool = False, agent: bool = False, lora: bool = False) -> list[str]:
+                   critic: bool = False, agent: bool = False, lora: bool = False,
+                   long: bool = False) -> list[str]:
     """verl hydra overrides (``key=value``) for the demo prepared in ``output_dir``.
 
     ``extra`` (a mapping, or ``key=value`` strings) is merged last: a key that is
     already present is replaced in place, new keys are appended. ``critic``: PPO with GAE and a
     critic (``PPO_OVERRIDES``) instead of GRPO. ``agent``: the lookup task, an agent loop calling a
     tool (``lookup_overrides``), instead of the copy task. ``lora``: a LoRA adapter trained in place of
-    the whole model (``LORA_OVERRIDES``).
+    the whole model (``LORA_OVERRIDES``). ``long``: the long-tail task (``long_tail_overrides``), instead
+    of the copy task.
     """
     root = Path(output_dir).resolve()
     overrides: dict[str, str] = {
@@ -255,6 +294,8 @@ def demo_overrides(output_dir: str | Path, extra: Mapping[str, Any] | Iterable[s
         overrides.update({**PPO_OVERRIDES, "critic.model.path": _format_value(str(root / "model"))})
     if agent:
         overrides.update(lookup_overrides(root))
+    if long:
+        overrides.update(long_tail_overrides(root))
     if lora:
         overrides.update(LORA_OVERRIDES)
     if isinstance(extra, Mapping):
@@ -273,23 +314,27 @@ def prepare(
     seed: int = 0,
     train_size: int = DEFAULT_TRAIN_SIZE,
     val_size: int = DEFAULT_VAL_SIZE,
+    model_size: str = DEFAULT_MODEL_SIZE,
 ) -> dict[str, Path]:
-    """Write model + tokenizer, a reward model (`reward_model/`: random, the same architecture with a score
-    head), train/val parquet, reward.py, overrides.txt (GRPO) and
-    overrides_ppo.txt (PPO with a critic), overrides_lora.txt (a LoRA adapter) under ``output_dir``; and the
-    lookup task's (one model for
-    both): its parquet files, lookup_reward.py, agent_loops.yaml and overrides_agent.txt."""
+    """Write model + tokenizer (``model_size``: a row of MODEL_SIZES), a reward model (`reward_model/`:
+    random, the same architecture with a score head), train/val parquet, reward.py, overrides.txt (GRPO)
+    and overrides_ppo.txt (PPO with a critic), overrides_lora.txt (a LoRA adapter) under ``output_dir``;
+    and, for the same model, the lookup task's (its parquet files, lookup_reward.py, agent_loops.yaml and
+    overrides_agent.txt) and the long-tail task's (its parquet files, each row's response length in its
+    extra_info, and overrides_long.txt; it needs a size that ``covers_long_task``)."""
+    size = model_kwargs(model_size)
     root = Path(output_dir).resolve()
     model_dir, data_dir = root / "model", root / "data"
     model_dir.mkdir(parents=True, exist_ok=True)
     data_dir.mkdir(parents=True, exist_ok=True)
 
-    tokenizer = build_tokenizer(model_max_length=MODEL_KWARGS["max_position_embeddings"])
-    model = build_model(len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id, seed=seed)
+    tokenizer = build_tokenizer(model_max_length=size["max_position_embeddings"])
+    model = build_model(len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id, seed=seed, size=model_size)
     model.save_pretrained(model_dir, safe_serialization=True)
     tokenizer.save_pretrained(model_dir)
     reward_model_dir = root / "reward_model"  # for verl's reward.reward_model.* keys: a random score head
-    build_reward_model(len(tokenizer), tokenizer.pad_token_id, seed=seed + 1).save_pretrained(reward_model_dir)
+    build_reward_model(len(tokenizer), tokenizer.pad_token_id, seed=seed + 1,
+                       size=model_size).save_pretrained(reward_model_dir)
     tokenizer.save_pretrained(reward_model_dir)
 
     train, val = sample_prompts(np.random.default_rng(seed), train_size, val_size)
@@ -307,6 +352,9 @@ def prepare(
         "lookup_reward": root / "lookup_reward.py",
         "agent_loops": root / AGENT_LOOPS_FILE,
         "agent_overrides": root / "overrides_agent.txt",
+        "long_train": data_dir / "long_train.parquet",
+        "long_val": data_dir / "long_val.parquet",
+        "long_overrides": root / "overrides_long.txt",
     }
     make_rows(train, "train").to_parquet(paths["train"], index=False)
     make_rows(val, "test").to_parquet(paths["val"], index=False)
@@ -321,6 +369,12 @@ def prepare(
     lookup.make_rows(table, val_keys, "test").to_parquet(paths["lookup_val"], index=False)
     shutil.copyfile(lookup_reward.__file__, paths["lookup_reward"])
     paths["agent_loops"].write_text(  # verl's agent-loop registry file: a list of {name, _target_, kwargs}
-        f"- name: {LOOKUP_AGENT}\n  _target_: {lookup.LookupAgentLoop.__module__}.LookupAgentLoop\n  seed: {seed}\n")
+        f"- name: {LOOKUP_AGENT}\n  _target_: {lookup.LookupAgentLoop.__module__}.LookupAgentLoop\n  seed: {seed}\n"
+        f"- name: {LONG_AGENT}\n  _target_: {long_tail.LongTailAgentLoop.__module__}.LongTailAgentLoop\n")
     paths["agent_overrides"].write_text("\n".join(demo_overrides(root, agent=True)) + "\n")
+
+    lengths = long_tail.draw_response_tokens(seed, len(train) + len(val))  # the copy task's prompts
+    long_tail.with_lengths(make_rows(train, "train"), lengths[:len(train)]).to_parquet(paths["long_train"], index=False)
+    long_tail.with_lengths(make_rows(val, "test"), lengths[len(train):]).to_parquet(paths["long_val"], index=False)
+    paths["long_overrides"].write_text("\n".join(demo_overrides(root, long=True)) + "\n")
     return paths

@@ -320,3 +320,97 @@ def test_the_commit_a_bench_names_is_heads_and_says_when_files_differ(tmp_path):
     (repo / "f").write_text("b")
     assert command.commit(repo).endswith("+changes")
     assert command.commit(tmp_path / "nowhere") == "unknown"
+
+
+def verl_and_pipeline(verl_reached=4, pipe_reached=2):
+    """verl-sync: gen 6 + old_log_prob 1 + update 2 + weight sync 1 of a 12 s step; the pipeline: 8 s steps."""
+    parts = {"timing_s/gen": 6.0, "timing_s/old_log_prob": 1.0, "timing_s/update_actor": 2.0,
+             "timing_s/update_weights": 1.0}
+    verl_vals = {0: 0.0, 4: 0.95 if verl_reached else 0.5}
+    verl, _ = e2e.summarize("verl-sync", None, rows_for(12.0, e2e.VAL_KEYS[1], verl_vals, **parts), 8, 0.9)
+    pipe, _ = e2e.summarize("async-pipeline k=2", 2, rows_for(8.0, e2e.VAL_KEYS[0], {0: 0.0, pipe_reached: 0.95}, **{
+        "async/actor_train/busy_ratio": 1.0}), 8, 0.9)
+    verl["seed"] = pipe["seed"] = 0
+    return verl, pipe
+
+
+def test_the_overlap_limit_and_the_compute_share_come_from_verls_parts():
+    verl, _ = verl_and_pipeline()
+    assert e2e.training_side(verl["breakdown"]) == pytest.approx(4.0)  # log-prob 1 + update 2 + weight sync 1
+    assert e2e.overlap_limit(verl["breakdown"]) == pytest.approx(10.0 / 6.0)  # (6 + 4) / max(6, 4)
+    assert e2e.overlap_limit({**verl["breakdown"], "generation": 2.0}) == pytest.approx(6.0 / 4.0)  # training larger
+    assert e2e.compute_share(verl) == pytest.approx(9.0 / 12.0)  # weight sync is not compute
+    line = e2e.limit_line(verl)
+    assert ("overlap limit (generation + training) / max(generation, training) = (6.00 + 4.00) / 6.00 = 1.67, "
+            "training = log-prob passes 1.00 + update 2.00 + weight sync 1.00") in line
+    assert ("(generation + log-prob passes + update) / step = (6.00 + 1.00 + 2.00) / 12.00 = 0.75 (>= 0.70; the whole "
+            "generation phase counted as compute)") in line
+    low = {**verl, "mean_step_s": 20.0}
+    assert "/ 20.00 = 0.45 (< 0.70" in e2e.limit_line(low)
+    nothing = {**verl, "breakdown": {p: 0.0 for p in verl["breakdown"]}}
+    assert e2e.overlap_limit(nothing["breakdown"]) is None and "no overlap limit" in e2e.limit_line(nothing)
+
+
+def test_each_run_is_measured_against_verls_overlap_limit():
+    verl, pipe = verl_and_pipeline()
+    got = e2e.against_limit(pipe, verl)
+    assert got["per_step"] == pytest.approx(12.0 / 8.0)
+    assert got["per_step_of_limit"] == pytest.approx(1.5 / (10.0 / 6.0))  # 0.90
+    assert got["to_target"] == pytest.approx(48.0 / 16.0) and got["to_target_of_limit"] == pytest.approx(3.0 * 0.6)
+    assert e2e.against_limit_line(pipe, verl) == (
+        "  async-pipeline k=2 seed 0 against verl-sync: 1.50x per step (12.00 s / 8.00 s), 0.90 of the overlap limit "
+        "1.67; time to 0.9: 3.00x (48 s / 16 s), 1.80 of the overlap limit")
+    verl, pipe = verl_and_pipeline(verl_reached=None)
+    assert e2e.against_limit(pipe, verl)["to_target"] is None
+    assert e2e.against_limit_line(pipe, verl).endswith("time to 0.9: not compared (verl-sync did not reach it)")
+    assert e2e.critic_run("async-pipeline k=2 PPO") and not e2e.critic_run("async-pipeline k=2 naive PPO")
+
+
+def test_the_long_task_prints_the_limit_and_each_runs_fraction_of_it(tmp_path, monkeypatch, capsys):
+    import json
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    parts = {"timing_s/gen": 6.0, "timing_s/old_log_prob": 1.0, "timing_s/update_actor": 2.0,
+             "timing_s/update_weights": 1.0}
+    for name, step_s, metrics in (("verl-sync", 12.0, parts), ("async-pipeline k=2", 8.0,
+                                                             {"async/actor_train/busy_ratio": 1.0})):
+        rows = rows_for(step_s, e2e.VAL_KEYS[-1], {0: 0.0, 4: 0.95}, **metrics)  # the long task's validation key
+        e2e.metrics_file(runs, name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setattr(e2e, "plot", lambda *args, **kwargs: None)
+    e2e.main(["--summarize-only", "--metrics-dir", str(runs), "--ks", "2", "--seeds", "0", "--task", "long",
+              "--model-size", "small", "--json", str(tmp_path / "out.json")])
+    out = capsys.readouterr().out
+    assert "task long; model small (hidden 256, MLP 1024, 4 layers, 1 attention head(s))" in out
+    assert "verl-sync seed 0: overlap limit (generation + training) / max(generation, training) = (6.00 + 4.00)" in out
+    assert "async-pipeline k=2 seed 0 against verl-sync: 1.50x per step (12.00 s / 8.00 s), 0.90 of the overlap" in out
+    saved = {r["system"]: r for r in json.loads((tmp_path / "out.json").read_text())["rows"]}
+    assert saved["verl-sync"]["overlap_limit"] == pytest.approx(10 / 6) and saved["verl-sync"]["compute_share"] == 0.75
+    assert saved["async-pipeline k=2"]["overlap_limit"] is None
+    with pytest.raises(SystemExit):  # the tiny model's positions do not hold 256-token responses
+        e2e.main(["--summarize-only", "--metrics-dir", str(runs), "--task", "long", "--model-size", "tiny"])
+    with pytest.raises(SystemExit):
+        e2e.main(["--summarize-only", "--metrics-dir", str(runs), "--model-size", "huge"])
+    assert e2e.plot_title("long", 4, ["verl-sync seed 0"]).startswith("copy-digits, long-tailed responses up to 256")
+
+
+ARGV_TRAINER = '''
+import json, os, sys
+open(os.path.join(os.path.dirname(os.environ["VERL_FILE_LOGGER_PATH"]), "argv"), "w").write(json.dumps(sys.argv[1:]))
+open(os.environ["VERL_FILE_LOGGER_PATH"], "a").write(json.dumps({"step": 1, "data": {"timing_s/step": 0.5}}) + "\\n")
+'''
+
+
+def test_a_long_task_run_gets_the_long_tasks_overrides(tmp_path, monkeypatch):
+    import json
+
+    from async_rl.demo import demo_overrides
+
+    (tmp_path / "argv_trainer.py").write_text(ARGV_TRAINER)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    e2e.run_system("verl-sync", tmp_path, tmp_path, tmp_path / "m.jsonl", {}, timeout_s=60, main="argv_trainer",
+                   task="long")
+    argv = json.loads((tmp_path / "argv").read_text())
+    assert argv == demo_overrides(tmp_path, long=True)
+    assert "actor_rollout_ref.rollout.agent.default_agent_loop=long_tail" in argv
+    assert "data.max_response_length=256" in argv
