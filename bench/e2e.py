@@ -718,7 +718,7 @@ def main(argv=None) -> list[dict]:
     for r in rows:
         if not r.get("generate_ahead_steps"):
             continue
-        base_name = "verl-sync PPO" if r["system"].endswith(" PPO") and "naive" not in r["system"] else "verl-sync"
+        base_name = "verl-sync PPO" if critic_run(r["system"]) else "verl-sync"
         base = next((b for b in rows if b["system"] == base_name and b["seed"] == r["seed"]), None)
         peers = [b for b in rows if b["system"] in (VERL_V0, "verl-fully-async") and b["seed"] == r["seed"]
                  and not r["system"].endswith(" PPO")]

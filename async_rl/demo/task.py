@@ -356,8 +356,9 @@ def prepare(
         "long_val": data_dir / "long_val.parquet",
         "long_overrides": root / "overrides_long.txt",
     }
-    make_rows(train, "train").to_parquet(paths["train"], index=False)
-    make_rows(val, "test").to_parquet(paths["val"], index=False)
+    train_rows, val_rows = make_rows(train, "train"), make_rows(val, "test")
+    train_rows.to_parquet(paths["train"], index=False)
+    val_rows.to_parquet(paths["val"], index=False)
     shutil.copyfile(reward_module.__file__, paths["reward"])
     paths["overrides"].write_text("\n".join(demo_overrides(root)) + "\n")
     paths["ppo_overrides"].write_text("\n".join(demo_overrides(root, critic=True)) + "\n")
@@ -374,7 +375,7 @@ def prepare(
     paths["agent_overrides"].write_text("\n".join(demo_overrides(root, agent=True)) + "\n")
 
     lengths = long_tail.draw_response_tokens(seed, len(train) + len(val))  # the copy task's prompts
-    long_tail.with_lengths(make_rows(train, "train"), lengths[:len(train)]).to_parquet(paths["long_train"], index=False)
-    long_tail.with_lengths(make_rows(val, "test"), lengths[len(train):]).to_parquet(paths["long_val"], index=False)
+    long_tail.with_lengths(train_rows, lengths[:len(train)]).to_parquet(paths["long_train"], index=False)
+    long_tail.with_lengths(val_rows, lengths[len(train):]).to_parquet(paths["long_val"], index=False)
     paths["long_overrides"].write_text("\n".join(demo_overrides(root, long=True)) + "\n")
     return paths
