@@ -212,7 +212,8 @@ def load_stage_class(spec: UserStageSpec) -> type:
 # files a command names, checked before Ray starts (the reward's are optional; verl also loads them from
 # "pkg://module", not a file, and "file://path", a file)
 FILE_KEYS = ("data.train_files", "actor_rollout_ref.model.path")
-OPTIONAL_FILE_KEYS = ("reward.custom_reward_function.path",)  # reward.reward_model.model_path: check_reward_model_path
+# reward.reward_model.model_path: check_reward_model_path
+OPTIONAL_FILE_KEYS = ("reward.custom_reward_function.path", "actor_rollout_ref.model.lora_adapter_path")
 
 
 def check_files(config: DictConfig) -> None:

@@ -104,9 +104,14 @@ TIMEOUT_S = 900
 def run_keys(script: str, demo_dir: Path) -> dict:
     """The keys one example runs with: its script's, the demo's sizes, a validation at the last step where the
     script logs validation generations (its test_freq is past 2 steps)."""
-    keys = {k: v.format(demo=demo_dir) if isinstance(v, str) else v for k, v in EXAMPLES[script].items()}
-    validates = {"trainer.test_freq": STEPS} if keys.get("trainer.log_val_generations") else {}
-    return {**keys, **DEMO_SIZES, **validates}
+    return with_demo_sizes({k: v.format(demo=demo_dir) if isinstance(v, str) else v for k, v in EXAMPLES[script].items()})
+
+
+def with_demo_sizes(keys: dict) -> dict:
+    """`keys` with the demo's sizes (DEMO_SIZES), and a validation at the last step where they log validation
+    generations (`trainer.log_val_generations` above 0, as a number or as a script types it)."""
+    logs = str(keys.get("trainer.log_val_generations", 0)) not in ("0", "None", "null", "False")
+    return {**keys, **DEMO_SIZES, **({"trainer.test_freq": STEPS} if logs else {})}
 
 
 def with_critic(keys: dict) -> bool:

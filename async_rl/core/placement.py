@@ -118,6 +118,12 @@ def plan_placement(nodes: int, devices_per_node: int, ratios: dict[str, float], 
                              f"{per_node} devices of a node")
     generate = max(replica_devices, math.floor(ratios["generate"] * total) // replica_devices * replica_devices)
     training = total - generate
+    if training < 1 and generate == replica_devices:  # one replica already takes every device
+        raise PlacementError(
+            f"invalid config: one rollout replica spans {replica_devices} devices "
+            f"(actor_rollout_ref.rollout.tensor_model_parallel_size x data_parallel_size x pipeline_model_parallel_size), "
+            f"all {total} of {where}: the async pipeline generates and trains at the same time, each on devices of its "
+            f"own, so it needs more devices than one replica spans: use more devices or a smaller replica")
     if training < 1:
         raise PlacementError(f"invalid config: {RATIOS_KEY} gives generate {generate} of the {total} devices of "
                              f"{where}, leaving none to train on: lower the generate ratio (the 4th number)")

@@ -61,6 +61,15 @@ def test_placements_that_cannot_work_name_the_key_and_the_nodes(values, nodes, p
     assert "trainer.use_nodes_ratios" in str(info.value)
 
 
+@pytest.mark.parametrize("per_node, replica_devices", [(1, 1), (2, 2)])
+def test_a_replica_on_every_device_leaves_no_room_to_train_and_says_so(per_node, replica_devices):
+    # verl's 1-GPU examples, and its 2-GPU LoRA example at tensor_model_parallel_size=2: whatever the ratios
+    for generate in (0.5, 0.25):
+        with pytest.raises(PlacementError, match=f"one rollout replica spans {replica_devices} devices .*"
+                                                 f"all {per_node} of 1 node.*more devices or a smaller replica"):
+            plan_placement(1, per_node, ratios([0.5, 0.5, 0.5, generate]), ALL_ROLES, replica_devices)
+
+
 def test_a_replica_must_fit_inside_a_node():
     with pytest.raises(PlacementError, match="tensor_model_parallel_size"):
         plan_placement(2, 2, ratios([0.5, 0.5, 0.5, 0.5]), ALL_ROLES, replica_devices=4)

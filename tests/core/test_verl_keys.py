@@ -71,6 +71,14 @@ def test_a_missing_reward_file_fails_before_ray_starts_naming_the_key(demo_dir, 
         read_run_config(compose_ppo(demo_overrides(demo_dir, extra={key: f"file://{missing}"})))
 
 
+def test_a_missing_lora_adapter_fails_before_ray_starts_naming_the_key(demo_dir, tmp_path):
+    # verl's LoRA-from-adapter example names `/path/saved/lora_adapter`: found only once the workers loaded it
+    key = "actor_rollout_ref.model.lora_adapter_path"
+    extra = {key: str(tmp_path / "missing"), "actor_rollout_ref.model.lora_rank": 8}
+    with pytest.raises(FileNotFoundError, match=f"{key}='{tmp_path / 'missing'}': no such file"):
+        read_run_config(compose_ppo(demo_overrides(demo_dir, extra=extra)))
+
+
 def test_a_reward_model_on_the_cpu_backend_is_checked_before_ray_starts(demo_dir, tmp_path):
     rm = {"reward.reward_model.enable": True, "reward.reward_model.rollout.name": "cpu"}
     key = "reward.reward_model.model_path"
