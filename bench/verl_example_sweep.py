@@ -7,9 +7,10 @@ arguments as the script expands them. A call of `verl.trainer.main_ppo` is compo
 composes it (its `--config-path` / `--config-name`), its files swapped for the demo's (`FILE_KEYS`), and put
 through the checks a run makes before Ray starts: the pipeline's (`read_run_config`) and verl's own
 (`validate_config`), with the flag; and verl's alone without it, as a control. The verdict names the check and
-key that stopped it. With `--run`, each distinct set of the accepted calls' training keys (the script's keys less
-those the demo owns, `DEMO_OWNS`: data, models, hardware, sizes, logging) trains 2 steps on the demo under the
-flag, one run at a time (bench/verl_examples.py `run_one`).
+key that stopped it. The same checks run on the call adapted to the demo: its training keys (the script's keys
+less those the demo owns, `DEMO_OWNS`: data, models, rollout backend, devices, sizes, logging) over the demo's
+overrides. With `--run`, each distinct set of training keys that passes adapted trains 2 steps on the demo under
+the flag, one run at a time (bench/verl_examples.py `run_one`).
 
     git clone https://github.com/volcengine/verl && git -C verl checkout v0.9.1
     python bench/verl_example_sweep.py --examples-dir verl/examples [--run] [--json PATH]
@@ -64,8 +65,9 @@ FILE_KEYS = {
 # the demo's model with this many attention heads stands in for the scripts' models at the start checks (a
 # sequence-parallel size must divide it); the demo runs keep the demo's model
 STAND_IN_HEADS = 32
-# what the demo decides in a 2-step run, whatever the script sets: its data and lengths, models, devices and
-# their layout, batch sizes, memory and speed settings of GPU engines, logging and the run's length
+# what the demo decides in a 2-step run, whatever the script sets: its data and lengths, models, the rollout
+# backend (the CPU engine), devices and their layout, batch sizes, memory and speed settings of GPU engines,
+# logging and the run's length
 DEMO_OWNS = (
     "data.*", "*.model.path", "*tokenizer_path", "*input_tokenizer", "*custom_reward_function.*", "reward.num_workers",
     "trainer.n_gpus_per_node", "trainer.nnodes", "trainer.device", "trainer.logger", "trainer.project_name",
@@ -276,7 +278,8 @@ def adapted_call(call: Call, demo_dir: Path) -> Call:
     from bench.verl_examples import with_critic, with_demo_sizes
 
     keys = with_demo_sizes(demo_run_keys(call))
-    return Call(call.config_dir, call.config_name, demo_overrides(demo_dir, extra=keys, critic=with_critic(keys)))
+    typed = [f"{key}={value}" for key, value in keys.items()]  # the script's values as it typed them
+    return Call(call.config_dir, call.config_name, demo_overrides(demo_dir, extra=typed, critic=with_critic(keys)))
 
 
 def sweep(examples_dir: Path, demo_dir: Path, workdir: Path, only: tuple[str, ...] = ()) -> list[dict]:
@@ -358,7 +361,7 @@ def train_runs(runs: dict[str, list[dict]], demo_dir: Path, workdir: Path) -> No
 
     for i, (keys_json, rows) in enumerate(runs.items(), 1):
         keys = with_demo_sizes(json.loads(keys_json))
-        result = run_one(rows[0]["script"], keys, demo_dir, workdir / f"run{i}")
+        result = run_one(rows[0]["script"], keys, demo_dir, workdir / f"run{i}", as_typed=True)
         for row in rows:
             row["run"] = result
         print(f"run {i}/{len(runs)} ({', '.join(r['script'] for r in rows)}): "

@@ -119,12 +119,15 @@ def with_critic(keys: dict) -> bool:
     return keys.get("algorithm.adv_estimator") == "gae"
 
 
-def run_one(name: str, keys: dict, demo_dir: Path, workdir: Path) -> dict:
-    """One 2-step run; {"trained": bool, "seconds", "pg_loss", "advantages_mean"} or the error's last line."""
+def run_one(name: str, keys: dict, demo_dir: Path, workdir: Path, as_typed: bool = False) -> dict:
+    """One 2-step run; {"trained": bool, "seconds", "pg_loss", "advantages_mean"} or the error's last line.
+    `as_typed`: the values of `keys` are override text as a script types it (its quoting kept), given to Hydra
+    unchanged."""
     workdir.mkdir(parents=True)
     start = time.monotonic()
+    extra = [f"{key}={value}" for key, value in keys.items()] if as_typed else keys
     try:
-        rows = run_system(name, demo_dir, workdir, workdir / "metrics.jsonl", keys, TIMEOUT_S, critic=with_critic(keys))
+        rows = run_system(name, demo_dir, workdir, workdir / "metrics.jsonl", extra, TIMEOUT_S, critic=with_critic(keys))
     except RuntimeError as exc:
         lines = [line for line in str(exc).splitlines() if line.strip()]
         return {"trained": False, "seconds": time.monotonic() - start, "error": lines[-1][:200] if lines else ""}

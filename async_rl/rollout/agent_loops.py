@@ -48,6 +48,7 @@ from async_rl.rollout.supervisor import ReplicaSupervisor
 
 AGENT_LOOP_KEY = "actor_rollout_ref.rollout.agent.default_agent_loop"
 AGENT_LOOP_CONFIG_KEY = "actor_rollout_ref.rollout.agent.agent_loop_config_path"
+TOOL_CONFIG_KEY = "actor_rollout_ref.rollout.multi_turn.tool_config_path"
 VERSIONS_FIELD = "token_versions"  # the per-trajectory versions, as the agent loop worker hands them back
 
 
@@ -270,7 +271,7 @@ def _agent_files(config) -> dict[str, str]:
 
 def check_agent_loops(config, data_agent_names: frozenset = frozenset()) -> None:
     """At start: every agent-loop, tool and interaction file exists, the agent-loop file loads and its
-    `_target_`s import, and `rollout.agent.default_agent_loop` and every `agent_name` of the data
+    `_target_`s import, the tool file's classes import, and `rollout.agent.default_agent_loop` and every `agent_name` of the data
     (`data_agent_names`) is a registered loop. Raises AsyncConfigError naming the key."""
     for key, path in _agent_files(config).items():
         try:
@@ -279,6 +280,9 @@ def check_agent_loops(config, data_agent_names: frozenset = frozenset()) -> None
             found = False
         if not found:
             raise AsyncConfigError(key, path, "an existing file")
+    tools = (config.actor_rollout_ref.rollout.get("multi_turn") or {}).get("tool_config_path")
+    if tools:
+        check_tool_classes(tools)
     names = set(_agent_loop_registry)
     path = config.actor_rollout_ref.rollout.agent.get("agent_loop_config_path")
     if path:
@@ -302,6 +306,22 @@ def check_agent_loops(config, data_agent_names: frozenset = frozenset()) -> None
         raise AsyncConfigError(AGENT_LOOP_KEY, default, registered)
     for name in sorted(set(data_agent_names) - names):
         raise AsyncConfigError("agent_name (a column of data.train_files / data.val_files)", name, registered)
+
+
+def check_tool_classes(path: str) -> None:
+    """Every `class_name` of the tool config at `path` imports, as verl's agent-loop worker loads it (else
+    AsyncConfigError naming the key, the file and the class)."""
+    try:
+        tools = OmegaConf.load(resolve_config_path(path)).get("tools") or []
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is the same user error
+        raise AsyncConfigError(TOOL_CONFIG_KEY, path, f"a YAML file with a `tools` list ({type(exc).__name__}: {exc})") from None
+    for tool in tools:
+        try:
+            hydra.utils.get_class(str(tool.class_name))
+        except Exception as exc:  # noqa: BLE001
+            cause = exc.__cause__ or exc
+            raise AsyncConfigError(TOOL_CONFIG_KEY, path, f"a tool config whose classes import: class_name "
+                                   f"{tool.class_name} does not ({type(cause).__name__}: {cause})") from None
 
 
 def absolute_agent_files(config) -> None:

@@ -26,6 +26,7 @@ python3 -m verl.trainer.main_ppo \\
     actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=40 \\
     actor_rollout_ref.rollout.name=cpu \\
     actor_rollout_ref.rollout.n=5 \\
+    actor_rollout_ref.actor.checkpoint.save_contents="['model','hf_model']" \\
     trainer.device=cpu \\
     trainer.n_gpus_per_node=2 \\
     trainer.logger='["console","wandb"]' $@
@@ -67,7 +68,8 @@ def test_a_call_the_flag_can_run_passes_both_checks_and_keeps_only_its_training_
     assert row["adapted"]["passed"], row["adapted"]  # its keys on the demo's data, model and CPU devices
     # the shell expanded the script's variables; data, models, sizes, devices and logging are the demo's
     assert row["run_keys"] == {"algorithm.adv_estimator": "rloo", "actor_rollout_ref.actor.optim.lr": "3e-6",
-                               "actor_rollout_ref.rollout.n": "5"}
+                               "actor_rollout_ref.rollout.n": "5",
+                               "actor_rollout_ref.actor.checkpoint.save_contents": "['model','hf_model']"}
 
 
 def test_a_refused_key_is_named_by_the_pipelines_check_while_verl_alone_passes(swept):
@@ -145,7 +147,8 @@ def test_distinct_runs_group_the_calls_that_would_train_alike_and_each_row_gets_
     assert [[r["script"] for r in group] for group in runs.values()] == [["a.sh", "b.sh"], ["c.sh"]]
     made = []
 
-    def fake_run_one(name, keys, demo_dir, workdir):
+    def fake_run_one(name, keys, demo_dir, workdir, as_typed=False):
+        assert as_typed  # the scripts' values go to Hydra as they typed them
         made.append((name, keys))
         return {"trained": keys["x"] == "1", "seconds": 5.0, "error": "KeyError: 'y'"}
 

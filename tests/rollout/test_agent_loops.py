@@ -206,6 +206,21 @@ def test_a_missing_tool_file_and_an_unknown_agent_name_in_the_data_are_refused_a
         check_agent_loops(config_with(demo_dir), agent_names_in([str(tmp_path / "agents.parquet")]))
 
 
+def test_a_tool_class_that_does_not_import_is_refused_at_start_naming_it(demo_dir, tmp_path):
+    # verl 0.9.1's examples name verl.tools.gsm8k_tool.Gsm8kTool, which its wheel does not ship
+    tools = tmp_path / "tools.yaml"
+    tools.write_text('tools:\n  - class_name: "verl.tools.gsm8k_tool.Gsm8kTool"\n    config: {type: native}\n')
+    config = config_with(demo_dir)
+    with open_dict(config.actor_rollout_ref.rollout.multi_turn):
+        config.actor_rollout_ref.rollout.multi_turn.tool_config_path = str(tools)
+    with pytest.raises(AsyncConfigError, match=r"multi_turn.tool_config_path=.*tools.yaml'; allowed: a tool config whose "
+                                               r"classes import: class_name verl.tools.gsm8k_tool.Gsm8kTool does not "
+                                               r"\(ModuleNotFoundError"):
+        check_agent_loops(config)
+    tools.write_text('tools:\n  - class_name: "verl.tools.base_tool.BaseTool"\n    config: {type: native}\n')
+    check_agent_loops(config)  # a class verl ships
+
+
 def test_agent_files_become_absolute_for_the_stages(demo_dir, monkeypatch, two_turn_path):
     from async_rl.rollout.agent_loops import absolute_agent_files
 
