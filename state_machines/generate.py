@@ -12,6 +12,7 @@ clock's versions (`async_rl.core.policy_clock`).
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from typing import Any
 
@@ -24,6 +25,7 @@ from async_rl.rollout.agent_loops import (
     prompt_rows,
     samples_from_agent_output,
 )
+from async_rl.rollout.rollout_dumps import RolloutDumps
 from async_rl.rollout.supervisor import ReplicaSupervisor
 from state_machines.base import StateMachine
 
@@ -60,6 +62,7 @@ class GenerateStage(StateMachine):
         self.n = int(config.actor_rollout_ref.rollout.n)
         self.greedy_baselines = wants_greedy_baselines(config)
         self._agent_loops = None  # verl's AgentLoopWorker, built at first use (loads the tokenizer and tools)
+        self.rollout_dumps = RolloutDumps.from_config(config)  # verl's skip.rollout; None when off
         self.gate = clock.gate
         self.policy_clock = clock.view(on_lost=self._server_lost)
         self.request_timeout_s, self.tool_timeout_s = request_timeout_s, tool_timeout_s
@@ -96,17 +99,27 @@ class GenerateStage(StateMachine):
         return self._agent_loops
 
     async def run_agent_loops(self, rows: list[dict], n: int, start_version: int | None = None,
-                              validate: bool = False, greedy_baselines: bool = False) -> list[Sample]:
+                              validate: bool = False, greedy_baselines: bool = False,
+                              step: int | None = None) -> list[Sample]:
         """`n` trajectories of each row (a dataset row's non-tensor fields: `raw_prompt`, `agent_name`, ...),
         through the same supervised path as training; validation uses it with `validate=True` (verl's
         `val_kwargs` sampling). `start_version`: the version served when the batch was admitted (None:
-        the version served now). `greedy_baselines` (ReMax): then one greedy trajectory of each row, last."""
+        the version served now). `greedy_baselines` (ReMax): then one greedy trajectory of each row, last.
+        `step`: the training step the batch is for, where verl's `skip.rollout` dumps or replays it."""
         await self.policy_clock.follow()
         if start_version is None:
             start_version = self.policy_clock.served_version
-        proto = prompt_rows(rows, [uuid.uuid4().hex for _ in rows], n, start_version, greedy_baselines)
-        proto.meta_info["validate"] = validate
-        output = await self.agent_loops().generate_sequences(proto)
+        dumps = self.rollout_dumps if step is not None and not validate else None
+        output = None
+        if dumps is not None:
+            with self.trace.span("generate", "skip.rollout's dump read", step=step):
+                output = await asyncio.to_thread(dumps.replayed, step)
+        if output is None:
+            proto = prompt_rows(rows, [uuid.uuid4().hex for _ in rows], n, start_version, greedy_baselines)
+            proto.meta_info["validate"] = validate
+            output = await self.agent_loops().generate_sequences(proto)
+            if dumps is not None:
+                await asyncio.to_thread(dumps.dump, step, output)
         return samples_from_agent_output(output, start_version)
 
     def fault_counts(self) -> dict[str, float]:
@@ -132,7 +145,7 @@ class GenerateStage(StateMachine):
     async def process_data(self, batch: PromptBatch) -> GeneratedBatch:
         start_version = self.policy_clock.served_version
         samples = await self.run_agent_loops(batch.non_tensor, self.n, start_version,
-                                             greedy_baselines=self.greedy_baselines)
+                                             greedy_baselines=self.greedy_baselines, step=batch.index + 1)
         if batch.index > start_version:  # started ahead of the trainer (whatever it reached since)
             hold_at("generate_ahead", batch.index + 1)
         trained = len(batch.non_tensor) * self.n

@@ -172,8 +172,10 @@ VERL_KEYS = (
            "checkpoint manager does not copy to it either: its hdfs_path is unused)"),
     *switched("global_profiler", "steps", NO_PROFILER),
     KeyRow("skip", N, "acts only with skip.*.enable"),
-    KeyRow("skip.rollout.enable", X, "rollouts are not dumped or replayed under the flag"),
-    KeyRow("skip.rollout_tq.enable", X, "rollouts are not dumped or replayed under the flag"),
+    KeyRow("skip.rollout", P, "the generate stage dumps and replays a listed step's agent-loop output through "
+           "verl's RolloutSkip (async_rl/rollout/rollout_dumps.py)"),
+    KeyRow("skip.rollout_tq.enable", X, "the V1 trainer's TransferQueue dump format; under the flag skip.rollout.* "
+           "dumps and replays the agent loop's output"),
     KeyRow("transfer_queue", R, "stage data moves through Ray's object store"),
     KeyRow("ray_kwargs", P, "ray.init's arguments (run_config.py)"),
     KeyRow("ray_kwargs.timeline_json_file", P, "ray.timeline once the run trained, as verl's run_ppo "

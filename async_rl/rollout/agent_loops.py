@@ -393,7 +393,7 @@ def samples_from_agent_output(output, start_version: int) -> list[Sample]:
         model_tokens = batch["response_mask"][i][:length].tolist()
         log_probs = (batch["rollout_log_probs"][i][:length].tolist() if "rollout_log_probs" in batch.keys()
                      else [0.0] * length)
-        recorded = list(columns[VERSIONS_FIELD][i] or [])
+        recorded = list(columns[VERSIONS_FIELD][i] or []) if VERSIONS_FIELD in columns else []
         versions, k = [], 0
         for is_model in model_tokens:
             if is_model:

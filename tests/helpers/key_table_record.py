@@ -56,6 +56,8 @@ ONLY_WITH: dict[str, tuple[str, Callable]] = {
        for k in ("metric", "max_num_gen_batches")},
     # verl's KL controller in the reward (state_machines/actor_train.py) only with use_kl_in_reward
     "algorithm.kl_ctrl": ("algorithm.use_kl_in_reward", _on("algorithm.use_kl_in_reward")),
+    # verl's RolloutSkip is built only with skip.rollout.enable (async_rl/rollout/rollout_dumps.py)
+    **{f"skip.rollout.{k}": ("skip.rollout.enable", _on("skip.rollout.enable")) for k in ("dump_dir", "steps", "action")},
     # the run's length in epochs only when trainer.total_training_steps is unset (async_rl/run_config.py)
     "trainer.total_epochs": ("trainer.total_training_steps unset",
                              lambda config: not select_value(config, "trainer.total_training_steps", None)),
