@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 def test_a_second_run_trains_step_1_on_the_rollouts_the_first_dumped(demo_dir, tmp_path, ray_address):
     def run(name: str, temperature: float):
         extra = {"skip.rollout.enable": True, "skip.rollout.dump_dir": str(tmp_path / "rollout_dump"),
-                 "skip.rollout.steps": "[1]", "actor_rollout_ref.rollout.temperature": temperature,
+                 "skip.rollout.steps": [1], "actor_rollout_ref.rollout.temperature": temperature,
                  "trainer.rollout_data_dir": str(tmp_path / name / "trained"), "trainer.total_training_steps": 1,
                  "trainer.val_before_train": False, "trainer.test_freq": -1, "trainer.save_freq": -1}
         code, out, rows = run_verl(demo_dir, extra, tmp_path / name, timeout_s=600, ray_address=ray_address)
