@@ -9,11 +9,13 @@ through the checks a run makes before Ray starts: the pipeline's (`read_run_conf
 (`validate_config`), with the flag; and verl's alone without it, as a control. The verdict names the check and
 key that stopped it. The same checks run on the call adapted to the demo: its training keys (the script's keys
 less those the demo owns, `DEMO_OWNS`: data, models, rollout backend, devices, sizes, logging) over the demo's
-overrides. With `--run`, each distinct set of training keys that passes adapted trains 2 steps on the demo under
-the flag, one run at a time (bench/verl_examples.py `run_one`).
+overrides, with the flag and, as a control, flag off. With `--run`, each distinct set of training keys that passes
+adapted trains 2 steps on the demo under the flag, one run at a time (bench/verl_examples.py `run_one`); with
+`--run-verl`, each that verl's own checks pass adapted and the flag's stop trains 2 steps with verl's own trainer:
+whether verl runs here what the flag refuses.
 
     git clone https://github.com/volcengine/verl && git -C verl checkout v0.9.1
-    python bench/verl_example_sweep.py --examples-dir verl/examples [--run] [--json PATH]
+    python bench/verl_example_sweep.py --examples-dir verl/examples [--run] [--run-verl] [--json PATH]
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from bench.command import OUTSIDE, command_line, shown_path  # noqa: E402
 
 MAIN_PPO = "verl.trainer.main_ppo"
 FLAG = "+actor_rollout_ref.async_pipeline=True"
+VERL_TRAINER = {"+actor_rollout_ref.async_pipeline": "false"}  # verl's own trainer: the flag set false, as typed
 # the commands a script calls that the recorder stands in for: the interpreters (what the sweep reads) and
 # what would download, install or query a GPU
 RECORDED = ("python", "python3", "torchrun", "ray", "srun", "sbatch", "conda", "module", "pip", "pip3",
@@ -270,15 +273,15 @@ def demo_run_keys(call: Call) -> dict:
     return keys
 
 
-def adapted_call(call: Call, demo_dir: Path) -> Call:
+def adapted_call(call: Call, demo_dir: Path, flag: bool = True) -> Call:
     """`call` as a 2-step demo run makes it: its training keys (`demo_run_keys`) over the demo's overrides (its
-    data, model, CPU devices and sizes, the flag; the demo's critic where the call trains one), in the call's
-    own config."""
+    data, model, CPU devices and sizes, the flag, or the flag set false; the demo's critic where the call trains
+    one), in the call's own config."""
     from async_rl.demo import demo_overrides
     from bench.verl_examples import with_critic, with_demo_sizes
 
     keys = with_demo_sizes(demo_run_keys(call))
-    typed = [f"{key}={value}" for key, value in keys.items()]  # the script's values as it typed them
+    typed = [f"{key}={value}" for key, value in {**keys, **({} if flag else VERL_TRAINER)}.items()]  # as typed
     return Call(call.config_dir, call.config_name, demo_overrides(demo_dir, extra=typed, critic=with_critic(keys)))
 
 
@@ -315,6 +318,8 @@ def sweep(examples_dir: Path, demo_dir: Path, workdir: Path, only: tuple[str, ..
                          "verl_alone": asdict(start_check(call, root, demo_dir, model_dir, flag=False)),
                          "adapted": asdict(start_check(adapted_call(call, demo_dir), root, demo_dir,
                                                        demo_dir / "model", flag=True)),
+                         "adapted_verl": asdict(start_check(adapted_call(call, demo_dir, flag=False), root, demo_dir,
+                                                            demo_dir / "model", flag=False)),
                          "run_keys": demo_run_keys(call)})
         print(f"[{n}/{len(scripts)}] {name}: " + "; ".join(row_text(r)[0] for r in rows if r["script"] == name),
               flush=True)
@@ -345,26 +350,34 @@ def verdict_text(verdict: dict) -> str:
     return "passes" if verdict["passed"] else f"stopped by {verdict['check']}: {verdict['message']}"
 
 
-def runs_to_make(rows: list[dict]) -> dict[str, list[dict]]:
-    """The distinct demo runs of the rows whose demo run passes the flag's start checks (`adapted`): their keys
-    (JSON, sorted) -> the rows."""
+def runs_to_make(rows: list[dict], flag: bool = True) -> dict[str, list[dict]]:
+    """The distinct demo runs of the rows whose demo run passes the flag's start checks (`adapted`), or with
+    `flag=False` of those it does not pass while verl's own start checks do (`adapted_verl`): their keys (JSON,
+    sorted) -> the rows."""
     runs: dict[str, list[dict]] = {}
     for row in rows:
-        if row.get("main_ppo") and row["adapted"]["passed"]:
+        if row.get("main_ppo") and (row["adapted"]["passed"] if flag else refused_by_the_flag_only(row)):
             runs.setdefault(json.dumps(row["run_keys"], sort_keys=True), []).append(row)
     return runs
 
 
-def train_runs(runs: dict[str, list[dict]], demo_dir: Path, workdir: Path) -> None:
-    """Train each distinct run 2 steps under the flag; its result goes on each of its rows as `run`."""
+def refused_by_the_flag_only(row: dict) -> bool:
+    """Adapted to the demo, the call passes verl's start checks and not the flag's."""
+    return not row["adapted"]["passed"] and row.get("adapted_verl", {}).get("passed", False)
+
+
+def train_runs(runs: dict[str, list[dict]], demo_dir: Path, workdir: Path, flag: bool = True) -> None:
+    """Train each distinct run 2 steps under the flag (`flag=False`: with verl's own trainer); its result goes on
+    each of its rows as `run` (`verl_run`)."""
     from bench.verl_examples import run_one, with_critic, with_demo_sizes
 
+    field, label = ("run", "flag on") if flag else ("verl_run", "verl's trainer")
     for i, (keys_json, rows) in enumerate(runs.items(), 1):
-        keys = with_demo_sizes(json.loads(keys_json))
-        result = run_one(rows[0]["script"], keys, demo_dir, workdir / f"run{i}", as_typed=True)
+        keys = with_demo_sizes(json.loads(keys_json)) | ({} if flag else VERL_TRAINER)
+        result = run_one(rows[0]["script"], keys, demo_dir, workdir / f"{field}{i}", as_typed=True)
         for row in rows:
-            row["run"] = result
-        print(f"run {i}/{len(runs)} ({', '.join(r['script'] for r in rows)}): "
+            row[field] = result
+        print(f"{label}, run {i}/{len(runs)} ({', '.join(r['script'] for r in rows)}): "
               + ("trained" if result["trained"] else f"FAILED: {result.get('error', 'steps missing')}")
               + f" in {result['seconds']:.0f} s" + (" (with the demo's critic)" if with_critic(keys) else ""),
               flush=True)
@@ -398,6 +411,18 @@ def summary(rows: list[dict]) -> list[str]:
         ok = [r for r in trained if r["run"]["trained"]]
         lines.append(f"demo runs under the flag: {len(ok)} of {len(trained)} calls trained 2 steps "
                      f"({len(runs_to_make(trained))} distinct runs)")
+    only_flag_stops = [r for r in ppo if refused_by_the_flag_only(r)]
+    lines.append(f"adapted, verl's own start checks (flag off): {sum(r.get('adapted_verl', {}).get('passed', False) for r in ppo)} "
+                 f"calls pass; {len(only_flag_stops)} of them are stopped by the flag's")
+    verl_ran = [r for r in only_flag_stops if r.get("verl_run")]
+    if verl_ran:
+        lines.append(f"verl's own trainer on those, 2 demo steps: {sum(r['verl_run']['trained'] for r in verl_ran)} of "
+                     f"{len(verl_ran)} calls trained ({len(runs_to_make(verl_ran, flag=False))} distinct runs); by what "
+                     "stopped the flag (calls: trained by verl's trainer / failed there):")
+        for reason, count in reasons(verl_ran, "adapted"):
+            group = [r for r in verl_ran if reasons([r], "adapted")[0][0] == reason]
+            trained_there = sum(r["verl_run"]["trained"] for r in group)
+            lines.append(f"  {reason}: {trained_there} / {count - trained_there}")
     return lines
 
 
@@ -417,16 +442,20 @@ def table(rows: list[dict]) -> list[str]:
     """The markdown table: a row per main_ppo call (per script without one): the start checks as written, with
     the flag and verl's alone, then adapted to the demo with the flag, and its 2 demo steps."""
     out = ["| verl example | as written, with the flag | as written, verl's trainer | adapted to the demo, with the "
-           "flag | 2 steps on the demo, flag on |", "|---|---|---|---|---|"]
+           "flag | 2 steps on the demo, flag on | adapted, stopped by the flag only: 2 steps with verl's trainer |",
+           "|---|---|---|---|---|---|"]
     for r in rows:
         name = r["script"] + (f" (call {r['call'] + 1})" if r["call"] else "")
         flag_text, verl_text = row_text(r)
         adapted = verdict_text(r["adapted"]) if r.get("main_ppo") else ""
-        run = r.get("run")
-        run_text = "" if run is None else (f"trained in {run['seconds']:.0f} s" if run["trained"]
-                                           else f"failed: {run.get('error', 'steps missing')}")
-        out.append(f"| `{name}` | {flag_text} | {verl_text} | {adapted} | {run_text} |")
+        out.append(f"| `{name}` | {flag_text} | {verl_text} | {adapted} | {run_text(r.get('run'))} | "
+                   f"{run_text(r.get('verl_run'))} |")
     return out
+
+
+def run_text(run: dict | None) -> str:
+    return "" if run is None else (f"trained in {run['seconds']:.0f} s" if run["trained"]
+                                   else f"failed: {run.get('error', 'steps missing')}")
 
 
 def main(argv=None) -> list[dict]:
@@ -434,6 +463,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--examples-dir", required=True, help="verl's examples/ folder (at v0.9.1)")
     parser.add_argument("--only", default="", help="comma-separated globs of script paths under it")
     parser.add_argument("--run", action="store_true", help="train each distinct accepted run 2 steps on the demo")
+    parser.add_argument("--run-verl", action="store_true",
+                        help="train with verl's own trainer (flag off) each distinct demo run that verl's start checks "
+                             "pass and the flag's stop, 2 steps")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     command = command_line()
@@ -449,6 +481,8 @@ def main(argv=None) -> list[dict]:
         rows = sweep(examples_dir, demo_dir, Path(tmp) / "sweep", tuple(filter(None, args.only.split(","))))
         if args.run:
             train_runs(runs_to_make(rows), demo_dir, Path(tmp) / "runs")
+        if args.run_verl:
+            train_runs(runs_to_make(rows, flag=False), demo_dir, Path(tmp) / "runs", flag=False)
     print(f"\n{command}\n{shown_path(str(examples_dir))}: verl's examples; {time.monotonic() - start:.0f} s\n")
     print("\n".join(summary(rows)) + "\n")
     print("\n".join(table(rows)).replace(tmp, f"{OUTSIDE}/tmp"))

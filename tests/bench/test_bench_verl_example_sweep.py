@@ -79,6 +79,9 @@ def test_a_refused_key_is_named_by_the_pipelines_check_while_verl_alone_passes(s
     assert "actor_rollout_ref.actor.profiler.enable" in row["with_flag"]["message"]
     assert row["verl_alone"]["passed"]
     assert not row["adapted"]["passed"] and "profiler.enable" in row["adapted"]["message"]  # a training key: kept
+    assert row["adapted_verl"]["passed"] and sweep.refused_by_the_flag_only(row)  # verl's checks take it on the demo
+    ok = by_script(swept)["grpo_trainer/run_ok.sh"]
+    assert ok["adapted_verl"]["passed"] and not sweep.refused_by_the_flag_only(ok)
 
 
 def test_a_script_that_stops_before_its_call_says_where_and_one_without_main_ppo_says_what_it_calls(swept):
@@ -102,6 +105,7 @@ def test_the_summary_counts_each_kind_and_the_table_has_a_row_per_call(swept):
     adapted = lines.index(next(line for line in lines if line.startswith("adapted to the demo")))
     assert lines[adapted].endswith("1 calls pass the flag's start checks, 1 are stopped:")
     assert lines[adapted + 1] == "  1 pipeline: actor_rollout_ref.actor.profiler.enable"
+    assert "adapted, verl's own start checks (flag off): 2 calls pass; 1 of them are stopped by the flag's" in lines
     table = sweep.table(swept)
     assert len(table) == 2 + len(SCRIPTS)
     assert any(line.startswith("| `ppo_trainer/run_refused.sh` | stopped by pipeline:") for line in table)
@@ -165,3 +169,30 @@ def test_the_stand_in_model_has_the_heads_a_sequence_parallel_size_divides(demo_
     model = sweep.stand_in_model(Path(demo_dir) / "model", tmp_path / "m")
     assert json.loads((model / "config.json").read_text())["num_attention_heads"] == sweep.STAND_IN_HEADS
     assert (model / "tokenizer_config.json").exists()
+
+
+def test_verls_trainer_runs_the_calls_only_the_flag_stops_and_the_summary_says_which_trained(monkeypatch, tmp_path):
+    stopped = {"passed": False, "check": "pipeline", "message": "invalid config: a.b=1; allowed: no"}
+    rows = [{"script": s, "call": 0, "main_ppo": True, "with_flag": {"passed": True}, "verl_alone": {"passed": True},
+             "adapted": adapted, "adapted_verl": {"passed": verl_passes}, "run_keys": keys}
+            for s, adapted, verl_passes, keys in [("ok.sh", {"passed": True}, True, {"x": "1"}),
+                                                  ("p.sh", stopped, True, {"x": "2"}), ("q.sh", stopped, True, {"x": "3"}),
+                                                  ("v.sh", stopped, False, {"x": "4"})]]
+    runs = sweep.runs_to_make(rows, flag=False)
+    assert [[r["script"] for r in group] for group in runs.values()] == [["p.sh"], ["q.sh"]]
+    made = []
+
+    def fake_run_one(name, keys, demo_dir, workdir, as_typed=False):
+        made.append(keys)
+        return {"trained": keys["x"] == "2", "seconds": 7.0, "error": "ModuleNotFoundError: m"}
+
+    monkeypatch.setattr("bench.verl_examples.run_one", fake_run_one)
+    sweep.train_runs(runs, tmp_path, tmp_path, flag=False)
+    assert all(keys["+actor_rollout_ref.async_pipeline"] == "false" for keys in made)  # verl's own trainer
+    assert rows[1]["verl_run"]["trained"] and not rows[2]["verl_run"]["trained"] and "run" not in rows[1]
+    lines = sweep.summary(rows)
+    assert "verl's own trainer on those, 2 demo steps: 1 of 2 calls trained (2 distinct runs); by what stopped the " \
+           "flag (calls: trained by verl's trainer / failed there):" in lines
+    assert "  pipeline: a.b: 1 / 1" in lines
+    table = "\n".join(sweep.table(rows))
+    assert "| trained in 7 s |" in table and "| failed: ModuleNotFoundError: m |" in table
