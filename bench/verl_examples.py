@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import tempfile
 import time
@@ -119,6 +120,17 @@ def with_critic(keys: dict) -> bool:
     return keys.get("algorithm.adv_estimator") == "gae"
 
 
+ANSI_CODES = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def error_line(log_tail: str) -> str:
+    """The last line of a failed run's log tail that names an error or exception (not a warning), else its last
+    line; colour codes removed, at most 200 characters."""
+    lines = [ANSI_CODES.sub("", line).strip() for line in log_tail.splitlines() if line.strip()]
+    named = [line for line in lines if re.search(r"(Error|Exception)\b", line) and "WARNING" not in line]
+    return (named or lines or [""])[-1][:200]
+
+
 def run_one(name: str, keys: dict, demo_dir: Path, workdir: Path, as_typed: bool = False) -> dict:
     """One 2-step run; {"trained": bool, "seconds", "pg_loss", "advantages_mean"} or the error's last line.
     `as_typed`: the values of `keys` are override text as a script types it (its quoting kept), given to Hydra
@@ -129,8 +141,7 @@ def run_one(name: str, keys: dict, demo_dir: Path, workdir: Path, as_typed: bool
     try:
         rows = run_system(name, demo_dir, workdir, workdir / "metrics.jsonl", extra, TIMEOUT_S, critic=with_critic(keys))
     except RuntimeError as exc:
-        lines = [line for line in str(exc).splitlines() if line.strip()]
-        return {"trained": False, "seconds": time.monotonic() - start, "error": lines[-1][:200] if lines else ""}
+        return {"trained": False, "seconds": time.monotonic() - start, "error": error_line(str(exc))}
     steps = {r["step"]: r["data"] for r in rows if "actor/pg_loss" in r["data"]}
     last = steps.get(STEPS, {})
     return {"trained": sorted(steps) == list(range(1, STEPS + 1)), "seconds": time.monotonic() - start,

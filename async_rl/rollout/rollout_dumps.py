@@ -4,10 +4,11 @@ verl's own dump directory through verl's `RolloutSkip` (its layout and file form
 
 As in verl's trainer: only the global steps listed in `skip.rollout.steps` (from 1) are dumped or replayed,
 validation never; `action=cache` replays a step whose dump exists and otherwise generates and dumps it,
-`action=repeat` replays the nearest dumped step. The batch of index `i` trains step `i + 1`, so that is its
-step here. A replayed batch's tokens count as generated at the version served when it is replayed, as verl's
-trainer counts a replayed batch as its step's own. A dump is read with verl's `DataProto.load_from_disk`,
-which unpickles: replay only dumps you wrote.
+`action=repeat` replays the nearest dumped step. The prompt batch of index `i` (from 0) is step `i + 1`: the
+step it trains, or with dynamic sampling, which draws more batches than steps, its number among the batches.
+A replayed batch's tokens count as generated at the version served when it is replayed, as verl's trainer
+counts a replayed batch as its step's own. A dump is read with verl's `DataProto.load_from_disk`, which
+unpickles: replay only dumps you wrote.
 """
 
 from __future__ import annotations
@@ -43,10 +44,6 @@ class RolloutDumps:
         except (AssertionError, TypeError, ValueError) as error:
             raise AsyncConfigError(SECTION, OmegaConf.to_container(section), f"verl's RolloutSkipConfig: {error}") from None
         return cls(RolloutSkip(local, config))
-
-    @property
-    def steps(self) -> list[int]:
-        return list(self._skip.steps)
 
     def replayed(self, step: int):
         """The dumped agent-loop output (a verl DataProto) to train `step` on, or None: `step` is not listed, or

@@ -49,3 +49,14 @@ def test_a_nan_loss_shows_as_nan(monkeypatch, tmp_path, capsys):
     verl_examples.main(["--examples", "rloo_trainer/run_qwen2-7b.sh"])
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| `rloo_trainer"))
     assert row.count("(pg_loss nan)") == 2
+
+
+def test_a_failed_runs_error_is_the_last_line_naming_one_not_a_warning_after_it():
+    from bench.verl_examples import error_line
+
+    tail = ("Traceback (most recent call last):\n  File \"x.py\", line 1\n"
+            "\x1b[36m(TaskRunner pid=1)\x1b[0m FileNotFoundError: /path/saved/lora_adapter\n"
+            "\x1b[36m(WorkerDict pid=2)\x1b[0m WARNING: target_num_threads 8 should not exceed 2 (ValueError-free)\n\n")
+    assert error_line(tail) == "(TaskRunner pid=1) FileNotFoundError: /path/saved/lora_adapter"
+    assert error_line("just stopped\nno reason given\n") == "no reason given"
+    assert error_line("") == ""
