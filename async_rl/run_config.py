@@ -29,7 +29,7 @@ from async_rl.core.scoring import overlong_shaping
 from async_rl.core.stage_graph import STAGES_KEY, UserStageSpec, build_edges
 from async_rl.core.verl_keys import refuse_unsupported, replaced_settings
 from async_rl.core.verl_reads import refuse_unread_keys
-from async_rl.rollout.agent_loops import absolute_agent_files, check_agent_loops
+from async_rl.rollout.agent_loop_files import absolute_agent_files, check_agent_loops
 from async_rl.rollout.cpu.reward_server import check_reward_model
 from async_rl.rollout.reward_models import (on_devices_of_its_own, prepare_reward_model_config, reward_model_backend,
                                             reward_model_devices)

@@ -64,7 +64,7 @@ def test_prepare_writes_the_chosen_size_and_the_long_tasks_rows_with_their_lengt
 
 
 def test_the_long_tasks_overrides_name_its_agent_loop_and_256_tokens(small_demo):
-    from async_rl.rollout.agent_loops import check_agent_loops
+    from async_rl.rollout.agent_loop_files import check_agent_loops
 
     overrides = (small_demo / "overrides_long.txt").read_text().split()
     assert overrides == task.demo_overrides(small_demo, long=True)
@@ -98,7 +98,7 @@ def test_the_generate_stage_runs_the_loop_to_each_rows_length(small_demo):
     from async_rl.core.messages import PromptBatch, build_batch
     from async_rl.core.policy_clock import ClockRef
     from async_rl.core.staleness import StalenessGate
-    from async_rl.rollout.agent_loops import check_agent_loops
+    from async_rl.rollout.agent_loop_files import check_agent_loops
     from state_machines.generate import GenerateStage
 
     tokenizer = AutoTokenizer.from_pretrained(small_demo / "model")

@@ -18,7 +18,7 @@ from async_rl.core.scoring import decode_responses
 from async_rl.demo import lookup
 from async_rl.demo.lookup_reward import compute_score, model_turns
 from async_rl.demo.task import demo_overrides
-from async_rl.rollout.agent_loops import check_agent_loops
+from async_rl.rollout.agent_loop_files import check_agent_loops
 from helpers.lineage import compose_ppo
 from helpers.scripted_server import ScriptedServer
 from state_machines.actor_train import agent_loop_timings

@@ -16,7 +16,7 @@ from async_rl.core.errors import AsyncConfigError
 from async_rl.core.messages import PromptBatch, build_batch, response_lengths
 from async_rl.core.scoring import decode_responses
 from async_rl.core.staleness import oldest_versions
-from async_rl.rollout.agent_loops import check_agent_loops
+from async_rl.rollout.agent_loop_files import check_agent_loops
 from helpers.lineage import compose_ppo
 from state_machines.actor_train import place_scores_on_last_token
 from helpers.scripted_server import ScriptedServer
@@ -222,7 +222,7 @@ def test_a_tool_class_that_does_not_import_is_refused_at_start_naming_it(demo_di
 
 
 def test_agent_files_become_absolute_for_the_stages(demo_dir, monkeypatch, two_turn_path):
-    from async_rl.rollout.agent_loops import absolute_agent_files
+    from async_rl.rollout.agent_loop_files import absolute_agent_files
 
     monkeypatch.chdir(E2E.parent)
     config = config_with(demo_dir, agent_loop_config_path="e2e/two_turn_loop.yaml")
