@@ -419,10 +419,12 @@ def summary(rows: list[dict]) -> list[str]:
         lines.append(f"verl's own trainer on those, 2 demo steps: {sum(r['verl_run']['trained'] for r in verl_ran)} of "
                      f"{len(verl_ran)} calls trained ({len(runs_to_make(verl_ran, flag=False))} distinct runs); by what "
                      "stopped the flag (calls: trained by verl's trainer / failed there):")
-        for reason, count in reasons(verl_ran, "adapted"):
-            group = [r for r in verl_ran if reasons([r], "adapted")[0][0] == reason]
-            trained_there = sum(r["verl_run"]["trained"] for r in group)
-            lines.append(f"  {reason}: {trained_there} / {count - trained_there}")
+        trained_there: dict[str, int] = {}
+        for row in verl_ran:
+            reason = reason_of(row, "adapted")
+            trained_there[reason] = trained_there.get(reason, 0) + row["verl_run"]["trained"]
+        lines += [f"  {reason}: {trained_there[reason]} / {count - trained_there[reason]}"
+                  for reason, count in reasons(verl_ran, "adapted")]
     return lines
 
 
@@ -431,11 +433,16 @@ def reasons(rows: list[dict], verdict: str) -> list[tuple[str, int]]:
     key its message names (`invalid config: KEY` or Hydra's `override 'KEY'`), else its message's start."""
     counts: dict[str, int] = {}
     for row in rows:
-        message = row[verdict]["message"]
-        named = re.search(r"invalid config: ([A-Za-z_]+(?:\.[A-Za-z0-9_]+)+)|override '([^']+)'", message)
-        reason = f"{row[verdict]['check']}: " + (next(g for g in named.groups() if g) if named else message[:90])
+        reason = reason_of(row, verdict)
         counts[reason] = counts.get(reason, 0) + 1
     return sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+
+
+def reason_of(row: dict, verdict: str) -> str:
+    """The check that stopped `row` (its `verdict`) and the key its message names, else its message's start."""
+    message = row[verdict]["message"]
+    named = re.search(r"invalid config: ([A-Za-z_]+(?:\.[A-Za-z0-9_]+)+)|override '([^']+)'", message)
+    return f"{row[verdict]['check']}: " + (next(g for g in named.groups() if g) if named else message[:90])
 
 
 def table(rows: list[dict]) -> list[str]:
