@@ -15,6 +15,9 @@ The broadcast is gloo's one-to-all algorithm written as the sender's point-to-po
 member, each tagged with the bucket's number in the group: a member that dies or hangs fails only its
 own sends, and a receiving process may receive buckets in any order (gloo buffers early ones).
 
+A receiving process receives into its `ReceiveBuffers` (param_update/transports/receive_buffers.py):
+the memory of a version that no longer serves, so loading a version frees nothing.
+
 Each bucket is first copied once into the sender's shared buffer (param_update/transports/
 shared_memory.py: regions handed out per version, `RegionLedger`), which the sends read from. That
 copy keeps a version readable after its sends: the table's fallback carries it from there to a
@@ -40,6 +43,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from async_rl.api.weights import Bucket, WeightTransport, register_transport
 from async_rl.core.timeouts import CALL_TIMEOUT_S
+from param_update.transports.receive_buffers import ReceiveBuffers
 from param_update.transports.shared_memory import (
     REGIONS,
     SHM_DIR,
@@ -126,6 +130,7 @@ class ReceivingSide:
         self._joined: dict[tuple, _Joined] = {}
         self._broken: set[tuple] = set()
         self._node: Optional[str] = None
+        self._buffers = ReceiveBuffers()  # received into; reused once a version no longer serves
 
     def _this_node(self) -> Optional[str]:
         if self._node is None and ray.is_initialized():
@@ -155,10 +160,11 @@ class ReceivingSide:
         nbytes = handle.shared.nbytes
         joined = self._group(handle) if nbytes else None
         if joined is not None:
-            flat = torch.empty(nbytes, dtype=torch.uint8)
+            flat = self._buffers.take(nbytes)
             try:
-                joined.group.recv([flat], 0, handle.tag).wait(datetime.timedelta(seconds=GROUP_TIMEOUT_S))
-                return _split(flat.numpy(), slices)
+                joined.group.recv([torch.from_numpy(flat)], 0, handle.tag).wait(
+                    datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+                return _split(flat, slices)
             except Exception:  # noqa: BLE001 - the sender or the group is gone: read it from the sender's node
                 logger.exception("weight group %s broke at bucket tag %d", handle.group, handle.tag)
                 with self._lock:
