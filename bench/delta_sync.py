@@ -31,6 +31,7 @@ import time
 sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.command import command_line  # noqa: E402
+from bench.link import LinkProbe, gloo_send_s  # noqa: E402
 
 import ray  # noqa: E402
 import torch  # noqa: E402
@@ -90,6 +91,9 @@ class Trainer:
         from param_update.buckets import tensor_digest
 
         return {name: tensor_digest(t.detach().to(torch.bfloat16)) for name, t in self.model.state_dict().items()}
+
+    def raw_link_s(self, nbytes: int, probe) -> float:
+        return gloo_send_s(nbytes, probe)
 
     def close(self) -> None:
         for sender in self.senders.values():
@@ -201,10 +205,14 @@ def main(argv=None) -> dict:
                        "full_bit_identical": held["full"], "delta_bit_identical": held["delta"]}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+        full_bytes = int(statistics.median(r["full_bytes"] for r in rows))
+        probe = LinkProbe.options(**on_node(far)).remote()
+        raw_link_s = ray.get(trainer.raw_link_s.remote(full_bytes, probe), timeout=TIMEOUT_S)
         ray.get(trainer.close.remote(), timeout=TIMEOUT_S)
     finally:
         ray.shutdown()
         cluster.shutdown()
+    link_rate = full_bytes / raw_link_s  # bytes/s, this machine's link between the two nodes
     summary = {}
     for lr in sorted({r["lr"] for r in rows}, reverse=True):
         steady = [r for r in rows if r["lr"] == lr and r["delta_is_delta"]]
@@ -218,6 +226,7 @@ def main(argv=None) -> dict:
             "delta_mb": statistics.median(r["delta_bytes"] for r in steady) / (1 << 20),
             "bit_identical": all(r["full_bit_identical"] and r["delta_bit_identical"] for r in rows if r["lr"] == lr),
         }
+        summary[lr]["crossover_mb_s"] = crossover_rate(summary[lr], link_rate) / (1 << 20)
     print(f"\ncommand: {command}\ncpus: {os.cpu_count()}, torch {torch.__version__}, {args.size} ({params:,} "
           f"float32 parameters), rollout held in bf16, Adam, {args.steps} steps per lr, buckets {BUCKET_MB} MB, "
           "both syncs through the collective transport to the second node")
@@ -231,12 +240,31 @@ def main(argv=None) -> dict:
     print("medians over the versions after each lr's first; 'bytes', 'time': delta / full; bit-identical: both "
           "holders held the trainer's weights cast to bf16 after every version. goal at lr 1e-6: bytes <= 0.10, "
           "time < 1")
-    result = {"command": command, "size": args.size, "params": params, "rows": rows,
-              "summary": {str(lr): s for lr, s in summary.items()}}
+    print(f"\nthe link between the nodes: {full_bytes / (1 << 20):.1f} MB in {raw_link_s:.3f}s "
+          f"({link_rate / (1 << 20):,.0f} MB/s, one gloo send)")
+    for lr, s in summary.items():
+        rate = s["crossover_mb_s"]
+        print(f"lr {lr:.0e}: " + ("the delta is faster on any link" if rate == float("inf") else
+              f"the delta is faster on a link slower than {rate:,.0f} MB/s ({rate * 8 / 1000:.1f} Gb/s): its work off "
+              f"the link costs {s['delta_total_s'] - s['delta_mb'] * (1 << 20) / link_rate:.3f}s against the full "
+              f"sync's {s['full_total_s'] - s['full_mb'] * (1 << 20) / link_rate:.3f}s, and it sends "
+              f"{s['full_mb'] - s['delta_mb']:.1f} MB less"))
+    print("(each sync modelled as its time off the link, measured here, plus its bytes at the link's rate)")
+    result = {"command": command, "size": args.size, "params": params, "rows": rows, "raw_link_s": raw_link_s,
+              "link_mb_s": link_rate / (1 << 20), "summary": {str(lr): s for lr, s in summary.items()}}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     return result
+
+
+def crossover_rate(s: dict, link_rate: float) -> float:
+    """The link rate (bytes/s) below which the delta sync beats the full one: each sync's time off the link
+    (its total less its bytes at `link_rate`) plus its bytes at the rate asked; inf when the delta's time off
+    the link is no longer than the full sync's."""
+    full_bytes, delta_bytes = s["full_mb"] * (1 << 20), s["delta_mb"] * (1 << 20)
+    extra = (s["delta_total_s"] - delta_bytes / link_rate) - (s["full_total_s"] - full_bytes / link_rate)
+    return float("inf") if extra <= 0 else (full_bytes - delta_bytes) / extra
 
 
 if __name__ == "__main__":

@@ -84,6 +84,7 @@ from concurrent.futures import ThreadPoolExecutor
 sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 from bench.command import command_line  # noqa: E402
+from bench.link import LinkProbe, gloo_send_s  # noqa: E402
 
 import ray  # noqa: E402
 import torch  # noqa: E402
@@ -154,24 +155,9 @@ class Trainer:
         for sender in self.senders.values():
             sender.close()
 
-    def raw_link_s(self, nbytes: int, probe, repeats: int = 3) -> float:
-        """The fastest of `repeats` gloo sends of `nbytes` to `probe` (on the other node) until it has them (s)."""
-        import datetime
-
-        import torch.distributed as dist
-
-        timeout = datetime.timedelta(seconds=TIMEOUT_S)
-        store = dist.TCPStore(ray.util.get_node_ip_address(), 0, 2, True, timeout=timeout, wait_for_workers=False)
-        joined = probe.receive.remote(ray.util.get_node_ip_address(), store.port, nbytes, repeats)
-        group = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), 0, 2, timeout)
-        data, ack, times = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(1, dtype=torch.uint8), []
-        for i in range(repeats):
-            start = time.perf_counter()
-            group.send([data], 1, 2 * i).wait()
-            group.recv([ack], 1, 2 * i + 1).wait()
-            times.append(time.perf_counter() - start)
-        ray.get(joined, timeout=TIMEOUT_S)
-        return min(times)
+    def raw_link_s(self, nbytes: int, probe) -> float:
+        """The fastest of three gloo sends of `nbytes` from here to `probe` (on the other node) (s)."""
+        return gloo_send_s(nbytes, probe)
 
     def gather_all(self):
         """naive gather + put: every tensor in one object (one copy, as the pipeline's put)."""
@@ -216,24 +202,6 @@ class VersionLog:
 
     def set_served_version(self, version: int) -> None:
         self.versions.append(version)
-
-
-@ray.remote
-class LinkProbe:
-    """The receiving end of `Trainer.raw_link_s`, on the other node."""
-
-    def receive(self, address: str, port: int, nbytes: int, repeats: int) -> None:
-        import datetime
-
-        import torch.distributed as dist
-
-        timeout = datetime.timedelta(seconds=TIMEOUT_S)
-        store = dist.TCPStore(address, port, 2, False, timeout=timeout)
-        group = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), 1, 2, timeout)
-        data, ack = torch.empty(nbytes, dtype=torch.uint8), torch.ones(1, dtype=torch.uint8)
-        for i in range(repeats):
-            group.recv([data], 0, 2 * i).wait()
-            group.send([ack], 0, 2 * i + 1).wait()
 
 
 @ray.remote

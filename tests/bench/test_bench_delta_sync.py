@@ -20,3 +20,24 @@ def test_bench_compares_delta_and_full_syncs_and_checks_bits(tmp_path):
     summary = result["summary"]["1e-06"]
     assert summary["versions"] == 1 and summary["bit_identical"]
     assert summary["bytes_ratio"] == second["delta_bytes"] / second["full_bytes"] < 1
+    assert result["link_mb_s"] > 0 and summary["crossover_mb_s"] > 0
+    assert "the link between the nodes:" in proc.stdout
+
+
+def test_at_the_crossover_both_syncs_take_as_long_and_a_cheaper_delta_wins_on_any_link():
+    import pytest
+
+    from bench.delta_sync import crossover_rate
+
+    mb = 1 << 20
+    here = 1000.0 * mb  # bytes/s
+
+    def modelled(total_s: float, size_mb: float, rate: float) -> float:  # off the link here, plus the bytes at `rate`
+        return total_s - size_mb * mb / here + size_mb * mb / rate
+
+    s = {"full_mb": 100.0, "delta_mb": 10.0, "full_total_s": 0.3, "delta_total_s": 0.5}
+    rate = crossover_rate(s, here)
+    assert modelled(0.3, 100.0, rate) == pytest.approx(modelled(0.5, 10.0, rate))
+    assert modelled(0.5, 10.0, rate / 2) < modelled(0.3, 100.0, rate / 2)  # slower link: the delta wins
+    assert modelled(0.5, 10.0, rate * 2) > modelled(0.3, 100.0, rate * 2)
+    assert crossover_rate({**s, "delta_total_s": 0.2}, here) == float("inf")
