@@ -8,7 +8,8 @@ cross-node link, the collective transport):
 
 - full: every tensor cast to bf16 and sent whole;
 - delta: the table's delta option: the values whose bf16 bits changed since the version before
-  (int32 index + bf16 value), or the tensor whole where that is no larger (param_update/delta.py).
+  (their positions as 16-bit gaps + bf16 values), or the tensor whole where that is no larger
+  (param_update/delta.py).
 
 Per version: the bytes the sync carried (`async/param_update/bytes`) and its total (gather start to
 loaded everywhere, `timing_s/param_update/total`), and whether both holders hold exactly the

@@ -10,8 +10,10 @@ less than half a bf16 step, and its held value stays the same.
 goes on the wire, ordinary named tensors packed into buckets like a full version:
 
 - `<name>` itself (in the held dtype) when it is new or when sending it whole is no larger;
-- else `<name>` + `INDEX` (int32 flat indices of the changed values, ascending) and `<name>` +
-  `VALUE` (those values, held dtype), empty when nothing changed;
+- else `<name>` + `INDEX` (where the changed values are: the gaps between their flat positions,
+  ascending from 0, as uint16 in int16 bits) and `<name>` + `VALUE` (the values there, held dtype),
+  empty when nothing changed. Where two changes lie more than `GAP_LIMIT` apart, unchanged positions
+  in between go too (with their values, which the receiver already holds), so every gap fits 16 bits;
 - and first `BASE`, an int64 tensor holding the version the delta applies to.
 
 `DeltaVersion` (the receiver) puts a staged version together from its base, the version it
@@ -29,6 +31,7 @@ import torch
 INDEX = "\x00delta_index"
 VALUE = "\x00delta_value"
 BASE = "\x00delta_base"  # the wire name of the base version's tensor
+GAP_LIMIT = (1 << 16) - 1  # the largest gap between two sent positions: uint16
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -40,10 +43,39 @@ def as_held(tensor: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
     return out.contiguous()
 
 
-def changed_indices(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    """Flat int32 indices where `new` and `old` (same dtype and shape) differ bit for bit, ascending."""
+def changed_positions(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """Flat int64 positions where `new` and `old` (same dtype and shape) differ bit for bit, ascending."""
     bits = _BITS[new.element_size()]
-    return (new.reshape(-1).view(bits) != old.reshape(-1).view(bits)).nonzero().reshape(-1).to(torch.int32)
+    return (new.reshape(-1).view(bits) != old.reshape(-1).view(bits)).nonzero().reshape(-1)
+
+
+def with_bridges(positions: torch.Tensor) -> torch.Tensor:
+    """`positions` (int64, ascending, >= 0) with positions added wherever a gap (from 0 to the first,
+    then between neighbours) exceeds GAP_LIMIT: every GAP_LIMIT-th position after the gap's start."""
+    gaps = torch.diff(positions, prepend=positions.new_zeros(1))
+    bridges = (gaps - 1).clamp_min(0) // GAP_LIMIT  # positions to add inside each gap
+    if not positions.numel() or not int(bridges.max()):
+        return positions
+    starts = positions - gaps  # the position each gap starts from
+    wide = bridges > 0
+    count = bridges[wide]
+    first = torch.repeat_interleave(starts[wide], count)
+    step = torch.arange(int(count.sum())) - torch.repeat_interleave(torch.cumsum(count, 0) - count, count) + 1
+    added = first + step * GAP_LIMIT
+    out = torch.empty(positions.numel() + added.numel(), dtype=torch.int64)
+    out[torch.arange(positions.numel()) + torch.searchsorted(added, positions)] = positions
+    out[torch.arange(added.numel()) + torch.searchsorted(positions, added)] = added
+    return out
+
+
+def gaps_of(positions: torch.Tensor) -> torch.Tensor:
+    """INDEX on the wire: the gaps of `positions` (int64, ascending, each gap <= GAP_LIMIT), int16 bits."""
+    return torch.diff(positions, prepend=positions.new_zeros(1)).to(torch.int32).to(torch.int16)
+
+
+def positions_of(gaps: torch.Tensor) -> torch.Tensor:
+    """The int64 flat positions INDEX's gaps (uint16 in int16 bits) stand for."""
+    return torch.cumsum(gaps.to(torch.int64) & GAP_LIMIT, 0)
 
 
 def wire_name(name: str) -> tuple[str, Optional[str]]:
@@ -86,12 +118,12 @@ class DeltaEncoder:
             if old is None or old.shape != held.shape or old.dtype != held.dtype:
                 yield name, held
                 continue
-            index = changed_indices(held, old)
-            if index.numel() * (index.element_size() + held.element_size()) >= held.nbytes:
+            positions = with_bridges(changed_positions(held, old))
+            if positions.numel() * (2 + held.element_size()) >= held.nbytes:
                 yield name, held
             else:
-                yield name + INDEX, index
-                yield name + VALUE, held.reshape(-1)[index.long()]
+                yield name + INDEX, gaps_of(positions)
+                yield name + VALUE, held.reshape(-1)[positions]
         self.previous, self.version = kept, version
 
 
@@ -113,7 +145,7 @@ class DeltaVersion:
         """The full tensor `name` (canonical) of the version: sent whole, or its base with the changes."""
         if name in self.wire:
             return self.wire[name]
-        index, value = self.wire[name + INDEX], self.wire[name + VALUE]
+        gaps, value = self.wire[name + INDEX], self.wire[name + VALUE]
         out = self.base[name].detach().clone()
-        out.reshape(-1)[index.long()] = value
+        out.reshape(-1)[positions_of(gaps)] = value
         return out

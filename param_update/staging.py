@@ -122,8 +122,8 @@ class VersionStager:
             if name not in self.expected:
                 raise StagingError(f"version {version}: unknown tensor {s.name!r}")
             dtype, shape = self.expected[name]
-            if part is not None:  # a delta's changed values: int32 indices, values of the held dtype
-                want = torch.int32 if part == INDEX else dtype
+            if part is not None:  # a delta's changed values: uint16 gaps (int16 bits), values of the held dtype
+                want = torch.int16 if part == INDEX else dtype
                 if s.dtype != want or len(s.shape) != 1 or s.shape[0] > math.prod(shape):
                     raise StagingError(f"version {version}: delta {s.name!r} is {s.dtype} {tuple(s.shape)}, "
                                        f"expected {want} of at most {math.prod(shape)} values")

@@ -15,7 +15,7 @@ import torch
 
 from async_rl.api.weights import Bucket, ReceiverSetup, TransportTable
 from param_update.buckets import pack_buckets, tensor_digest
-from param_update.delta import BASE, DeltaEncoder, as_held
+from param_update.delta import BASE, GAP_LIMIT, INDEX, VALUE, DeltaEncoder, DeltaVersion, as_held, positions_of
 from param_update.staging import StagingError, VersionStager, weight_layout
 from sync_actors import TIMEOUT_S, Trainer, served, start_server, start_stage, sync, tiny_model
 
@@ -65,6 +65,31 @@ def test_deltas_held_in_bf16_give_the_bytes_of_the_whole_version(swap):
         assert {name: tensor_digest(p.data) for name, p in params.items()} == {n: want[n] for n in params}
         assert stager.base_version == version
     assert max(sent[1:]) < 0.25 * sent[0]  # 2 % of the values moved: a delta is a fraction of the whole
+
+
+@pytest.mark.parametrize("changed", [[0, 70_000, 200_000, 299_999], [65_535], [65_536], [131_071, 131_072, 299_000],
+                                     [], list(range(0, 300_000, 40_000))])
+def test_changes_far_apart_go_as_16_bit_gaps_with_unchanged_values_bridging_them(changed):
+    """A bf16 tensor of 300,000 values, a few changed far apart: the delta's positions are 16-bit gaps,
+    unchanged values bridging any gap over GAP_LIMIT, and the receiver puts together the new tensor."""
+    g = torch.Generator().manual_seed(0)
+    old = torch.randn(300_000, generator=g).to(torch.bfloat16)
+    new = old.clone()
+    new[changed] = (new[changed].float() + 1).to(torch.bfloat16)
+    encoder = DeltaEncoder()
+    list(encoder.encode([("w", old)], 1, None))
+    wire = dict(encoder.encode([("w", new)], 2, 1))
+    gaps, values = wire["w" + INDEX], wire["w" + VALUE]
+    assert gaps.dtype == torch.int16 and values.dtype == torch.bfloat16
+    positions = positions_of(gaps)
+    assert set(changed) <= set(positions.tolist())
+    assert int((torch.diff(positions, prepend=positions.new_zeros(1)) > GAP_LIMIT).sum()) == 0
+    bridged = [p for p in positions.tolist() if p not in set(changed)]
+    assert len(bridged) <= 300_000 // GAP_LIMIT + len(changed)  # a few, only where a gap needs them
+    assert torch.equal(new[bridged].view(torch.int16), old[bridged].view(torch.int16))  # unchanged values
+    assert 2 * gaps.numel() + values.nbytes < new.nbytes
+    out = DeltaVersion(wire, {"w": old}, 1).tensor("w")
+    assert torch.equal(out.view(torch.int16), new.view(torch.int16))
 
 
 def test_a_delta_over_a_base_the_receiver_does_not_hold_is_refused_at_its_check():
