@@ -37,7 +37,8 @@ setup(
     install_requires=INSTALL_REQUIRES,
     extras_require={
         "test": ["pytest>=8", "pytest-asyncio", "pytest-timeout", "hypothesis",
-                 "selenium>=4.20"],  # the report page in Debian's Chromium (scripts/test.sh installs it)
+                 "selenium>=4.20",  # the report page in Debian's Chromium (scripts/test.sh installs it)
+                 "mlflow-skinny", "sqlalchemy", "alembic"],  # verl's rollout trace to MLflow on a SQLite file
         "sglang": ["sglang>=0.5"],
         "vllm": ["vllm>=0.10"],  # GPUs
         # CPU machines: vLLM's CPU build, exactly the version tested (it needs torch==2.13.0+cpu:

@@ -265,7 +265,7 @@ def build_stages(built: BuiltPipeline) -> None:
                "start verl worker groups")
     # verl's agent loops with val_kwargs sampling; restarts and timeouts apply to validation too
     generate = built.stages[GENERATE]
-    built.validator.generate = lambda rows, n: generate.run_agent_loops.remote(rows, n, None, True)
+    built.validator.generate = lambda rows, n, step: generate.run_agent_loops.remote(rows, n, None, True, step=step)
     upstreams = upstream_counts(run.edges)
     built.wait({name: built.stages[name].connect.remote([built.stages[d] for d in downstream], upstreams[name])
                 for name, downstream in run.edges.items()}, CALL_TIMEOUT_S, "wire stages")

@@ -29,7 +29,7 @@ from async_rl.core.scoring import overlong_shaping
 from async_rl.core.stage_graph import STAGES_KEY, UserStageSpec, build_edges
 from async_rl.core.verl_keys import refuse_unsupported, replaced_settings
 from async_rl.core.verl_reads import refuse_unread_keys
-from async_rl.rollout.agent_loop_files import absolute_agent_files, check_agent_loops
+from async_rl.rollout.agent_loop_files import absolute_agent_files, check_agent_loops, check_trace_backend
 from async_rl.rollout.cpu.reward_server import check_reward_model
 from async_rl.rollout.reward_models import (on_devices_of_its_own, prepare_reward_model_config, reward_model_backend,
                                             reward_model_devices)
@@ -112,6 +112,7 @@ def read_run_config(config: DictConfig) -> RunConfig:
     _check_delta_sync(config, async_cfg, backend)
     check_files(config)
     check_agent_loops(config, agent_names_in(config.data.train_files) | agent_names_in(config.data.get("val_files") or []))
+    check_trace_backend(config)
     RolloutDumps.from_config(config)  # skip.rollout's values, as verl's class checks them
 
     config = config.copy()

@@ -39,7 +39,7 @@ class Validator:
     def __init__(self, config, tokenizer, reward_timeout_s: float = 60.0, reward_on_error: str = "stop",
                  generate=None, reward_router: str | None = None, processor=None):
         """``reward_timeout_s`` (s, per sample) and ``reward_on_error`` as for the reward stage
-        (`reward.async_timeout_s`, `reward.on_error`). ``generate``: `generate(rows, n)`, awaitable, -> the
+        (`reward.async_timeout_s`, `reward.on_error`). ``generate``: `generate(rows, n, step)`, awaitable, -> the
         Samples of `n` validation trajectories of each row (the generate stage's `run_agent_loops` with
         `validate=True`: verl's agent loops with `val_kwargs` sampling, a lost or hung server restarted and
         its requests resubmitted as in training); set before `run`. ``reward_router``: the reward model's
@@ -65,17 +65,17 @@ class Validator:
         self.validation_generations_logger = ValidationGenerationsLogger(
             project_name=config.trainer.project_name, experiment_name=config.trainer.experiment_name)
 
-    async def _generate_all(self, timeout_s: float):
+    async def _generate_all(self, timeout_s: float, step: int):
         if self.generate is None:
             raise RuntimeError("Validator.generate is not set (the generate stage's run_agent_loops)")
-        return await asyncio.wait_for(self.generate([info for _, info in self.rows], self.n), timeout=timeout_s)
+        return await asyncio.wait_for(self.generate([info for _, info in self.rows], self.n, step), timeout=timeout_s)
 
     def run(self, timeout_s: float, step: int = 0) -> dict[str, float]:
         """Validation metrics of the served policy; with `trainer.validation_data_dir`, also verl's
         `{step}.jsonl` dump of every generation."""
         from verl.trainer.ppo.metric_utils import process_validation_metrics
 
-        outputs = asyncio.run(self._generate_all(timeout_s))
+        outputs = asyncio.run(self._generate_all(timeout_s, step))
         sources, uids, texts, responses, rows = [], [], [], [], []
         for j, out in enumerate(outputs):
             _, info = self.rows[j // self.n]

@@ -105,7 +105,8 @@ class GenerateStage(StateMachine):
         through the same supervised path as training; validation uses it with `validate=True` (verl's
         `val_kwargs` sampling). `start_version`: the version served when the batch was admitted (None:
         the version served now). `greedy_baselines` (ReMax): then one greedy trajectory of each row, last.
-        `step`: the training step the batch is for, where verl's `skip.rollout` dumps or replays it."""
+        `step`: the training step the batch is for (validation: the step validated after), where verl's
+        `skip.rollout` dumps or replays it, and the step its agent loops and rollout trace see."""
         await self.policy_clock.follow()
         if start_version is None:
             start_version = self.policy_clock.served_version
@@ -117,6 +118,8 @@ class GenerateStage(StateMachine):
         if output is None:
             proto = prompt_rows(rows, [uuid.uuid4().hex for _ in rows], n, start_version, greedy_baselines)
             proto.meta_info["validate"] = validate
+            if step is not None:  # the step verl's agent loops and rollout trace see, as verl's trainer gives it
+                proto.meta_info["global_steps"] = step
             output = await self.agent_loops().generate_sequences(proto)
             if dumps is not None:
                 await asyncio.to_thread(dumps.dump, step, output)

@@ -101,8 +101,8 @@ VERL_KEYS = (
               "transfer; the pipeline starts plain replicas"),
     *switched(f"{ARR}.rollout.profiler", "enable", NO_PROFILER),
     *switched(f"{ARR}.rollout.prometheus", "enable", "verl's trainer starts the Prometheus scrape; the pipeline does not"),
-    *switched(f"{ARR}.rollout.trace", "backend", "verl's per-request rollout trace (weave, mlflow) is not set up in "
-              "the generate stage"),
+    KeyRow(f"{ARR}.rollout.trace", V, "verl's rollout trace (weave, mlflow, trackio): verl's agent-loop worker sets it "
+           "up in the generate stage, a span per trajectory and per request (async_rl/rollout/agent_loops.py)"),
     KeyRow(f"{ARR}.rollout.multi_turn.enable", N, "nothing on main_ppo's path reads it in verl 0.9.1"),
     # data: verl's RLHFDataset and sampler (async_rl/core/prompts.py)
     KeyRow("data", V, "verl's RLHFDataset and sampler (async_rl/core/prompts.py)"),

@@ -1,9 +1,11 @@
-"""The agent-loop, tool and interaction files a command names: checked before Ray starts (each exists, loads
-and imports, and every loop a run asks for is registered), then written as absolute paths for the stages,
-whose Ray workers do not share the driver's working directory."""
+"""What the agent loops need from a command, checked before Ray starts: the agent-loop, tool and interaction
+files (each exists, loads and imports, and every loop a run asks for is registered), written then as absolute
+paths for the stages, whose Ray workers do not share the driver's working directory; and the package of the
+rollout trace's backend."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import hydra
@@ -17,6 +19,22 @@ AGENT_LOOP_KEY = "actor_rollout_ref.rollout.agent.default_agent_loop"
 AGENT_LOOP_CONFIG_KEY = "actor_rollout_ref.rollout.agent.agent_loop_config_path"
 TOOL_CONFIG_KEY = "actor_rollout_ref.rollout.multi_turn.tool_config_path"
 MULTI_TURN_FILES = ("tool_config_path", "interaction_config_path", "function_tool_path")
+TRACE_BACKEND_KEY = "actor_rollout_ref.rollout.trace.backend"
+TRACE_PACKAGES = {"weave": "weave", "mlflow": "mlflow", "trackio": "trackio"}  # verl's backends -> their package
+
+
+def check_trace_backend(config) -> None:
+    """At start: `rollout.trace.backend` is None or one of verl's backends whose package imports here (verl's
+    agent-loop worker imports it in the generate stage). Raises AsyncConfigError naming the key."""
+    backend = (config.actor_rollout_ref.rollout.get("trace") or {}).get("backend")
+    if backend is None:
+        return
+    if backend not in TRACE_PACKAGES:
+        raise AsyncConfigError(TRACE_BACKEND_KEY, backend,
+                               f"None or one of verl's trace backends: {', '.join(TRACE_PACKAGES)}")
+    if importlib.util.find_spec(TRACE_PACKAGES[backend]) is None:
+        raise AsyncConfigError(TRACE_BACKEND_KEY, backend, f"a backend whose package is installed (pip install "
+                               f"{TRACE_PACKAGES[backend]}; the generate stage imports it)")
 
 
 def _agent_files(config) -> dict[str, str]:

@@ -34,7 +34,7 @@ from verl.experimental.agent_loop.agent_loop import (
     _agent_loop_registry,
 )
 from verl.tools.function_tool import FunctionTool
-from verl.utils.rollout_trace import rollout_trace_attr
+from verl.utils.rollout_trace import rollout_trace_attr, rollout_trace_op
 from verl.workers.rollout.llm_server import LLMServerClient
 from verl.workers.rollout.replica import TokenOutput
 
@@ -98,6 +98,7 @@ class PipelineLLMClient(LLMServerClient):
             self._sticky.popitem(last=False)
         return index
 
+    @rollout_trace_op  # a span per request under `rollout.trace.backend`, as verl's client has
     async def generate(self, request_id, *, prompt_ids, sampling_params, image_data=None, video_data=None,
                        audio_data=None, mm_processor_kwargs=None, **kwargs: Any) -> TokenOutput:
         if video_data or audio_data:

@@ -26,7 +26,7 @@ def validator_on(demo_dir, extra: dict):
     strip_async_keys(config)
     tokenizer = AutoTokenizer.from_pretrained(demo_dir / "model")
 
-    async def generate(rows, n):  # row i answers "i % 10" four times: a score of 1 where that is the answer
+    async def generate(rows, n, step):  # row i answers "i % 10" four times: a score of 1 where that is the answer
         answers = [tokenizer.encode(str(i % 10) * 4) for i in range(len(rows)) for _ in range(n)]
         return [SimpleNamespace(prompt_ids=[1], response_ids=ids) for ids in answers]
 

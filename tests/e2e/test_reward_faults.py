@@ -140,7 +140,7 @@ def test_validation_scores_through_the_same_guard(demo_dir, tmp_path, on_error):
     # verl's agent loops on the echo server
     stage = GenerateStage(servers=[EchoServer()], config=config, clock=ClockRef.in_process(StalenessGate(1)))
     validator = Validator(config, AutoTokenizer.from_pretrained(demo_dir / "model"), 5.0, on_error,
-                          generate=lambda rows, n: stage.run_agent_loops(rows, n, validate=True))
+                          generate=lambda rows, n, step: stage.run_agent_loops(rows, n, validate=True, step=step))
     if on_error == "stop":
         with pytest.raises(RewardFunctionError, match="validation at step 7: .*sample 3: ValueError: bad val sample"):
             validator.run(timeout_s=30, step=7)
