@@ -17,13 +17,13 @@ from verl.trainer.ppo.utils import need_reference_policy
 import async_rl.rollout.backends  # noqa: F401 - registers the built-in rollout backends
 from async_rl.api.rollout import RolloutBackend, registered_backends, rollout_backend
 from async_rl.checkpoints import CheckpointConfig, read_checkpoint_config
-from async_rl.core.config import (DELTA_SYNC_KEY, AsyncPipelineConfig, critic_enabled, read_async_config, runs_on_cpu,
-                                    select_value, strip_async_keys)
+from async_rl.core.config import (DELTA_SYNC_KEY, AsyncPipelineConfig, critic_enabled, read_async_config, role_ratios,
+                                   runs_on_cpu, select_value, strip_async_keys)
 from async_rl.core.data_checks import agent_names_in, check_rl_files
 from async_rl.core.decoupled_ppo import apply_bypass_loss, apply_to_config, uses_behaviour_as_old
 from async_rl.core.errors import AsyncConfigError
 from async_rl.core.legacy_reward_keys import migrate_legacy_reward_keys
-from async_rl.core.placement import Placement, plan_placement
+from async_rl.core.placement import RATIOS_KEY, Placement, plan_placement, standalone_rollout_ratios
 from async_rl.core.reward_loop_scoring import check_reward_manager
 from async_rl.core.scoring import overlong_shaping
 from async_rl.core.stage_graph import STAGES_KEY, UserStageSpec, build_edges
@@ -92,7 +92,7 @@ def read_run_config(config: DictConfig) -> RunConfig:
     config, legacy = migrate_legacy_reward_keys(config)
     if legacy:
         logger.warning(legacy)
-    async_cfg = read_async_config(config)
+    async_cfg = standalone_rollout(config, read_async_config(config))
     refuse_unsupported(config)
     refuse_unread_keys(config)
     for line in replaced_settings(config):
@@ -136,11 +136,38 @@ def read_run_config(config: DictConfig) -> RunConfig:
     proximal = None if uses_behaviour_as_old(config) else async_cfg.proximal_logp_workers
     roles = (["train"] + (["critic"] if critic else []) + (["logp"] if proximal == "logp" else [])
              + (["ref_logp"] if need_reference_policy(config) else []))
-    placement = plan_placement(int(config.trainer.nnodes), int(config.trainer.n_gpus_per_node),
+    placement = plan_placement(job_nodes(config), int(config.trainer.n_gpus_per_node),
                                async_cfg.ratios_by_role, roles, backend.replica_world_size(config.actor_rollout_ref.rollout))
     edges = build_edges(async_cfg.user_stages, async_cfg.dynamic_sampling, critic)
     return RunConfig(config, async_cfg, backend, checkpoint, total_steps, critic, proximal, edges, user_stages,
                      placement, workers_named)
+
+
+ROLLOUT_NODES_KEY = "actor_rollout_ref.rollout.nnodes"
+
+
+def job_nodes(config: DictConfig) -> int:
+    """The job's nodes: `trainer.nnodes`, and verl's standalone rollout nodes (`rollout.nnodes`) after them."""
+    return int(config.trainer.nnodes) + max(0, int(config.actor_rollout_ref.rollout.get("nnodes") or 0))
+
+
+def standalone_rollout(config: DictConfig, async_cfg: AsyncPipelineConfig) -> AsyncPipelineConfig:
+    """`async_cfg` placing generation on verl's standalone rollout nodes when `rollout.nnodes` > 0 (its ratios:
+    placement.standalone_rollout_ratios); AsyncConfigError where they cannot be: nodes of another size than
+    the trainer's, or `+trainer.use_nodes_ratios` set too."""
+    rollout = config.actor_rollout_ref.rollout
+    extra = int(rollout.get("nnodes") or 0)
+    if extra <= 0:
+        return async_cfg
+    per_node = int(config.trainer.n_gpus_per_node)
+    if int(rollout.get("n_gpus_per_node") or 0) != per_node:
+        raise AsyncConfigError("actor_rollout_ref.rollout.n_gpus_per_node", rollout.get("n_gpus_per_node"),
+                               f"trainer.n_gpus_per_node's {per_node} with {ROLLOUT_NODES_KEY}={extra} (the pipeline's "
+                               "nodes each hold the same number of devices)")
+    if OmegaConf.select(config, RATIOS_KEY) is not None:
+        raise AsyncConfigError(ROLLOUT_NODES_KEY, extra, f"0 with +{RATIOS_KEY}: both place generation, set one")
+    ratios = standalone_rollout_ratios(int(config.trainer.nnodes), extra)
+    return dataclasses.replace(async_cfg, use_nodes_ratios=ratios, ratios_by_role=role_ratios(ratios))
 
 
 def named_on_command_line(key: str) -> Optional[bool]:
@@ -336,7 +363,7 @@ def ray_init_kwargs(config: DictConfig) -> dict:
         env_vars.update({"VERL_PLATFORM": "cpu", "VERL_ENGINE_DEVICE": "cuda"})
         if not joins_cluster:
             # verl's replica pools ask for "GPUs": logical, one a slot (the reward model's own devices too)
-            gpus = (int(config.trainer.nnodes) * int(config.trainer.n_gpus_per_node) if backend.logical_gpus_on_cpu
+            gpus = (job_nodes(config) * int(config.trainer.n_gpus_per_node) if backend.logical_gpus_on_cpu
                     else 0) + (reward_model_devices(config) if reward_model and reward_model.logical_gpus_on_cpu else 0)
             if gpus:
                 kwargs.setdefault("num_gpus", gpus)

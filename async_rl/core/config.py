@@ -326,11 +326,13 @@ def read_async_config(config) -> AsyncPipelineConfig:
     user_stages = parse_user_stages(raw["user_stages"])
     dynamic_sampling = dynamic_sampling_enabled(config)
     values = {k.field: k.check(k.key, raw[k.field]) for k in KEYS if k.check is not None}
-    ratios = values["use_nodes_ratios"]
-    return AsyncPipelineConfig(
-        **values, user_stages=user_stages, dynamic_sampling=dynamic_sampling,
-        ratios_by_role={**dict(zip(USE_NODES_ROLES, ratios)), CRITIC_ROLE: ratios[4] if len(ratios) > 4 else ratios[0]},
-    )
+    return AsyncPipelineConfig(**values, user_stages=user_stages, dynamic_sampling=dynamic_sampling,
+                               ratios_by_role=role_ratios(values["use_nodes_ratios"]))
+
+
+def role_ratios(ratios: tuple[float, ...]) -> dict[str, float]:
+    """Role -> its share of the devices, from `use_nodes_ratios` (the critic's: the 5th number, else train's)."""
+    return {**dict(zip(USE_NODES_ROLES, ratios)), CRITIC_ROLE: ratios[4] if len(ratios) > 4 else ratios[0]}
 
 
 def strip_async_keys(config: DictConfig) -> None:

@@ -13,6 +13,11 @@ processes), numbered node by node: device d is local device d % G of node d // G
 - a group on several nodes takes whole nodes: verl's worker groups and FSDP's device mesh
   need the same number of ranks on every node, so a size above G must be a multiple of G.
 
+verl's standalone rollout (`actor_rollout_ref.rollout.nnodes` > 0, as verl's separate-async trainer
+places it: `rollout.nnodes` nodes of their own for generation after the `trainer.nnodes` training
+nodes) is the job of both pools with the ratios `standalone_rollout_ratios` gives: generate on the
+rollout nodes, the training roles sharing the trainer's.
+
 A split that cannot work raises `PlacementError` at start, naming the key and the nodes.
 """
 
@@ -27,6 +32,19 @@ TRAINING_ROLES = ("train", "critic", "logp", "ref_logp")  # packing order on the
 
 class PlacementError(ValueError):
     """`trainer.use_nodes_ratios` cannot be placed on the job's nodes."""
+
+
+def _devices(ratio: float, total: int) -> int:
+    """floor(ratio x total), a product within rounding of a whole number counting as that number."""
+    return math.floor(ratio * total + 1e-9)
+
+
+def standalone_rollout_ratios(trainer_nodes: int, rollout_nodes: int) -> tuple[float, float, float, float]:
+    """`use_nodes_ratios` (train, logp, ref_logp, generate) of a job of `trainer_nodes` + `rollout_nodes` nodes:
+    generate on the last `rollout_nodes`, the training roles sharing the first `trainer_nodes`."""
+    total = trainer_nodes + rollout_nodes
+    train = trainer_nodes / total
+    return train, train, train, rollout_nodes / total
 
 
 @dataclass(frozen=True)
@@ -116,7 +134,7 @@ def plan_placement(nodes: int, devices_per_node: int, ratios: dict[str, float], 
         raise PlacementError(f"invalid config: a rollout replica spans {replica_devices} devices "
                              f"(actor_rollout_ref.rollout.tensor_model_parallel_size), which must divide the "
                              f"{per_node} devices of a node")
-    generate = max(replica_devices, math.floor(ratios["generate"] * total) // replica_devices * replica_devices)
+    generate = max(replica_devices, _devices(ratios["generate"], total) // replica_devices * replica_devices)
     training = total - generate
     if training < 1 and generate == replica_devices:  # one replica already takes every device
         raise PlacementError(
@@ -129,7 +147,7 @@ def plan_placement(nodes: int, devices_per_node: int, ratios: dict[str, float], 
                              f"{where}, leaving none to train on: lower the generate ratio (the 4th number)")
     replicas = tuple(DeviceRange(training + i * replica_devices, replica_devices)
                      for i in range(generate // replica_devices))
-    sizes = {role: max(1, math.floor(ratios[role] * total)) for role in TRAINING_ROLES if role in roles}
+    sizes = {role: max(1, _devices(ratios[role], total)) for role in TRAINING_ROLES if role in roles}
     shared = sum(sizes.values()) > training
     groups, cursor = {}, 0
     for role, size in sizes.items():

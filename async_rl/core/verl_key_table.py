@@ -86,9 +86,10 @@ VERL_KEYS = (
            "decoupled PPO trains on"),
     KeyRow(f"{ARR}.rollout.checkpoint_engine", R, "the pipeline's five-part weight sync moves the weights"),
     KeyRow(f"{ARR}.rollout.agent.num_workers", R, "the generate stage runs the agent loops itself"),
-    KeyRow(f"{ARR}.rollout.nnodes", X, "standalone rollout nodes: the pipeline places replicas by "
-           "+trainer.use_nodes_ratios"),
-    KeyRow(f"{ARR}.rollout.n_gpus_per_node", N, "read by verl only with rollout.nnodes > 0, which is refused"),
+    KeyRow(f"{ARR}.rollout.nnodes", P, "verl's standalone rollout nodes: generation on nodes of its own after the "
+           "trainer's (async_rl/run_config.py standalone_rollout)"),
+    KeyRow(f"{ARR}.rollout.n_gpus_per_node", P, "with rollout.nnodes > 0: must equal trainer.n_gpus_per_node "
+           "(async_rl/run_config.py standalone_rollout)"),
     KeyRow(f"{ARR}.rollout.full_determinism", P, "verl's determinism environment in every process "
            "(async_rl/run_config.py determinism_env); verl's agent loops read the key itself"),
     KeyRow(f"{ARR}.rollout.router_config_path", X, "the generate stage routes requests to the replicas itself, not "
