@@ -92,7 +92,7 @@ def read_run_config(config: DictConfig) -> RunConfig:
     config, legacy = migrate_legacy_reward_keys(config)
     if legacy:
         logger.warning(legacy)
-    async_cfg = standalone_rollout(config, read_async_config(config))
+    async_cfg = versions_spanned_bound(config, standalone_rollout(config, read_async_config(config)))
     refuse_unsupported(config)
     refuse_unread_keys(config)
     for line in replaced_settings(config):
@@ -168,6 +168,30 @@ def standalone_rollout(config: DictConfig, async_cfg: AsyncPipelineConfig) -> As
         raise AsyncConfigError(ROLLOUT_NODES_KEY, extra, f"0 with +{RATIOS_KEY}: both place generation, set one")
     ratios = standalone_rollout_ratios(int(config.trainer.nnodes), extra)
     return dataclasses.replace(async_cfg, use_nodes_ratios=ratios, ratios_by_role=role_ratios(ratios))
+
+
+OFF_POLICY_KEY = "trainer.v1.sampler.max_off_policy_threshold"
+AHEAD_KEY = "trainer.generate_ahead_steps"
+
+
+def versions_spanned_bound(config: DictConfig, async_cfg: AsyncPipelineConfig) -> AsyncPipelineConfig:
+    """verl's V1 `max_off_policy_threshold` (the most policy versions a trajectory may span; null: no bound of
+    verl's) as the pipeline's: with k = `+trainer.generate_ahead_steps` a trajectory spans at most k versions, so
+    k is lowered to it. AsyncConfigError for a threshold verl refuses, or one below a k the command sets."""
+    threshold = select_value(config, OFF_POLICY_KEY, None)
+    if threshold is None:
+        return async_cfg
+    if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1:
+        raise AsyncConfigError(OFF_POLICY_KEY, threshold, "null or an int >= 1 (the most versions a trajectory spans)")
+    ahead = async_cfg.generate_ahead_steps
+    if threshold >= ahead:
+        return async_cfg
+    if OmegaConf.select(config, AHEAD_KEY) is not None:
+        raise AsyncConfigError(f"+{AHEAD_KEY}", ahead, f"at most {OFF_POLICY_KEY}={threshold}: a trajectory spans up "
+                               f"to {AHEAD_KEY} policy versions (set one of them)")
+    logger.warning("%s=%d: +%s=%d (a trajectory spans at most that many policy versions)", OFF_POLICY_KEY, threshold,
+                   AHEAD_KEY, threshold)
+    return dataclasses.replace(async_cfg, generate_ahead_steps=threshold)
 
 
 def named_on_command_line(key: str) -> Optional[bool]:
