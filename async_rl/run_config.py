@@ -27,7 +27,7 @@ from async_rl.core.placement import RATIOS_KEY, Placement, plan_placement, stand
 from async_rl.core.reward_loop_scoring import check_reward_manager
 from async_rl.core.scoring import overlong_shaping
 from async_rl.core.stage_graph import STAGES_KEY, UserStageSpec, build_edges
-from async_rl.core.verl_keys import refuse_unsupported, replaced_settings
+from async_rl.core.verl_keys import raw_default, refuse_unsupported, replaced_settings
 from async_rl.core.verl_reads import refuse_unread_keys
 from async_rl.rollout.agent_loop_files import absolute_agent_files, check_agent_loops, check_trace_backend
 from async_rl.rollout.cpu.reward_server import check_reward_model
@@ -176,10 +176,11 @@ AHEAD_KEY = "trainer.generate_ahead_steps"
 
 def versions_spanned_bound(config: DictConfig, async_cfg: AsyncPipelineConfig) -> AsyncPipelineConfig:
     """verl's V1 `max_off_policy_threshold` (the most policy versions a trajectory may span; null: no bound of
-    verl's) as the pipeline's: with k = `+trainer.generate_ahead_steps` a trajectory spans at most k versions, so
-    k is lowered to it. AsyncConfigError for a threshold verl refuses, or one below a k the command sets."""
+    verl's), set away from verl's default (which binds only verl's V1 async modes), as the pipeline's: with
+    k = `+trainer.generate_ahead_steps` a trajectory spans at most k versions, so k is lowered to it.
+    AsyncConfigError for a threshold verl refuses, or one below a k the command sets."""
     threshold = select_value(config, OFF_POLICY_KEY, None)
-    if threshold is None:
+    if threshold is None or threshold == raw_default(OFF_POLICY_KEY):
         return async_cfg
     if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1:
         raise AsyncConfigError(OFF_POLICY_KEY, threshold, "null or an int >= 1 (the most versions a trajectory spans)")

@@ -161,8 +161,9 @@ VERL_KEYS = (
     KeyRow("trainer.v1", R, "verl's v1 trainer modes: the pipeline is the async trainer"),
     KeyRow("trainer.v1.sampler", X, "verl's V1 replay buffer and its sampler class: the pipeline has no replay buffer; "
            "it bounds staleness by +trainer.generate_ahead_steps"),
-    KeyRow("trainer.v1.sampler.max_off_policy_threshold", P, "the most policy versions a trajectory may span: "
-           "+trainer.generate_ahead_steps lowered to it (async_rl/run_config.py versions_spanned_bound)"),
+    KeyRow("trainer.v1.sampler.max_off_policy_threshold", P, "the most policy versions a trajectory may span, set "
+           "away from verl's default: +trainer.generate_ahead_steps lowered to it (async_rl/run_config.py "
+           "versions_spanned_bound)"),
     KeyRow("trainer.v1.sampler.max_off_policy_strategy", R, "drop and wait alike: the generate stage admits no batch "
            "beyond the bound, so no trajectory is dropped or waited for"),
     KeyRow("trainer.v1.sampler.sync_refill_failed_groups", R, "verl's sync sampling only, a no-op in its async modes; "

@@ -24,7 +24,8 @@ def composed(demo_dir, extra: dict, ahead: int | None = None):
     return compose_ppo(overrides + ([f"{AHEAD}={ahead}"] if ahead is not None else []))
 
 
-@pytest.mark.parametrize("threshold,ahead,expected", [(1, None, 1), (3, None, 2), (None, None, 2), (4, 3, 3), (2, 2, 2)])
+@pytest.mark.parametrize("threshold,ahead,expected", [(1, None, 1), (3, None, 2), (None, None, 2), (4, 3, 3), (2, 2, 2),
+                                                     (8, 17, 17)])  # verl's default 8 binds only its own V1 modes
 def test_the_threshold_bounds_the_versions_a_trajectory_spans(demo_dir, threshold, ahead, expected, caplog):
     extra = {} if threshold is None else {f"{SAMPLER}.max_off_policy_threshold": threshold}
     with caplog.at_level(logging.WARNING, logger="async_rl.run_config"):
