@@ -40,6 +40,7 @@ def mlflow_store(tmp_path, monkeypatch):
 
     uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.chdir(tmp_path)  # an experiment's artifacts go to ./mlruns
     RolloutTraceConfig.reset()
     yield uri
     RolloutTraceConfig.reset()
