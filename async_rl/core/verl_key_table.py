@@ -87,9 +87,9 @@ VERL_KEYS = (
     KeyRow(f"{ARR}.rollout.checkpoint_engine", R, "the pipeline's five-part weight sync moves the weights"),
     KeyRow(f"{ARR}.rollout.agent.num_workers", R, "the generate stage runs the agent loops itself"),
     KeyRow(f"{ARR}.rollout.nnodes", P, "verl's standalone rollout nodes: generation on nodes of its own after the "
-           "trainer's (async_rl/run_config.py standalone_rollout)"),
+           "trainer's (async_rl/core/verl_async_keys.py standalone_rollout)"),
     KeyRow(f"{ARR}.rollout.n_gpus_per_node", P, "with rollout.nnodes > 0: must equal trainer.n_gpus_per_node "
-           "(async_rl/run_config.py standalone_rollout)"),
+           "(async_rl/core/verl_async_keys.py standalone_rollout)"),
     KeyRow(f"{ARR}.rollout.full_determinism", P, "verl's determinism environment in every process "
            "(async_rl/run_config.py determinism_env); verl's agent loops read the key itself"),
     KeyRow(f"{ARR}.rollout.router_config_path", X, "the generate stage routes requests to the replicas itself, not "
@@ -162,7 +162,7 @@ VERL_KEYS = (
     KeyRow("trainer.v1.sampler", X, "verl's V1 replay buffer and its sampler class: the pipeline has no replay buffer; "
            "it bounds staleness by +trainer.generate_ahead_steps"),
     KeyRow("trainer.v1.sampler.max_off_policy_threshold", P, "the most policy versions a trajectory may span, set "
-           "away from verl's default: +trainer.generate_ahead_steps lowered to it (async_rl/run_config.py "
+           "away from verl's default: +trainer.generate_ahead_steps lowered to it (async_rl/core/verl_async_keys.py "
            "versions_spanned_bound)"),
     KeyRow("trainer.v1.sampler.max_off_policy_strategy", R, "drop and wait alike: the generate stage admits no batch "
            "beyond the bound, so no trajectory is dropped or waited for"),

@@ -10,7 +10,8 @@ import pytest
 
 from async_rl.core.errors import AsyncConfigError
 from async_rl.core.placement import plan_placement, standalone_rollout_ratios
-from async_rl.run_config import job_nodes, read_run_config
+from async_rl.core.verl_async_keys import job_nodes
+from async_rl.run_config import read_run_config
 from helpers.lineage import compose_ppo
 
 RATIOS = "+trainer.use_nodes_ratios"

@@ -58,7 +58,7 @@ ONLY_WITH: dict[str, tuple[str, Callable]] = {
     "algorithm.kl_ctrl": ("algorithm.use_kl_in_reward", _on("algorithm.use_kl_in_reward")),
     # verl's RolloutSkip is built only with skip.rollout.enable (async_rl/rollout/rollout_dumps.py)
     **{f"skip.rollout.{k}": ("skip.rollout.enable", _on("skip.rollout.enable")) for k in ("dump_dir", "steps", "action")},
-    # the standalone rollout's device count only with its nodes (async_rl/run_config.py standalone_rollout)
+    # the standalone rollout's device count only with its nodes (async_rl/core/verl_async_keys.py standalone_rollout)
     "actor_rollout_ref.rollout.n_gpus_per_node": ("actor_rollout_ref.rollout.nnodes", _on("actor_rollout_ref.rollout.nnodes")),
     # the run's length in epochs only when trainer.total_training_steps is unset (async_rl/run_config.py)
     "trainer.total_epochs": ("trainer.total_training_steps unset",
