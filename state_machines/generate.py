@@ -116,10 +116,9 @@ class GenerateStage(StateMachine):
             with self.trace.span("generate", "skip.rollout's dump read", step=step):
                 output = await asyncio.to_thread(dumps.replayed, step)
         if output is None:
-            proto = prompt_rows(rows, [uuid.uuid4().hex for _ in rows], n, start_version, greedy_baselines)
+            proto = prompt_rows(rows, [uuid.uuid4().hex for _ in rows], n,
+                                start_version if step is None else step, greedy_baselines)
             proto.meta_info["validate"] = validate
-            if step is not None:  # the step verl's agent loops and rollout trace see, as verl's trainer gives it
-                proto.meta_info["global_steps"] = step
             output = await self.agent_loops().generate_sequences(proto)
             if dumps is not None:
                 await asyncio.to_thread(dumps.dump, step, output)

@@ -255,11 +255,12 @@ def bound_tool_calls(tool, timeout_s: float, pool: Optional[EnvironmentPool] = N
 DO_SAMPLE = "__do_sample__"  # verl's per-row column: False makes the agent loop sample greedily (ReMax)
 
 
-def prompt_rows(batch_non_tensor: list[dict], uids: list[str], n: int, start_version: int,
+def prompt_rows(batch_non_tensor: list[dict], uids: list[str], n: int, global_steps: int,
                 greedy_baselines: bool = False):
     """verl's agent-loop input (a DataProto of non-tensor columns), each prompt's row `n` times in a
-    row (GRPO groups), with its `uid` and the batch's `start_version`; `greedy_baselines` (ReMax): then
-    each prompt's row once more, sampled greedily (verl's `__do_sample__` column)."""
+    row (GRPO groups), with its `uid`, and `global_steps` (the step verl's agent loops and rollout trace see);
+    `greedy_baselines` (ReMax): then each prompt's row once more, sampled greedily (verl's `__do_sample__`
+    column)."""
     from verl import DataProto
 
     for row in batch_non_tensor:
@@ -271,7 +272,7 @@ def prompt_rows(batch_non_tensor: list[dict], uids: list[str], n: int, start_ver
     keys = sorted({key for row in rows for key in row})
     columns = {key: object_column([row.get(key) for row in rows]) for key in keys}
     proto = DataProto.from_dict(non_tensors=columns)
-    proto.meta_info["global_steps"] = start_version
+    proto.meta_info["global_steps"] = global_steps
     return proto
 
 
