@@ -227,7 +227,10 @@ def main(argv=None) -> dict:
             "delta_mb": statistics.median(r["delta_bytes"] for r in steady) / (1 << 20),
             "bit_identical": all(r["full_bit_identical"] and r["delta_bit_identical"] for r in rows if r["lr"] == lr),
         }
-        summary[lr]["crossover_mb_s"] = crossover_rate(summary[lr], link_rate) / (1 << 20)
+        for kind in ("full", "delta"):  # each sync's time less its bytes at this link's rate
+            s = summary[lr]
+            s[f"{kind}_off_link_s"] = s[f"{kind}_total_s"] - s[f"{kind}_mb"] * (1 << 20) / link_rate
+        summary[lr]["crossover_mb_s"] = crossover_rate(summary[lr]) / (1 << 20)
     print(f"\ncommand: {command}\ncpus: {os.cpu_count()}, torch {torch.__version__}, {args.size} ({params:,} "
           f"float32 parameters), rollout held in bf16, Adam, {args.steps} steps per lr, buckets {BUCKET_MB} MB, "
           "both syncs through the collective transport to the second node")
@@ -247,8 +250,8 @@ def main(argv=None) -> dict:
         rate = s["crossover_mb_s"]
         print(f"lr {lr:.0e}: " + ("the delta is faster on any link" if rate == float("inf") else
               f"the delta is faster on a link slower than {rate:,.0f} MB/s ({rate * 8 / 1000:.1f} Gb/s): its work off "
-              f"the link costs {s['delta_total_s'] - s['delta_mb'] * (1 << 20) / link_rate:.3f}s against the full "
-              f"sync's {s['full_total_s'] - s['full_mb'] * (1 << 20) / link_rate:.3f}s, and it sends "
+              f"the link costs {s['delta_off_link_s']:.3f}s against the full sync's {s['full_off_link_s']:.3f}s, and "
+              "it sends "
               f"{s['full_mb'] - s['delta_mb']:.1f} MB less"))
     print("(each sync modelled as its time off the link, measured here, plus its bytes at the link's rate)")
     result = {"command": command, "size": args.size, "params": params, "rows": rows, "raw_link_s": raw_link_s,
@@ -259,13 +262,12 @@ def main(argv=None) -> dict:
     return result
 
 
-def crossover_rate(s: dict, link_rate: float) -> float:
-    """The link rate (bytes/s) below which the delta sync beats the full one: each sync's time off the link
-    (its total less its bytes at `link_rate`) plus its bytes at the rate asked; inf when the delta's time off
-    the link is no longer than the full sync's."""
-    full_bytes, delta_bytes = s["full_mb"] * (1 << 20), s["delta_mb"] * (1 << 20)
-    extra = (s["delta_total_s"] - delta_bytes / link_rate) - (s["full_total_s"] - full_bytes / link_rate)
-    return float("inf") if extra <= 0 else (full_bytes - delta_bytes) / extra
+def crossover_rate(s: dict) -> float:
+    """The link rate (bytes/s) below which the delta sync beats the full one, each sync taking its time off the
+    link (`<kind>_off_link_s`) plus its bytes (`<kind>_mb`) at that rate; inf when the delta's time off the link
+    is no longer than the full sync's."""
+    extra = s["delta_off_link_s"] - s["full_off_link_s"]
+    return float("inf") if extra <= 0 else (s["full_mb"] - s["delta_mb"]) * (1 << 20) / extra
 
 
 if __name__ == "__main__":

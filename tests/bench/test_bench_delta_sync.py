@@ -35,9 +35,12 @@ def test_at_the_crossover_both_syncs_take_as_long_and_a_cheaper_delta_wins_on_an
     def modelled(total_s: float, size_mb: float, rate: float) -> float:  # off the link here, plus the bytes at `rate`
         return total_s - size_mb * mb / here + size_mb * mb / rate
 
-    s = {"full_mb": 100.0, "delta_mb": 10.0, "full_total_s": 0.3, "delta_total_s": 0.5}
-    rate = crossover_rate(s, here)
+    def summary(full_total_s: float, delta_total_s: float) -> dict:  # as the bench puts it together
+        return {"full_mb": 100.0, "delta_mb": 10.0, "full_off_link_s": full_total_s - 100.0 * mb / here,
+                "delta_off_link_s": delta_total_s - 10.0 * mb / here}
+
+    rate = crossover_rate(summary(0.3, 0.5))
     assert modelled(0.3, 100.0, rate) == pytest.approx(modelled(0.5, 10.0, rate))
     assert modelled(0.5, 10.0, rate / 2) < modelled(0.3, 100.0, rate / 2)  # slower link: the delta wins
     assert modelled(0.5, 10.0, rate * 2) > modelled(0.3, 100.0, rate * 2)
-    assert crossover_rate({**s, "delta_total_s": 0.2}, here) == float("inf")
+    assert crossover_rate(summary(0.3, 0.2)) == float("inf")
