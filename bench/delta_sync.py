@@ -32,7 +32,7 @@ import time
 sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.command import command_line  # noqa: E402
-from bench.link import LinkProbe, gloo_send_s  # noqa: E402
+from bench.link import LinkProbe, gloo_send_s, node_ids, two_node_cluster  # noqa: E402
 
 import ray  # noqa: E402
 import torch  # noqa: E402
@@ -172,13 +172,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args(argv)
     command = command_line()
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 16, "include_dashboard": False})
-    other = cluster.add_node(num_cpus=16)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
-    head, far = cluster.head_node.node_id, other.node_id
+    cluster = two_node_cluster()
+    head, far = node_ids(cluster)
     rows, versions = [], iter(range(1, 1 << 30))
     try:
         trainer = Trainer.options(**on_node(head)).remote(args.size)

@@ -4,6 +4,7 @@ n bytes from the calling process to a `LinkProbe` actor on the other node, until
 from __future__ import annotations
 
 import datetime
+import os
 import time
 
 import ray
@@ -11,6 +12,28 @@ import torch
 import torch.distributed as dist
 
 TIMEOUT_S = 900
+REPOSITORY_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def two_node_cluster():
+    """Starts a local Ray cluster of two 16-logical-CPU nodes and connects this process to it; returns the
+    `ray.cluster_utils.Cluster` (the caller shuts it down). Its workers import this repository's code
+    (`bench`, `param_update`, ...) whatever the caller's PYTHONPATH."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 16, "include_dashboard": False})
+    cluster.add_node(num_cpus=16)
+    cluster.wait_for_nodes()
+    python_path = os.pathsep.join(p for p in (REPOSITORY_ROOT, os.environ.get("PYTHONPATH", "")) if p)
+    ray.init(address=cluster.address,
+             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": python_path}})
+    return cluster
+
+
+def node_ids(cluster) -> tuple[str, str]:
+    """(head node, other node) ids of a `two_node_cluster`."""
+    head = cluster.head_node.node_id
+    return head, next(node.node_id for node in cluster.worker_nodes)
 
 
 def gloo_send_s(nbytes: int, probe, repeats: int = 3) -> float:
