@@ -36,6 +36,7 @@ from async_rl.core.stage_table import (ACTOR_TRAIN, CLOCK, CRITIC_TRAIN, DATALOA
 from async_rl.core.staleness import StalenessGate
 from async_rl.core.timeouts import CALL_TIMEOUT_S, SETUP_TIMEOUT_S
 from async_rl.rollout.reward_models import RewardModelService, start_reward_model
+from async_rl.rollout.teachers import TeacherService, start_teachers
 from async_rl.rollout.supervisor import kill_actor
 from async_rl.rollout.verl_replicas import launch_rollout_replicas, make_rollout_replicas
 from async_rl.run_config import RunConfig
@@ -63,6 +64,7 @@ class BuiltPipeline:
     stage_nodes: dict = field(default_factory=dict)  # stage -> the Ray node id its actor is placed on
     replicas: list = field(default_factory=list)  # verl RolloutReplica objects, started
     reward_model: Optional[RewardModelService] = None  # the reward model's servers and router, if enabled
+    teachers: Optional[TeacherService] = None  # distillation's teacher servers and load balancers, if enabled
     stages: dict[str, Any] = field(default_factory=dict)  # stage name -> Ray actor handle or HostedStage
     clock: Optional[ClockRef] = None  # the policy clock: the staleness gate and its handle
     clock_actor: Any = None  # the clock's own Ray actor (`per_stage`; `per_node`: it is in generate's host)
@@ -191,6 +193,7 @@ class StageInputs:
         self.replicas, self.servers = built.replicas, [r.server_handle for r in built.replicas]
         self.bucket_bytes, self.start_step = built.bucket_bytes, built.start_step
         self.reward_router = built.reward_model.router_address if built.reward_model is not None else None
+        self.teacher_routers = built.teachers.routers if built.teachers is not None else {}
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.generated = state.generated_batches if state is not None else 0
         self.dataloader_state = state.dataloader_state if state is not None else None
@@ -236,6 +239,7 @@ def build_stages(built: BuiltPipeline) -> None:
     built.replicas = launch_rollout_replicas(make_rollout_replicas(cfg, len(built.devices["generate"])), run.backend,
                                              built.devices["generate"], SETUP_TIMEOUT_S)
     built.reward_model = start_reward_model(cfg, SETUP_TIMEOUT_S, settings.replica_max_restarts)
+    built.teachers = start_teachers(cfg, SETUP_TIMEOUT_S)
     router = built.reward_model.router_address if built.reward_model is not None else None
     built.validator = Validator(cfg, tokenizer, settings.reward_timeout_s, settings.reward_on_error,
                                 reward_router=router, processor=processor)
@@ -332,6 +336,8 @@ def shutdown(built: BuiltPipeline) -> None:
         kill_actor(actor)
     if built.reward_model is not None:
         built.reward_model.stop()
+    if built.teachers is not None:
+        built.teachers.stop()
     if built.node_groups and ray.is_initialized():
         for group in built.node_groups:
             try:

@@ -35,6 +35,7 @@ from async_rl.rollout.cpu.reward_server import check_reward_model
 from async_rl.rollout.reward_models import (on_devices_of_its_own, prepare_reward_model_config, reward_model_backend,
                                             reward_model_devices)
 from async_rl.rollout.rollout_dumps import RolloutDumps
+from async_rl.rollout.teachers import absolute_teacher_paths, check_teachers
 from async_rl.rollout.verl_replicas import replica_world_size
 from state_machines.base import StateMachine
 
@@ -114,6 +115,7 @@ def read_run_config(config: DictConfig) -> RunConfig:
     check_files(config)
     check_agent_loops(config, agent_names_in(config.data.train_files) | agent_names_in(config.data.get("val_files") or []))
     check_trace_backend(config)
+    check_teachers(config, str(config.trainer.device))
     RolloutDumps.from_config(config)  # skip.rollout's values, as verl's class checks them
 
     config = config.copy()
@@ -124,6 +126,7 @@ def read_run_config(config: DictConfig) -> RunConfig:
     if config.reward.reward_model.get("enable", False):  # its servers load it in Ray workers
         with open_dict(config):
             config.reward.reward_model.model_path = os.path.abspath(str(config.reward.reward_model.model_path))
+    absolute_teacher_paths(config)
     checkpoint = read_checkpoint_config(config)
     total_steps = total_training_steps(config, count_rows(config.data.train_files))
     set_optimizer_horizon(config, total_steps)

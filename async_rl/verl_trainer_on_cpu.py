@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from omegaconf import open_dict
+from omegaconf import OmegaConf, open_dict
 
 from async_rl.core.config import async_pipeline_enabled, runs_on_cpu, strip_async_keys
 from async_rl.rollout.cpu.registration import register_cpu_rollout
@@ -80,6 +80,8 @@ def prepare(config) -> None:
     if "async_training" in config:  # verl's fully_async_policy: its rollout's own devices; 23 CPUs for its actors
         devices += int(config.rollout.nnodes) * int(config.rollout.n_gpus_per_node)
         logical_cpus = 48
+    if OmegaConf.select(config, "distillation.enabled", default=False):  # verl's teacher pool, devices of its own
+        devices += int(config.distillation.nnodes) * int(config.distillation.n_gpus_per_node)
     with open_dict(config):
         ray_init = config.ray_kwargs.ray_init
         if not (ray_init.get("address") or os.environ.get("RAY_ADDRESS")):  # a running cluster's resources are its own

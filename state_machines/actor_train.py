@@ -160,7 +160,7 @@ class ActorTrainStage(StateMachine):
         self._max_step_s = 0.0  # the longest step so far (s): verl's max_steps_duration, for the ESI save
 
     def setup(self) -> int:
-        self.worker_group = make_worker_group(self.config, "actor", self.devices, "train")
+        self.worker_group = make_worker_group(self.config, "actor", self.devices, "train", trains=True)
         return self.world_size
 
     def weight_digests(self) -> dict[str, str]:
@@ -333,7 +333,8 @@ class ActorTrainStage(StateMachine):
             with self.trace.span(RANKS_TRACK, "update", step=self.version + 1):
                 metrics.update(
                     await asyncio.to_thread(
-                        engine_calls.update_actor, self.worker_group, train_batch, self.config.actor_rollout_ref
+                        engine_calls.update_actor, self.worker_group, train_batch, self.config.actor_rollout_ref,
+                        self.config.get("distillation")
                     )
                 )
         t1 = time.perf_counter()

@@ -27,6 +27,7 @@ from async_rl.rollout.agent_loops import (
 )
 from async_rl.rollout.rollout_dumps import RolloutDumps
 from async_rl.rollout.supervisor import ReplicaSupervisor
+from async_rl.rollout.teachers import teacher_clients
 from state_machines.base import StateMachine
 
 
@@ -36,6 +37,7 @@ class GenerateStage(StateMachine):
     def __init__(
         self, *, servers, config, clock: ClockRef, request_timeout_s: float = 600.0, tool_timeout_s: float = 120.0,
         tool_pool_size: int | None = None, replicas=None, max_restarts: int = 0, relaunch=None, weight_source=None,
+        teacher_routers: dict | None = None,
     ):
         """`config`: the run's verl config (its rollout and agent-loop keys). `clock`: the policy clock
         (async_rl/core/policy_clock.py), whose gate admits each prompt batch against the served version
@@ -45,7 +47,9 @@ class GenerateStage(StateMachine):
         backend's `async relaunch(replica, attempt) -> server handle`, async_rl/api/rollout.py) and
         `max_restarts`: a lost server is restarted up to that many times (async_rl/rollout/supervisor.py);
         the new one gets its weights from `weight_source` (the param_update stage), and a server a weight
-        sync finds lost reaches this stage through the clock."""
+        sync finds lost reaches this stage through the clock. `teacher_routers`: verl's load balancer of each
+        distillation teacher, by routing key (async_rl/rollout/teachers.py); each trajectory is scored by its
+        teacher, each request bounded by `request_timeout_s`."""
         super().__init__("generate", inbox_size=clock.gate.batches_ahead, max_inflight=clock.gate.batches_ahead)
         if not servers:
             raise ValueError("generate stage needs at least one rollout server")
@@ -67,6 +71,7 @@ class GenerateStage(StateMachine):
         self.policy_clock = clock.view(on_lost=self._server_lost)
         self.request_timeout_s, self.tool_timeout_s = request_timeout_s, tool_timeout_s
         self.tool_pool_size = tool_pool_size
+        self.teacher_routers = dict(teacher_routers or {})
 
     # ---- rollout servers: restarts (async_rl/rollout/supervisor.py) --------------------------
     async def _relaunch(self, index: int, attempt: int):
@@ -95,7 +100,9 @@ class GenerateStage(StateMachine):
         if self._agent_loops is None:
             client = PipelineLLMClient(self.config, self.servers, self.request_timeout_s,
                                        lambda: self.policy_clock.served_version)
-            self._agent_loops = PipelineAgentLoopWorker(self.config, client, self.tool_timeout_s, self.tool_pool_size)
+            teachers = teacher_clients(self.config, self.teacher_routers, self.request_timeout_s)
+            self._agent_loops = PipelineAgentLoopWorker(self.config, client, self.tool_timeout_s, self.tool_pool_size,
+                                                        teachers)
         return self._agent_loops
 
     async def run_agent_loops(self, rows: list[dict], n: int, start_version: int | None = None,

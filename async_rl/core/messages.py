@@ -65,6 +65,10 @@ class Sample:
     response_mask: list[int] | None = None  # 1: a model token, 0: a tool/environment token (None: all 1)
     # multimodal RoPE: ROPE_ROWS rows of positions over prompt_ids + response_ids (None: text positions only)
     rope_position_ids: list[list[int]] | None = None
+    # distillation: the teacher's ids and log-probs over prompt_ids + response_ids, (tokens, K) int32 and
+    # float32 tensors in vLLM's prompt-logprob layout (async_rl/rollout/cpu/prompt_logprobs.py); None: no teacher
+    teacher_ids: Any = None
+    teacher_logprobs: Any = None
 
 
 def build_batch(samples: list[Sample], max_prompt_length: int, max_response_length: int, pad_token_id: int) -> DataProto:
@@ -98,7 +102,16 @@ def build_batch(samples: list[Sample], max_prompt_length: int, max_response_leng
         if not all(with_rope):
             raise ValueError("a batch mixes samples with multimodal RoPE positions and samples without")
         position_ids = _with_rope_rows(samples, position_ids, max_prompt_length, max_response_length)
-    tensors = {
+    tensors = {}
+    with_teacher = [s.teacher_ids is not None for s in samples]
+    if any(with_teacher):
+        if not all(with_teacher):
+            raise ValueError("a batch mixes samples scored by a distillation teacher and samples that were not")
+        tensors["teacher_ids"] = _token_aligned([s.teacher_ids for s in samples], samples, pad_token_id,
+                                                max_prompt_length, max_response_length)
+        tensors["teacher_logprobs"] = _token_aligned([s.teacher_logprobs for s in samples], samples, 0.0,
+                                                     max_prompt_length, max_response_length)
+    tensors.update({
         "prompts": prompts,
         "responses": responses,
         "input_ids": torch.cat([prompts, responses], dim=1),
@@ -107,28 +120,43 @@ def build_batch(samples: list[Sample], max_prompt_length: int, max_response_leng
         "response_mask": response_mask,
         "rollout_log_probs": rollout_log_probs,
         "token_versions": token_versions,
-    }
+    })
     keys = sorted({k for s in samples for k in s.non_tensor})
     non_tensors = {k: object_column([s.non_tensor.get(k) for s in samples]) for k in keys}
     non_tensors["uid"] = object_column([s.uid for s in samples])
     return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors)
 
 
+def _token_aligned(per_sample: list, samples: list[Sample], fill, max_prompt_length: int,
+                   max_response_length: int) -> torch.Tensor:
+    """(n, prompt + response width, ...): each sample's per-token values (its `per_sample` entry, a tensor of
+    (prompt + response tokens, ...)) laid out as its tokens are, truncated the same way; `fill` elsewhere."""
+    first = torch.as_tensor(per_sample[0])
+    out = torch.full((len(samples), max_prompt_length + max_response_length, *first.shape[1:]), fill,
+                     dtype=first.dtype)
+    for i, (s, values) in enumerate(zip(samples, per_sample, strict=True)):
+        values = torch.as_tensor(values)
+        if values.shape[0] != len(s.prompt_ids) + len(s.response_ids):
+            raise ValueError(f"sample {s.uid}: {values.shape[0]} per-token values for "
+                             f"{len(s.prompt_ids)} prompt and {len(s.response_ids)} response tokens")
+        p = min(len(s.prompt_ids), max_prompt_length)
+        r = min(len(s.response_ids), max_response_length)
+        out[i, max_prompt_length - p : max_prompt_length] = values[len(s.prompt_ids) - p : len(s.prompt_ids)]
+        out[i, max_prompt_length : max_prompt_length + r] = values[len(s.prompt_ids) : len(s.prompt_ids) + r]
+    return out
+
+
 def _with_rope_rows(samples: list[Sample], text_positions: torch.Tensor, max_prompt_length: int,
                     max_response_length: int) -> torch.Tensor:
     """(n, 1 + ROPE_ROWS, prompt + response width): `text_positions` (n, width), then each sample's RoPE rows
     laid out as its tokens are (truncated the same way); 1 under padding, as transformers' `get_rope_index`."""
-    rope = torch.ones((len(samples), ROPE_ROWS, text_positions.shape[1]), dtype=torch.long)
-    for i, s in enumerate(samples):
-        rows = torch.tensor(s.rope_position_ids, dtype=torch.long)
-        if rows.shape != (ROPE_ROWS, len(s.prompt_ids) + len(s.response_ids)):
-            raise ValueError(f"sample {s.uid}: RoPE rows of shape {tuple(rows.shape)} for "
+    rows = [torch.tensor(s.rope_position_ids, dtype=torch.long) for s in samples]
+    for s, r in zip(samples, rows, strict=True):
+        if r.shape != (ROPE_ROWS, len(s.prompt_ids) + len(s.response_ids)):
+            raise ValueError(f"sample {s.uid}: RoPE rows of shape {tuple(r.shape)} for "
                              f"{len(s.prompt_ids)} prompt and {len(s.response_ids)} response tokens")
-        p = min(len(s.prompt_ids), max_prompt_length)
-        r = min(len(s.response_ids), max_response_length)
-        rope[i, :, max_prompt_length - p : max_prompt_length] = rows[:, len(s.prompt_ids) - p : len(s.prompt_ids)]
-        rope[i, :, max_prompt_length : max_prompt_length + r] = rows[:, len(s.prompt_ids) : len(s.prompt_ids) + r]
-    return torch.cat([text_positions.unsqueeze(1), rope], dim=1)
+    rope = _token_aligned([r.T for r in rows], samples, 1, max_prompt_length, max_response_length)
+    return torch.cat([text_positions.unsqueeze(1), rope.transpose(1, 2)], dim=1)
 
 
 def response_lengths(batch) -> torch.Tensor:

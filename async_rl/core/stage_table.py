@@ -96,7 +96,7 @@ STAGES: tuple[StageSpec, ...] = (
         servers=b.servers, config=b.config, clock=b.clock, request_timeout_s=b.settings.request_timeout_s,
         tool_timeout_s=b.settings.tool_timeout_s, tool_pool_size=b.settings.tool_pool_size,
         replicas=b.replicas if _restarts(b) else None, max_restarts=_restarts(b), relaunch=b.run.backend.relaunch,
-        weight_source=b.stages[PARAM_UPDATE])),
+        weight_source=b.stages[PARAM_UPDATE], teacher_routers=b.teacher_routers)),
     StageSpec(ROLLOUT, "state_machines.rollout.RolloutStage", inputs=(GENERATE,), kwargs=lambda b: dict(
         max_prompt_length=int(b.config.data.max_prompt_length),
         max_response_length=int(b.config.actor_rollout_ref.rollout.response_length), pad_token_id=b.pad_token_id)),

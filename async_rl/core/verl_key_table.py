@@ -151,7 +151,10 @@ VERL_KEYS = (
     KeyRow("algorithm.filter_groups", P, "the dynamic_sampling stage"),
     KeyRow("algorithm.filter_groups.max_inflight_gen_batches", R, "+trainer.generate_ahead_steps bounds the "
            "batches in flight"),
-    *switched("distillation", "enabled", "no teacher servers are started under the flag"),
+    KeyRow("distillation", V, "verl's DistillationConfig: the teachers' replicas (async_rl/rollout/teachers.py), "
+           "verl's agent loops scoring each trajectory with its teacher, verl's distillation loss on the train ranks"),
+    KeyRow("distillation.enabled", P, "the run starts the teachers (async_rl/rollout/teachers.py) and trains with "
+           "verl's distillation loss (async_rl/training/engine_calls.py)"),
     # trainer
     KeyRow("trainer", P, "the pipeline's loop (async_rl/loop.py), checkpoints (async_rl/checkpoints.py), placement"),
     *(KeyRow(f"trainer.{k}", P, "verl's Tracking, with the run's names and backends, as verl's trainer "

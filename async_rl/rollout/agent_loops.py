@@ -44,6 +44,7 @@ from async_rl.rollout.requests import generate_resumable
 from async_rl.rollout.supervisor import ReplicaSupervisor
 
 VERSIONS_FIELD = "token_versions"  # the per-trajectory versions, as the agent loop worker hands them back
+TEACHER_KEYS = ("teacher_ids", "teacher_logprobs")  # verl's batch keys of a distillation teacher's scores
 
 
 @dataclass
@@ -134,12 +135,14 @@ class PipelineAgentLoopWorker(AgentLoopWorker):
     """verl's `AgentLoopWorker`, each trajectory recording its model tokens' versions (`VERSIONS_FIELD`)
     and the turns a load split (`TURNS_INTERRUPTED`) among its extra fields. `tool_pool_size`: each tool's
     environments in use at once (an EnvironmentPool per tool, waits bounded by `tool_timeout_s`, the
-    seconds waited in `TOOL_POOL_WAIT`); None: no limit."""
+    seconds waited in `TOOL_POOL_WAIT`); None: no limit. `teacher_client`: verl's, distillation's teachers by
+    routing key (async_rl/rollout/teachers.py); verl's worker scores each training trajectory with its teacher."""
 
     def __init__(self, config, client: PipelineLLMClient, tool_timeout_s: float = 120.0,
-                 tool_pool_size: Optional[int] = None):
+                 tool_pool_size: Optional[int] = None, teacher_client: Optional[dict] = None):
         # resolved once: loops read the config per trajectory, and each read of an interpolated key parses it
-        super().__init__(OmegaConf.create(OmegaConf.to_container(config, resolve=True)), client)
+        super().__init__(OmegaConf.create(OmegaConf.to_container(config, resolve=True)), client,
+                         teacher_client=teacher_client)
         self.pools = {tool.name: EnvironmentPool(tool.name, tool_pool_size, tool_timeout_s)
                       for tool in self.tools} if tool_pool_size is not None else {}
         for tool in self.tools:  # verl's loaders built them; every loop of this worker shares them
@@ -298,7 +301,8 @@ def samples_from_agent_output(output, start_version: int) -> list[Sample]:
     the version recorded for it (a loop marking more model tokens than were generated: the last recorded
     version on the rest; none recorded: `start_version`); tool tokens get -1, like padding. A multimodal
     model's rows keep verl's `multi_modal_inputs` and their multimodal RoPE rows (`position_ids` rows 1-3)
-    over their tokens."""
+    over their tokens; a trajectory a distillation teacher scored keeps the teacher's ids and log-probs over
+    its tokens (`teacher_ids`, `teacher_logprobs`)."""
     batch, columns = output.batch, output.non_tensor_batch
     rope = batch["position_ids"] if batch["position_ids"].dim() == 3 else None  # (bs, 1 + ROPE_ROWS, seq_len)
     timings = output.meta_info.get("metrics") or []
@@ -326,7 +330,10 @@ def samples_from_agent_output(output, start_version: int) -> list[Sample]:
         for name, column in AGENT_LOOP_TIMINGS.items():  # verl's per-trajectory AgentLoopMetrics, seconds
             non_tensor[column] = float(timings[i].get(name, 0.0)) if i < len(timings) else 0.0
         rope_rows = rope[i, 1:, mask.bool()].tolist() if rope is not None else None
+        teacher = ({key: batch[key][i][mask.bool()].clone() for key in TEACHER_KEYS}
+                   if TEACHER_KEYS[0] in batch.keys() else dict.fromkeys(TEACHER_KEYS))
         samples.append(Sample(uid=str(columns["uid"][i]), prompt_ids=prompt_ids, response_ids=response_ids,
                               rollout_log_probs=log_probs, token_versions=versions, non_tensor=non_tensor,
-                              response_mask=[int(m) for m in model_tokens], rope_position_ids=rope_rows))
+                              response_mask=[int(m) for m in model_tokens], rope_position_ids=rope_rows,
+                              **teacher))
     return samples

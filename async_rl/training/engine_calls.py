@@ -17,7 +17,8 @@ from async_rl.core.messages import MULTI_MODAL_INPUTS
 
 # Tensors the engines need; the rest of the batch stays with the stage.
 _ENGINE_KEYS = ("input_ids", "attention_mask", "position_ids", "response_mask", "prompts", "responses")
-_TRAIN_KEYS = _ENGINE_KEYS + ("old_log_probs", "ref_log_prob", "advantages", "rollout_log_probs", "rollout_is_weights")
+_TRAIN_KEYS = _ENGINE_KEYS + ("old_log_probs", "ref_log_prob", "advantages", "rollout_log_probs", "rollout_is_weights",
+                               "teacher_ids", "teacher_logprobs")
 
 
 def _to_no_padding(batch: DataProto, keys: tuple[str, ...]):
@@ -45,8 +46,23 @@ def compute_ref_log_prob(worker_group, batch: DataProto, temperature: float) -> 
     return no_padding_2_padding(tu.get(output, "log_probs"), td).float()
 
 
-def update_actor(worker_group, batch: DataProto, actor_rollout_ref: DictConfig) -> dict[str, float]:
-    """One PPO update over `batch` (verl's mini-batches and epochs); returns verl's actor metrics."""
+def distillation_flags(distillation: DictConfig | None) -> dict[str, bool]:
+    """verl's `distillation_use_topk` and `distillation_only` of an actor update (`RayPPOTrainer._update_actor`):
+    a top-k loss; and, with it, neither task rewards nor the policy gradient (no policy loss)."""
+    if distillation is None or not distillation.get("enabled", False):
+        return {"distillation_use_topk": False, "distillation_only": False}
+    from verl.trainer.distillation.losses import get_distillation_loss_settings
+
+    loss = distillation.distillation_loss
+    use_topk = bool(get_distillation_loss_settings(str(loss.loss_mode)).use_topk)
+    return {"distillation_use_topk": use_topk,
+            "distillation_only": use_topk and not loss.use_task_rewards and not loss.use_policy_gradient}
+
+
+def update_actor(worker_group, batch: DataProto, actor_rollout_ref: DictConfig,
+                 distillation: DictConfig | None = None) -> dict[str, float]:
+    """One PPO update over `batch` (verl's mini-batches and epochs; with `distillation` enabled, verl's
+    distillation loss on the batch's teacher scores); returns verl's actor metrics."""
     actor_cfg = actor_rollout_ref.actor
     td = _to_no_padding(batch, _TRAIN_KEYS)
     # a filtered batch may hold fewer rows than one configured mini-batch: train it as one
@@ -54,8 +70,7 @@ def update_actor(worker_group, batch: DataProto, actor_rollout_ref: DictConfig) 
     tu.assign_non_tensor(
         td,
         calculate_entropy=bool(actor_cfg.get("calculate_entropy", False) or actor_cfg.entropy_coeff != 0.0),
-        distillation_use_topk=False,
-        distillation_only=False,
+        **distillation_flags(distillation),
         global_batch_size=mini_batch,
         mini_batch_size=mini_batch,
         epochs=actor_cfg.ppo_epochs,

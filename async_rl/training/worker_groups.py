@@ -33,15 +33,19 @@ def _worker_group(on_cpu: bool, devices: "int | GroupDevices", name: str, remote
     return RayWorkerGroup(pool, worker_cls, name_prefix=name, device_name="cpu" if on_cpu else "cuda")
 
 
-def make_worker_group(config: DictConfig, role: str, devices: "int | GroupDevices", name: str):
+def make_worker_group(config: DictConfig, role: str, devices: "int | GroupDevices", name: str,
+                      trains: bool = False):
     """verl `RayWorkerGroup` of `PipelineWorker` (role `actor` or `ref`), models initialised. Under LoRA the
-    reference is the base model without adapter, as verl's trainer computes it (`ref_in_actor`)."""
+    reference is the base model without adapter, as verl's trainer computes it (`ref_in_actor`). `trains`:
+    the group updates the policy, with verl's distillation loss where `distillation.enabled` (as verl's
+    trainer gives its actor `distillation_config`)."""
     on_cpu = _prepare_platform(config)
     section = config.actor_rollout_ref
     if role == "ref":
         section = without_lora(section)
+    distillation = {"distillation_config": config.get("distillation")} if trains else {}
     group = _worker_group(on_cpu, devices, name, ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(PipelineWorker),
-                          config=section, role=role)
+                          config=section, role=role, **distillation)
     group.init_model()
     return group
 

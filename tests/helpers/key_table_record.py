@@ -56,6 +56,9 @@ ONLY_WITH: dict[str, tuple[str, Callable]] = {
        for k in ("metric", "max_num_gen_batches")},
     # verl's KL controller in the reward (state_machines/actor_train.py) only with use_kl_in_reward
     "algorithm.kl_ctrl": ("algorithm.use_kl_in_reward", _on("algorithm.use_kl_in_reward")),
+    # distillation's teachers and loss are built only with distillation.enabled (async_rl/rollout/teachers.py)
+    **{f"distillation.{k}": ("distillation.enabled", _on("distillation.enabled"))
+       for k in ("distillation_loss", "n_gpus_per_node", "nnodes", "teacher_models", "teacher_key")},
     # verl's RolloutSkip is built only with skip.rollout.enable (async_rl/rollout/rollout_dumps.py)
     **{f"skip.rollout.{k}": ("skip.rollout.enable", _on("skip.rollout.enable")) for k in ("dump_dir", "steps", "action")},
     # the standalone rollout's device count only with its nodes (async_rl/core/verl_async_keys.py standalone_rollout)

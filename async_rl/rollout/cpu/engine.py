@@ -34,6 +34,7 @@ from transformers import AutoConfig, PreTrainedModel
 
 from async_rl.core.model_class import auto_model_class
 from async_rl.rollout.cpu.kv_batch import KVBatch, decode_forward, prefill_forward
+from async_rl.rollout.cpu.prompt_logprobs import prompt_logprobs
 from async_rl.rollout.cpu.requests import STOP_ABORTED, STOP_COMPLETED, STOP_LENGTH, GenerationResult, SequenceState
 from async_rl.rollout.cpu.sampling import SamplingOptions, sample_tokens
 from async_rl.rollout.cpu.vision import MultimodalRope
@@ -175,6 +176,15 @@ class ContinuousBatchingEngine(WeightSwap):
         except asyncio.CancelledError:
             self._finish(seq, None)  # caller gave up: free the slot
             raise
+
+    async def prompt_logprobs(self, token_ids: list[int], top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """vLLM's prompt log-probs of `token_ids` under the weights served now (async_rl/rollout/cpu/
+        prompt_logprobs.py), computed between decoding steps so that no weight load changes them midway."""
+        self._ensure_started()
+        if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.vocab_size}), got {min(token_ids)}..{max(token_ids)}")
+        async with self._step_lock:
+            return await asyncio.to_thread(prompt_logprobs, self.model, token_ids, top_k)
 
     def abort(self, request_id: str) -> bool:
         """Abort one request (it returns its tokens so far, "aborted"). False if it is not live."""

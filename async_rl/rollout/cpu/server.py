@@ -126,6 +126,9 @@ class CPURolloutServer(AsyncStagedWeights):
         ``min_global_steps`` / ``max_global_steps`` derived from them. ``stop_reason`` is
         "completed" (eos, stop token or length) or "aborted". ``image_data``: the prompt's images (PIL), whose
         tokens the prompt holds expanded; a vision-language model only (the model's image processor reads them).
+        ``prompt_logprobs`` (an int K >= 0, vLLM's parameter): ``extra_fields`` also carries ``prompt_ids`` and
+        ``prompt_logprobs``, vLLM's layout as verl reads it (async_rl/rollout/cpu/prompt_logprobs.py): what a
+        distillation teacher serves.
         """
         if video_data:
             raise NotImplementedError("the CPU rollout server takes images, not videos (got video_data)")
@@ -150,11 +153,19 @@ class CPURolloutServer(AsyncStagedWeights):
         params["max_new_tokens"] = max(0, min(int(max_new), max_possible))
         params.setdefault("ignore_eos", self.config.ignore_eos)
 
+        top_k = params.pop("prompt_logprobs", None)
+        if top_k is not None and vision_inputs is not None:
+            raise NotImplementedError("the CPU rollout server scores prompts of text only (prompt_logprobs with images)")
+
         if self.engine.paused and self._rejecting:
             return self._output([], [], [], STOP_ABORTED)
+        scored = await self.engine.prompt_logprobs(prompt_ids, int(top_k)) if top_k is not None else None
         result = await self.engine.generate(prompt_ids, params, request_id, vision_inputs=vision_inputs)
         stop_reason = "aborted" if result.stop_reason == STOP_ABORTED else "completed"
-        return self._output(result.token_ids, result.log_probs, result.token_versions, stop_reason)
+        output = self._output(result.token_ids, result.log_probs, result.token_versions, stop_reason)
+        if scored is not None:
+            output.extra_fields["prompt_ids"], output.extra_fields["prompt_logprobs"] = (t.tolist() for t in scored)
+        return output
 
     def _vision_inputs(self, images: list[Any]) -> dict[str, torch.Tensor]:
         """The model's image processor's outputs for `images` (loaded at the first request with images)."""
