@@ -49,6 +49,7 @@ from async_rl.core.prompts import model_tokenizer
 from async_rl.core.stage_table import JOIN_PARTS
 from async_rl.core.staleness import version_metrics
 from async_rl.training import engine_calls
+from async_rl.training.profiling import ProfiledSteps, ProfileWindows
 from async_rl.training.worker_groups import make_worker_group
 from state_machines.base import END_OF_STREAM, StateMachine, call_put
 
@@ -145,6 +146,7 @@ class ActorTrainStage(StateMachine):
             if kl_coef is not None:
                 self.kl_ctrl_in_reward.value = kl_coef
         self.worker_group = None
+        self.profile = ProfileWindows(None, ProfiledSteps())  # verl's profiler windows, set up with the workers
         self.version = start_step  # trainer's policy version: number of updates done
         self.checkpointer = checkpointer
         self.critic_sink = critic_sink
@@ -161,6 +163,7 @@ class ActorTrainStage(StateMachine):
 
     def setup(self) -> int:
         self.worker_group = make_worker_group(self.config, "actor", self.devices, "train", trains=True)
+        self.profile = ProfileWindows(self.worker_group, ProfiledSteps.from_config(self.config), role="train")
         return self.world_size
 
     def weight_digests(self) -> dict[str, str]:
@@ -298,7 +301,12 @@ class ActorTrainStage(StateMachine):
         if self._stopping:  # checkpoint_and_stop: the driver stops the run; train nothing more
             await asyncio.Event().wait()
         async with self._step_lock:
-            await self._train_step(parts)
+            step = self.version + 1
+            await asyncio.to_thread(self.profile.begin, step)  # verl's profilers: this step's pi_prox and update
+            try:
+                await self._train_step(parts)
+            finally:
+                await asyncio.to_thread(self.profile.end, step)
 
     async def _train_step(self, parts: dict) -> None:
         from verl.trainer.ppo.metric_utils import compute_data_metrics

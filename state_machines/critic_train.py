@@ -25,6 +25,7 @@ import torch
 from async_rl.core.devices import world_size_of
 from async_rl.core.messages import CriticBatch, resolve
 from async_rl.training import engine_calls
+from async_rl.training.profiling import ProfiledSteps, ProfileWindows
 from async_rl.training.worker_groups import make_critic_worker_group
 from state_machines.base import END_OF_STREAM, StateMachine
 
@@ -42,6 +43,7 @@ class CriticTrainStage(StateMachine):
         self.world_size = world_size_of(devices)
         self.version = start_step  # critic updates done
         self.worker_group = None
+        self.profile = ProfileWindows(None, ProfiledSteps())  # verl's profiler windows, set up with the workers
         self._version_changed = asyncio.Condition()
         self._workers = asyncio.Lock()  # one call on the critic workers at a time
         self._metrics: dict[int, dict[str, float]] = {}
@@ -49,6 +51,7 @@ class CriticTrainStage(StateMachine):
 
     def setup(self) -> int:
         self.worker_group = make_critic_worker_group(self.config, self.devices)
+        self.profile = ProfileWindows(self.worker_group, ProfiledSteps.from_config(self.config))
         return self.world_size
 
     async def _at_version(self, version: int, what: str) -> None:
@@ -70,6 +73,7 @@ class CriticTrainStage(StateMachine):
             self.timer.enter()  # the critic's devices are busy: counted in this stage's busy ratio
             start = time.perf_counter()
             try:
+                await asyncio.to_thread(self.profile.begin, index + 1)  # verl's profilers: values, then update
                 values = await asyncio.to_thread(engine_calls.compute_values, self.worker_group, batch,
                                                  float(self.config.actor_rollout_ref.rollout.temperature))
             finally:
@@ -116,6 +120,7 @@ class CriticTrainStage(StateMachine):
                 start = time.perf_counter()
                 metrics = await asyncio.to_thread(engine_calls.update_critic, self.worker_group, batch, self.config)
                 metrics["timing_s/update_critic"] = time.perf_counter() - start
+        await asyncio.to_thread(self.profile.end, data.index + 1)
         self._metrics[data.index + 1] = metrics  # logged with global step index + 1
         async with self._version_changed:
             self.version += 1

@@ -24,6 +24,7 @@ import asyncio
 from async_rl.core.devices import world_size_of
 from async_rl.core.messages import LogpResult, RolloutBatch
 from async_rl.training import engine_calls
+from async_rl.training.profiling import ProfiledSteps, ProfileWindows
 from async_rl.training.worker_groups import make_worker_group
 from param_update.holder import RelayedWeights
 from state_machines.base import StateMachine
@@ -47,6 +48,7 @@ class LogpStage(StateMachine, RelayedWeights):
         self.consume_bucket_bytes = consume_bucket_bytes
         self.temperature = float(config.actor_rollout_ref.rollout.temperature)
         self.worker_group = None
+        self.profile = ProfileWindows(None, ProfiledSteps())  # verl's profiler windows, set up with the workers
         self.version = 0
         self._weights_in_use = asyncio.Lock()  # a forward or a load, never both
         self._version_loaded = asyncio.Condition()
@@ -57,6 +59,7 @@ class LogpStage(StateMachine, RelayedWeights):
         if not self.compute:
             return 0
         self.worker_group = make_worker_group(self.config, "actor", self.devices, "logp")
+        self.profile = ProfileWindows(self.worker_group, ProfiledSteps.from_config(self.config), role="logp")
         self.worker_group.configure_weight_sync()
         return self.world_size
 
@@ -90,7 +93,7 @@ class LogpStage(StateMachine, RelayedWeights):
                 await self._version_loaded.wait_for(lambda: self.version >= data.index)
         async with self._weights_in_use:
             version = self.version
-            log_probs = await asyncio.to_thread(
-                engine_calls.compute_log_prob, self.worker_group, batch, self.temperature
-            )
+            log_probs = await asyncio.to_thread(  # in verl's profiler window of its step, where listed
+                self.profile.run, data.index + 1, engine_calls.compute_log_prob, self.worker_group, batch,
+                self.temperature)
         return LogpResult(index=data.index, batch_ref=data.batch_ref, old_log_probs=log_probs, logp_version=version)

@@ -27,7 +27,8 @@ class KeyRow:
 
 V, P, R, N, X = Handling.VERL, Handling.PIPELINE, Handling.REPLACED, Handling.NO_EFFECT, Handling.REFUSED
 ARR = "actor_rollout_ref"
-NO_PROFILER = "the pipeline never starts verl's profiler; +trainer.async_trace_path writes the pipeline's timeline"
+WORKER_PROFILER = ("verl's worker profiler: each stage brackets its worker group's work for a step of "
+                   "global_profiler.steps (async_rl/training/profiling.py)")
 
 
 def switched(prefix: str, switch: str, why: str) -> tuple[KeyRow, KeyRow]:
@@ -47,9 +48,9 @@ VERL_KEYS = (
     KeyRow(f"{ARR}.actor.calculate_sum_pi_squared", X, "only the optimal token baselines read it, and they are refused"),
     KeyRow(f"{ARR}.actor.use_prefix_grouper", P, "whole prompt groups per rank in trainer.balance_batch, as verl's "
            "trainer balances (async_rl/core/balance.py)"),
-    *switched(f"{ARR}.actor.profiler", "enable", NO_PROFILER),
+    KeyRow(f"{ARR}.actor.profiler", V, WORKER_PROFILER),
     KeyRow(f"{ARR}.ref", V, "verl's ref worker (state_machines/ref_logp.py)"),
-    *switched(f"{ARR}.ref.profiler", "enable", NO_PROFILER),
+    KeyRow(f"{ARR}.ref.profiler", V, WORKER_PROFILER),
     KeyRow("critic", V, "verl's critic worker and value loss (async_rl/training/worker_groups.py)"),
     KeyRow("critic.enable", P, "async_rl/core/config.py critic_enabled"),
     KeyRow("critic.ppo_mini_batch_size", P, "async_rl/training/engine_calls.py"),
@@ -58,7 +59,7 @@ VERL_KEYS = (
     KeyRow("critic.data_loader_seed", P, "async_rl/training/engine_calls.py"),
     KeyRow("critic.ppo_max_token_len_per_gpu", P, "the critic engine's token budget (worker_groups.py)"),
     KeyRow("critic.optim.total_training_steps", P, "set to the run's steps, as verl does (run_config.py)"),
-    *switched("critic.profiler", "enable", NO_PROFILER),
+    KeyRow("critic.profiler", V, WORKER_PROFILER),
     KeyRow("critic.model.lora", N, "Megatron's LoRA; the FSDP critic reads critic.model.lora_rank"),
     *(KeyRow(f"critic.model.{k}", X, "verl 0.9.1's FSDP engine cannot build a LoRA value model (PEFT's causal-LM "
              "adapter on a token-classification model: no prepare_inputs_for_generation)")
@@ -100,7 +101,9 @@ VERL_KEYS = (
              "are not built or tested under the flag") for k in ("quantization", "quantization_config_file")),
     *switched(f"{ARR}.rollout.disaggregation", "enabled", "prefill/decode pairs need vLLM / SGLang on GPUs with KV "
               "transfer; the pipeline starts plain replicas"),
-    *switched(f"{ARR}.rollout.profiler", "enable", NO_PROFILER),
+    *switched(f"{ARR}.rollout.profiler", "enable", "the generate stage serves several steps' requests at once, so a "
+              "rollout server has no window of one step to profile; +trainer.async_trace_path writes the pipeline's "
+              "timeline"),
     *switched(f"{ARR}.rollout.prometheus", "enable", "verl's trainer starts the Prometheus scrape; the pipeline does not"),
     KeyRow(f"{ARR}.rollout.trace", V, "verl's rollout trace (weave, mlflow, trackio): verl's agent-loop worker sets it "
            "up in the generate stage, a span per trajectory and per request (async_rl/rollout/agent_loops.py)"),
@@ -181,7 +184,15 @@ VERL_KEYS = (
            "actor and critic files rotate together)"),
     KeyRow("trainer.default_hdfs_dir", X, "checkpoints are saved to trainer.default_local_dir only (verl 0.9.1's FSDP "
            "checkpoint manager does not copy to it either: its hdfs_path is unused)"),
-    *switched("global_profiler", "steps", NO_PROFILER),
+    KeyRow("global_profiler", V, "verl's profiler settings, read by verl's workers through each role's profiler"),
+    *(KeyRow(f"global_profiler.{k}", P, "the steps each worker group's profiler window records "
+             "(async_rl/training/profiling.py)") for k in ("steps", "profile_continuous_steps")),
+    *(KeyRow(f"global_profiler.global_tool_config.nsys.{k}", N, "verl's trainer runs its processes under nsys with "
+             "them, only with tool=nsys, which is refused") for k in ("controller_nsight_options", "worker_nsight_options")),
+    KeyRow("global_profiler.global_tool_config.precision_debugger.steps", N, "only verl's precision debugger reads it "
+           "(tool=precision_debugger, refused)"),
+    *(KeyRow(f"global_profiler.global_tool_config.torch_memory.{k}", N, "nothing in verl 0.9.1 reads it")
+      for k in ("context", "stacks", "kw_args")),
     KeyRow("skip", N, "acts only with skip.*.enable"),
     KeyRow("skip.rollout", P, "the generate stage dumps and replays a listed step's agent-loop output through "
            "verl's RolloutSkip (async_rl/rollout/rollout_dumps.py)"),

@@ -39,6 +39,8 @@ class Unsupported:
     why: str
 
 
+PROFILER_TOOLS = ("torch", "torch_memory")  # `global_profiler.tool` values verl's workers run under the flag
+
 UNSUPPORTED = (
     Unsupported("algorithm.adv_estimator", lambda v: v in OPTIMAL_TOKEN_BASELINES,
                 f"any estimator but {' / '.join(OPTIMAL_TOKEN_BASELINES)}",
@@ -46,6 +48,9 @@ UNSUPPORTED = (
                 "pipeline's pass does not return"),
     *(Unsupported(key, lambda v: v not in FSDP_STRATEGIES, " or ".join(FSDP_STRATEGIES),
                   "the weight sync gathers the trainer's FSDP shards") for key in STRATEGY_KEYS),
+    Unsupported("global_profiler.tool", lambda v: v not in (None, *PROFILER_TOOLS), " or ".join(PROFILER_TOOLS),
+                "verl's workers profile with these here; nsys, npu and the precision debugger need GPUs or NPUs "
+                "and their tools, untested here"),
 )
 
 LORA_RANK = "actor_rollout_ref.model.lora_rank"

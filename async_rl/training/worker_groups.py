@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 
 import ray
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from async_rl.core.config import runs_on_cpu
 from async_rl.core.devices import GroupDevices, device_pool
@@ -41,6 +41,8 @@ def make_worker_group(config: DictConfig, role: str, devices: "int | GroupDevice
     trainer gives its actor `distillation_config`)."""
     on_cpu = _prepare_platform(config)
     section = config.actor_rollout_ref
+    for role_section in ("actor", "ref"):  # resolved as verl's trainer resolves its config: verl's workers build
+        OmegaConf.resolve(section[role_section].profiler)  # their profilers through hydra, which loses `${...}`
     if role == "ref":
         section = without_lora(section)
     distillation = {"distillation_config": config.get("distillation")} if trains else {}
@@ -70,12 +72,16 @@ def critic_worker_config(config: DictConfig):
     engine = critic_cfg.engine
     engine.infer_max_token_len_per_gpu = critic_cfg.ppo_infer_max_token_len_per_gpu
     engine.max_token_len_per_gpu = critic_cfg.ppo_max_token_len_per_gpu
+    profiler = config.critic.get("profiler", {})  # through hydra's path, as verl's trainer builds it
+    if profiler:
+        OmegaConf.resolve(profiler)
     worker_cfg = TrainingWorkerConfig(
         model_type="value_model",
         model_config=critic_cfg.model,
         engine_config=engine,
         optimizer_config=critic_cfg.optim,
         checkpoint_config=critic_cfg.checkpoint,
+        profiler_config=omega_conf_to_dataclass(profiler) if profiler else None,
     )
     return worker_cfg, critic_cfg
 

@@ -21,8 +21,11 @@ CRITIC_KEYS = ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "cri
 USER_STAGE = {"+trainer.async_stages.group_filter.cls": "examples.group_filter_stage.GroupFilterStage",
               "+trainer.async_stages.group_filter.after": "reward"}
 K, STEPS, WARMUP = 3, 5, 2
+# verl's torch profiler on the critic's ranks at step 3: its values pass and update
+PROFILED = {"global_profiler.tool": "torch", "global_profiler.steps": [3], "critic.profiler.enable": True,
+            "critic.profiler.all_ranks": True}
 RUN = {"trainer.total_training_steps": STEPS, "trainer.test_freq": STEPS, "+trainer.generate_ahead_steps": K,
-       "trainer.critic_warmup": WARMUP, **USER_STAGE}
+       "trainer.critic_warmup": WARMUP, **USER_STAGE, **PROFILED}
 
 
 @pytest.fixture(scope="module")
@@ -31,19 +34,22 @@ def critic_run(demo_dir, tmp_path_factory, ray_address):
     Ray workers from the job's runtime env): (exit code, output, metric rows, the records' folder)."""
     workdir = tmp_path_factory.mktemp("critic")
     reads = workdir / "key_reads"
-    recording = {f"+ray_kwargs.ray_init.runtime_env.env_vars.{key_reads.ENV}": str(reads)}
+    recording = {f"+ray_kwargs.ray_init.runtime_env.env_vars.{key_reads.ENV}": str(reads),
+                 "global_profiler.save_path": str(workdir / "profile")}
     with pytest.MonkeyPatch.context() as env:
         env.setenv(key_reads.ENV, str(reads))
         code, out, rows = run_verl(demo_dir, {**RUN, **recording}, workdir, critic=True, ray_address=ray_address)
-    return code, out, rows, reads
+    return code, out, rows, reads, workdir
 
 
 def test_ppo_with_a_critic_trains_with_values_from_the_critic_of_its_step(critic_run):
     """k = 3: each step's values come from the critic after the previous steps' updates (verl's order),
     the critic trains on every step, with trainer.critic_warmup=2 the actor makes no update at step 1,
     and a user stage inserted from the command line filters what both train."""
-    code, out, rows, _ = critic_run
+    code, out, rows, _, workdir = critic_run
     assert code == 0, out[-4000:]
+    traces = sorted(path.name.partition("_rank")[0] for path in (workdir / "profile").iterdir())
+    assert traces == ["value-model_step3"], traces  # verl's name: the critic's model type, the step
     by_step = every_step_with(rows, STEPS, CRITIC_KEYS)
     for step, metrics in by_step.items():
         assert metrics["async/critic_version"] == step - 1  # the rule: batch j's values from critic version j
@@ -64,7 +70,7 @@ def test_ppo_with_a_critic_trains_with_values_from_the_critic_of_its_step(critic
 def test_the_key_table_says_what_the_run_read(critic_run, demo_dir):
     """Every PIPELINE row's keys read by the pipeline, every VERL row's reaching a verl class, no NO_EFFECT
     key read, except the keys only a setting this run leaves off reads (helpers/key_table_record.py, ONLY_WITH)."""
-    code, out, _, reads = critic_run
+    code, out, _, reads, _ = critic_run
     assert code == 0, out[-4000:]
     records = key_reads.read_records(str(reads))
     assert {r["reader"] for r in records if r["how"] == "class"} >= {  # the driver, the stages' host, the workers

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import subprocess
@@ -42,6 +43,20 @@ KL_LOSS = {"actor_rollout_ref.actor.use_kl_loss": True}  # verl's KL loss agains
 REMAX = {"algorithm.adv_estimator": "remax"}
 # verl's DAPO dynamic sampling key: training batches of groups whose rewards differ (a dynamic_sampling stage)
 DYNAMIC_SAMPLING = {"algorithm.filter_groups.enable": True, "algorithm.filter_groups.max_num_gen_batches": 10}
+def profiled(save_path) -> dict:
+    """verl's torch profiler over steps 2 and 3 (one window: profile_continuous_steps) on the actor and ref ranks."""
+    return {"global_profiler.tool": "torch", "global_profiler.steps": [2, 3], "global_profiler.save_path": str(save_path),
+            "global_profiler.profile_continuous_steps": True, "actor_rollout_ref.actor.profiler.enable": True,
+            "actor_rollout_ref.actor.profiler.all_ranks": True, "actor_rollout_ref.ref.profiler.enable": True,
+            "actor_rollout_ref.ref.profiler.all_ranks": True}
+
+
+def trace_name(path) -> tuple[str, str]:
+    """(what verl's trace file name says before its rank, the rank part) of a trace."""
+    head, _, rest = path.name.partition("_rank")
+    return head, rest.split("_pid")[0]
+
+
 # verl's examples/rollout_correction/run_with_rollout_corr.sh, in verl 0.9.1's keys and on the demo's model,
 # data and sizes: RLOO, gamma 1, bypass mode (pi_old = the rollout's log-probs) with verl's bypass-mode loss,
 # REINFORCE weighted by self-normalised sequence-level IS with threshold 2, on the train ranks
@@ -56,7 +71,8 @@ ROLLOUT_CORRECTION_EXAMPLE = {
 
 # Each run also carries settings that do not touch the staleness bound, so that one run shows both: k1 the
 # user's own rollout correction with dynamic sampling, k3-kl-loss ReMax (not with dynamic sampling, whose
-# training batches carry the dynamic_sampling stage's metrics instead of the reward stage's).
+# training batches carry the dynamic_sampling stage's metrics instead of the reward stage's), Ray's timeline and
+# verl's torch profiler.
 @pytest.mark.parametrize("k,steps,extra", [(1, 4, {**ROLLOUT_CORRECTION_EXAMPLE, **DYNAMIC_SAMPLING}),
                                            (3, 6, {**KL_LOSS, **REMAX}), (3, 4, NAIVE_PPO_KL)],
                          ids=["k1-own-rollout-correction-dynamic-sampling", "k3-kl-loss-remax", "k3-naive-kl"])
@@ -73,7 +89,8 @@ def test_pipeline_trains_with_bounded_staleness(demo_dir, tmp_path, ray_address,
 
     remax = REMAX.items() <= extra.items()
     timeline = tmp_path / "timeline.json"  # verl's ray_kwargs.timeline_json_file, in one of the runs
-    extra = {**extra, "ray_kwargs.timeline_json_file": str(timeline)} if remax else extra
+    profiles = tmp_path / "profile"  # and verl's torch profiler of steps 2-3 in one window, train and ref ranks
+    extra = {**extra, "ray_kwargs.timeline_json_file": str(timeline), **profiled(profiles)} if remax else extra
     code, out, rows = run_verl(demo_dir, {**_short_run(k, steps), **extra}, tmp_path, ray_address=ray_address)
     naive = extra is NAIVE_PPO_KL
     kl_loss = KL_LOSS.items() <= extra.items()
@@ -134,6 +151,12 @@ def test_pipeline_trains_with_bounded_staleness(demo_dir, tmp_path, ray_address,
     if remax:  # Ray's timeline of the run's tasks, written once it trained, as verl's run_ppo writes it
         events = json.loads(timeline.read_text())
         assert isinstance(events, list) and any(e.get("cat") == "task" or "name" in e for e in events)
+        # verl's traces: one per rank of the train and ref groups, named by verl for the window's first step
+        traces = {trace_name(path): path for path in profiles.iterdir()}
+        assert {name for name, _ in traces} == {"actor_train_step2", "ref_step2"}, sorted(traces)
+        for path in traces.values():
+            with gzip.open(path, "rt") as f:
+                assert any(e.get("name") for e in json.load(f)["traceEvents"]), path
     vals = val_rows(rows)
     assert 0 in vals and steps in vals, sorted(vals)
     assert "val-core/async_rl/copy_digits/reward/mean@1" in vals[steps]
