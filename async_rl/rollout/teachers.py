@@ -24,6 +24,7 @@ from async_rl.api.rollout import rollout_backend
 from async_rl.core.errors import AsyncConfigError
 from async_rl.rollout.cpu.replica import CPURolloutReplica
 from async_rl.rollout.reward_models import free_replica
+from async_rl.rollout.supervisor import kill_actor
 
 TEACHER_BACKENDS = ("cpu",)  # `distillation.teacher_models.*.inference.name` the pipeline serves teachers on
 
@@ -81,10 +82,12 @@ class TeacherService:
     routers: dict[str, Any] = field(default_factory=dict)
 
     def stop(self) -> None:
-        """Kill the teachers' servers (idempotent)."""
+        """Kill the teachers' servers and load balancers (idempotent)."""
         for replicas in self.replicas.values():
             for replica in replicas:
                 free_replica(replica)
+        for router in self.routers.values():
+            kill_actor(router)
 
 
 def start_teachers(config, timeout_s: float) -> TeacherService | None:

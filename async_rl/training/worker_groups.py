@@ -41,8 +41,9 @@ def make_worker_group(config: DictConfig, role: str, devices: "int | GroupDevice
     trainer gives its actor `distillation_config`)."""
     on_cpu = _prepare_platform(config)
     section = config.actor_rollout_ref
-    for role_section in ("actor", "ref"):  # resolved as verl's trainer resolves its config: verl's workers build
-        OmegaConf.resolve(section[role_section].profiler)  # their profilers through hydra, which loses `${...}`
+    for profiler in (section.actor.get("profiler"), section.ref.get("profiler")):
+        if profiler is not None:  # resolved as verl's trainer resolves its config: verl's workers build their
+            OmegaConf.resolve(profiler)  # profilers through hydra, which loses the `${...}` of a section
     if role == "ref":
         section = without_lora(section)
     distillation = {"distillation_config": config.get("distillation")} if trains else {}
