@@ -300,13 +300,8 @@ class ActorTrainStage(StateMachine):
     async def process_data(self, parts: dict) -> None:
         if self._stopping:  # checkpoint_and_stop: the driver stops the run; train nothing more
             await asyncio.Event().wait()
-        async with self._step_lock:
-            step = self.version + 1
-            await asyncio.to_thread(self.profile.begin, step)  # verl's profilers: this step's pi_prox and update
-            try:
-                await self._train_step(parts)
-            finally:
-                await asyncio.to_thread(self.profile.end, step)
+        async with self._step_lock, self.profile.window(self.version + 1):  # verl's profilers: pi_prox, update
+            await self._train_step(parts)
 
     async def _train_step(self, parts: dict) -> None:
         from verl.trainer.ppo.metric_utils import compute_data_metrics

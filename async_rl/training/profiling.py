@@ -11,6 +11,8 @@ run of consecutive listed steps, as in verl. The tools that run here: `torch` an
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from dataclasses import dataclass
 
 from omegaconf import OmegaConf
@@ -57,6 +59,15 @@ class ProfileWindows:
         if self.steps.stops(step) and self.open:
             self.worker_group.stop_profile(run_command=step == max(self.steps.steps))
             self.open = False
+
+    @contextlib.asynccontextmanager
+    async def window(self, step: int):
+        """The window of `step` around an async block (verl's calls block: they run in a thread)."""
+        await asyncio.to_thread(self.begin, step)
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(self.end, step)
 
     def run(self, step: int, call, *args):
         """`call(*args)` inside the window of `step` (blocking: the stages run it in a thread)."""

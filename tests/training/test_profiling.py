@@ -79,3 +79,19 @@ def test_the_tools_that_do_not_run_here_are_refused_naming_the_key(demo_dir, too
             refuse_unsupported(config)
     else:
         refuse_unsupported(config)
+
+
+def test_an_async_block_runs_inside_its_steps_window():
+    import asyncio
+
+    group = RecordingGroup()
+    profile = ProfileWindows(group, ProfiledSteps(frozenset({3})), role="train")
+
+    async def steps():
+        for step in (2, 3):
+            async with profile.window(step):
+                group.calls.append(("work", {"step": step}))
+
+    asyncio.run(steps())
+    assert group.calls == [("work", {"step": 2}), ("start", {"role": "train", "profile_step": 3}),
+                           ("work", {"step": 3}), ("stop", {"run_command": True})]
