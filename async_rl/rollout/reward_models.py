@@ -33,7 +33,7 @@ import async_rl.rollout.backends  # noqa: F401 - registers the rollout backends 
 from async_rl.api.rollout import rollout_backend
 from async_rl.core.node_address import bind_socket, service_host
 from async_rl.rollout.supervisor import kill_actor
-from async_rl.rollout.verl_replicas import replica_world_size
+from async_rl.rollout.verl_replicas import replica_world_size, start_standalone
 
 logger = logging.getLogger(__name__)
 PING_TIMEOUT_S = 10.0  # a server that does not answer its address within this long is lost
@@ -220,14 +220,8 @@ def start_reward_model(config, timeout_s: float, max_restarts: int = 0) -> Optio
     service = RewardModelService(router_address="", replicas=replicas, max_restarts=max_restarts,
                                  standalone=on_devices_of_its_own(config))
 
-    async def start_all():
-        await asyncio.gather(*(replica.init_standalone() for replica in replicas))
-
     try:
-        asyncio.run(asyncio.wait_for(start_all(), timeout=timeout_s))
-    except asyncio.TimeoutError as exc:
-        service.stop()
-        raise TimeoutError(f"the reward model ({rm.model_path}) was not up within {timeout_s:g} s") from exc
+        start_standalone(replicas, timeout_s, f"the reward model ({rm.model_path})")
     except BaseException:
         service.stop()
         raise

@@ -25,6 +25,7 @@ from async_rl.core.errors import AsyncConfigError
 from async_rl.rollout.cpu.replica import CPURolloutReplica
 from async_rl.rollout.reward_models import free_replica
 from async_rl.rollout.supervisor import kill_actor
+from async_rl.rollout.verl_replicas import start_standalone
 
 TEACHER_BACKENDS = ("cpu",)  # `distillation.teacher_models.*.inference.name` the pipeline serves teachers on
 
@@ -107,15 +108,7 @@ def start_teachers(config, timeout_s: float) -> TeacherService | None:
                                           is_teacher_model=True, name_suffix=str(key).replace("/", "_"))
                         for rank in range(int(teacher.num_replicas))]
             service.replicas[key] = replicas
-
-            async def start_all(replicas=replicas):
-                await asyncio.gather(*(replica.init_standalone() for replica in replicas))
-
-            try:
-                asyncio.run(asyncio.wait_for(start_all(), timeout=timeout_s))
-            except asyncio.TimeoutError as exc:
-                raise TimeoutError(f"the distillation teacher {key!r} ({teacher.model_path}) was not up within "
-                                   f"{timeout_s:g} s") from exc
+            start_standalone(replicas, timeout_s, f"the distillation teacher {key!r} ({teacher.model_path})")
             service.routers[key] = get_router_handle(
                 servers={replica._server_address: replica._server_handle for replica in replicas})
     except BaseException:

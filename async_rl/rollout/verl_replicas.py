@@ -115,6 +115,19 @@ def launch_rollout_replicas(replicas: list, backend, devices: list, timeout_s: f
     return replicas
 
 
+def start_standalone(replicas: list, timeout_s: float, what: str) -> None:
+    """Start verl `replicas` standalone (`init_standalone`: servers of their own), all at once; TimeoutError
+    naming `what` when they are not up within `timeout_s` (s)."""
+
+    async def start_all():
+        await asyncio.gather(*(replica.init_standalone() for replica in replicas))
+
+    try:
+        asyncio.run(asyncio.wait_for(start_all(), timeout=timeout_s))
+    except asyncio.TimeoutError as exc:
+        raise TimeoutError(f"{what} was not up within {timeout_s:g} s") from exc
+
+
 def receiver(index: int, replica, partial: bool, replica_index: Optional[int], drain=None) -> VerlReplicaReceiver:
     """The weight receiver of a started verl replica (its workers stage the buckets)."""
     return VerlReplicaReceiver(f"rollout_replica_{index}", replica, partial, replica_index, drain)
