@@ -37,7 +37,7 @@ nvidia-smi
 ray job submit --address=http://127.0.0.1:8265 -- python3 -m verl.trainer.main_ppo \\
     algorithm.adv_estimator=grpo actor_rollout_ref.rollout.name=cpu trainer.device=cpu trainer.n_gpus_per_node=2 \\
     actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4 actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4 \\
-    actor_rollout_ref.actor.profiler.enable=True
+    actor_rollout_ref.rollout.profiler.enable=True
 """,
     # one that stops before its call: an environment file of another machine
     "npu/run_elsewhere.sh": """set -e
@@ -76,7 +76,7 @@ def test_a_refused_key_is_named_by_the_pipelines_check_while_verl_alone_passes(s
     row = by_script(swept)["ppo_trainer/run_refused.sh"]
     assert row["main_ppo"], row  # found after `ray job submit --`
     assert not row["with_flag"]["passed"] and row["with_flag"]["check"] == "pipeline"
-    assert "actor_rollout_ref.actor.profiler.enable" in row["with_flag"]["message"]
+    assert "actor_rollout_ref.rollout.profiler.enable" in row["with_flag"]["message"]
     assert row["verl_alone"]["passed"]
     assert not row["adapted"]["passed"] and "profiler.enable" in row["adapted"]["message"]  # a training key: kept
     assert row["adapted_verl"]["passed"] and sweep.refused_by_the_flag_only(row)  # verl's checks take it on the demo
@@ -101,10 +101,10 @@ def test_the_summary_counts_each_kind_and_the_table_has_a_row_per_call(swept):
     assert lines[1].startswith("as written: 1 calls pass the start checks with the flag and without it; 1 pass verl's "
                                "alone and are stopped with the flag; 0 are stopped without the flag too")
     assert lines[2:4] == ["as written, stopped with the flag only, by what stopped them (calls):",
-                          "  1 pipeline: actor_rollout_ref.actor.profiler.enable"]
+                          "  1 pipeline: actor_rollout_ref.rollout.profiler.enable"]
     adapted = lines.index(next(line for line in lines if line.startswith("adapted to the demo")))
     assert lines[adapted].endswith("1 calls pass the flag's start checks, 1 are stopped:")
-    assert lines[adapted + 1] == "  1 pipeline: actor_rollout_ref.actor.profiler.enable"
+    assert lines[adapted + 1] == "  1 pipeline: actor_rollout_ref.rollout.profiler.enable"
     assert "adapted, verl's own start checks (flag off): 2 calls pass; 1 of them are stopped by the flag's" in lines
     table = sweep.table(swept)
     assert len(table) == 2 + len(SCRIPTS)
