@@ -5,7 +5,8 @@ Each sample is one trajectory of the agent loop verl would run for it (single-tu
 user's own loop: async_rl/rollout/agent_loops.py), whose model calls go to the rollout servers only
 through verl's server interface (`generate` on the server handle of a `RolloutReplica`), so the CPU
 backend, sglang and vllm are interchangeable. Trajectories are spread round-robin over the
-servers, each keeping its turns on one; up to `generate_ahead_steps` batches are in flight, each
+servers (or as the user's load balancer of `rollout.router_config_path` chooses:
+async_rl/rollout/routing.py), each keeping its turns on one; up to `generate_ahead_steps` batches are in flight, each
 admitted only when AReaL's rule (`async_rl.core.staleness.StalenessGate`) allows it against the policy
 clock's versions (`async_rl.core.policy_clock`).
 """
@@ -26,6 +27,7 @@ from async_rl.rollout.agent_loops import (
     samples_from_agent_output,
 )
 from async_rl.rollout.rollout_dumps import RolloutDumps
+from async_rl.rollout.routing import UserRouter, server_ids
 from async_rl.rollout.supervisor import ReplicaSupervisor
 from async_rl.rollout.teachers import teacher_clients
 from state_machines.base import StateMachine
@@ -72,10 +74,15 @@ class GenerateStage(StateMachine):
         self.request_timeout_s, self.tool_timeout_s = request_timeout_s, tool_timeout_s
         self.tool_pool_size = tool_pool_size
         self.teacher_routers = dict(teacher_routers or {})
+        # rollout.router_config_path's load balancer, built with the agent loops; an actor of this stage's process
+        self.router: UserRouter | None = None
 
     # ---- rollout servers: restarts (async_rl/rollout/supervisor.py) --------------------------
     async def _relaunch(self, index: int, attempt: int):
-        return await self._replica_relaunch(self.replicas[index], attempt)
+        handle = await self._replica_relaunch(self.replicas[index], attempt)
+        if self.router is not None:
+            await self.router.replace(index, server_ids(self.replicas, len(self.replicas))[index], handle)
+        return handle
 
     async def _feed_weights(self, index: int, handle) -> int:
         if self._weight_source is None:
@@ -98,8 +105,11 @@ class GenerateStage(StateMachine):
     def agent_loops(self):
         """verl's agent-loop worker on this stage's servers (async_rl/rollout/agent_loops.py)."""
         if self._agent_loops is None:
+            path = self.config.actor_rollout_ref.rollout.get("router_config_path")
+            if path:
+                self.router = UserRouter.start(path, self.servers.handles, self.replicas, self.request_timeout_s)
             client = PipelineLLMClient(self.config, self.servers, self.request_timeout_s,
-                                       lambda: self.policy_clock.served_version)
+                                       lambda: self.policy_clock.served_version, router=self.router)
             teachers = teacher_clients(self.config, self.teacher_routers, self.request_timeout_s)
             self._agent_loops = PipelineAgentLoopWorker(self.config, client, self.tool_timeout_s, self.tool_pool_size,
                                                         teachers)

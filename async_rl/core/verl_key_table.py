@@ -93,8 +93,8 @@ VERL_KEYS = (
            "(async_rl/core/verl_async_keys.py standalone_rollout)"),
     KeyRow(f"{ARR}.rollout.full_determinism", P, "verl's determinism environment in every process "
            "(async_rl/run_config.py determinism_env); verl's agent loops read the key itself"),
-    KeyRow(f"{ARR}.rollout.router_config_path", X, "the generate stage routes requests to the replicas itself, not "
-           "through verl's router"),
+    KeyRow(f"{ARR}.rollout.router_config_path", P, "the user's load balancer, built by verl's get_router_handle, "
+           "chooses the replica of each agent-loop turn (async_rl/rollout/routing.py)"),
     KeyRow(f"{ARR}.rollout.enable_rollout_routing_replay", X, "routed experts are not carried to the trainer"),
     KeyRow(f"{ARR}.rollout.moe_load_balance_metrics_interval", X, "the pipeline does not log verl's MoE metrics"),
     *(KeyRow(f"{ARR}.rollout.{k}", X, "a quantized rollout (verl's fp8 on vLLM / SGLang GPUs) and its weight load "

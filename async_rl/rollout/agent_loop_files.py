@@ -1,5 +1,5 @@
-"""What the agent loops need from a command, checked before Ray starts: the agent-loop, tool and interaction
-files (each exists, loads and imports, and every loop a run asks for is registered), written then as absolute
+"""What the agent loops need from a command, checked before Ray starts: the agent-loop, tool, interaction and
+router files (each exists, loads and imports, and every loop a run asks for is registered), written then as absolute
 paths for the stages, whose Ray workers do not share the driver's working directory; and the package of the
 rollout trace's backend."""
 
@@ -14,6 +14,7 @@ from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
 from verl.utils.import_utils import resolve_config_path
 
 from async_rl.core.errors import AsyncConfigError
+from async_rl.rollout.routing import ROUTER_KEY, check_router_file
 
 AGENT_LOOP_KEY = "actor_rollout_ref.rollout.agent.default_agent_loop"
 AGENT_LOOP_CONFIG_KEY = "actor_rollout_ref.rollout.agent.agent_loop_config_path"
@@ -40,15 +41,16 @@ def check_trace_backend(config) -> None:
 def _agent_files(config) -> dict[str, str]:
     """key -> the path set there, for every agent-loop file key of the config."""
     rollout = config.actor_rollout_ref.rollout
-    files = {AGENT_LOOP_CONFIG_KEY: rollout.agent.get("agent_loop_config_path")}
+    files = {AGENT_LOOP_CONFIG_KEY: rollout.agent.get("agent_loop_config_path"),
+             ROUTER_KEY: rollout.get("router_config_path")}
     multi_turn = rollout.get("multi_turn") or {}
     files.update({f"actor_rollout_ref.rollout.multi_turn.{key}": multi_turn.get(key) for key in MULTI_TURN_FILES})
     return {key: str(path) for key, path in files.items() if path}
 
 
 def check_agent_loops(config, data_agent_names: frozenset = frozenset()) -> None:
-    """At start: every agent-loop, tool and interaction file exists, the agent-loop file loads and its
-    `_target_`s import, the tool file's classes import, and `rollout.agent.default_agent_loop` and every `agent_name` of the data
+    """At start: every agent-loop, tool, interaction and router file exists, the agent-loop file loads and its
+    `_target_`s import, the tool file's and the router file's classes import, and `rollout.agent.default_agent_loop` and every `agent_name` of the data
     (`data_agent_names`) is a registered loop. Raises AsyncConfigError naming the key."""
     for key, path in _agent_files(config).items():
         try:
@@ -60,6 +62,8 @@ def check_agent_loops(config, data_agent_names: frozenset = frozenset()) -> None
     tools = (config.actor_rollout_ref.rollout.get("multi_turn") or {}).get("tool_config_path")
     if tools:
         check_tool_classes(tools)
+    if config.actor_rollout_ref.rollout.get("router_config_path"):
+        check_router_file(ROUTER_KEY, str(config.actor_rollout_ref.rollout.router_config_path))
     names = set(_agent_loop_registry)
     path = config.actor_rollout_ref.rollout.agent.get("agent_loop_config_path")
     if path:

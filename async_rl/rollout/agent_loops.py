@@ -41,6 +41,7 @@ from verl.workers.rollout.replica import TokenOutput
 from async_rl.core.messages import AGENT_LOOP_TIMINGS, TOOL_POOL_WAIT, TURNS_INTERRUPTED, Sample, object_column
 from async_rl.rollout.environment_pool import EnvironmentPool
 from async_rl.rollout.requests import generate_resumable
+from async_rl.rollout.routing import UserRouter
 from async_rl.rollout.supervisor import ReplicaSupervisor
 
 VERSIONS_FIELD = "token_versions"  # the per-trajectory versions, as the agent loop worker hands them back
@@ -72,15 +73,19 @@ class PipelineLLMClient(LLMServerClient):
     `generate(request_id, prompt_ids=, sampling_params=)` returns verl's TokenOutput with the behaviour
     log-probs of every token, through `generate_resumable` on `servers` (a ReplicaSupervisor; each
     request bounded by `request_timeout_s`, s). Calls with the same `request_id` go to the same replica
-    while it serves (the newest `sticky_entries` ids are remembered). `max_tokens` defaults as verl's
+    while it serves (the newest `sticky_entries` ids are remembered); with `router` (a user's load balancer,
+    `rollout.router_config_path`: async_rl/rollout/routing.py) the router chooses each call's replica and is
+    told when the call ends, as under verl's client. `max_tokens` defaults as verl's
     servers default it: min(response_length, prompt_length + response_length - len(prompt_ids)), at
     least 1. `served_version()`: the version the replicas serve now. Within one trajectory each call's
     prompt must extend the previous call's prompt + tokens, else NonExtendingTurnError.
     """
 
     def __init__(self, config, servers: ReplicaSupervisor, request_timeout_s: float,
-                 served_version: Callable[[], int], sticky_entries: int = 10000):
-        super().__init__(config, load_balancer_handle=None)
+                 served_version: Callable[[], int], sticky_entries: int = 10000,
+                 router: Optional[UserRouter] = None):
+        super().__init__(config, load_balancer_handle=router.handle if router is not None else None)
+        self.router = router
         rollout = config.actor_rollout_ref.rollout
         self.prompt_length, self.response_length = int(rollout.prompt_length), int(rollout.response_length)
         self.servers, self.request_timeout_s, self.served_version = servers, request_timeout_s, served_version
@@ -118,8 +123,18 @@ class PipelineLLMClient(LLMServerClient):
                 "one token sequence, so a loop that summarises or truncates its context between turns cannot be "
                 "trained as one trajectory; make each turn extend the last")
         served = self.served_version()
-        out = await generate_resumable(self.servers, self._replica_for(str(request_id)), prompt_ids, params,
-                                       self.request_timeout_s, served, image_data=image_data or None)
+        request_id, server_id = str(request_id), None
+        if self.router is None:
+            index = self._replica_for(request_id)
+        else:
+            index, server_id = await self.router.acquire(self, request_id, prompt_ids=prompt_ids,
+                                                         sampling_params=sampling_params, image_data=image_data)
+        try:
+            out = await generate_resumable(self.servers, index, prompt_ids, params, self.request_timeout_s, served,
+                                           image_data=image_data or None)
+        finally:
+            if server_id is not None:
+                self._release_server(server_id, request_id=request_id)
         if record is not None:
             record.sequence = prompt_ids + list(out.token_ids)
             record.versions += out.token_versions

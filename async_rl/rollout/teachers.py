@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omegaconf import OmegaConf, open_dict
+from verl.utils.import_utils import resolve_config_path
 from verl.workers.rollout.llm_server import LLMServerClient
 from verl.workers.rollout.replica import TokenOutput
 
@@ -24,6 +25,7 @@ from async_rl.api.rollout import rollout_backend
 from async_rl.core.errors import AsyncConfigError
 from async_rl.rollout.cpu.replica import CPURolloutReplica
 from async_rl.rollout.reward_models import free_replica
+from async_rl.rollout.routing import check_router_file
 from async_rl.rollout.supervisor import kill_actor
 from async_rl.rollout.verl_replicas import start_standalone
 
@@ -32,8 +34,8 @@ TEACHER_BACKENDS = ("cpu",)  # `distillation.teacher_models.*.inference.name` th
 
 def check_teachers(config, device: str) -> None:
     """Before Ray starts, with `distillation.enabled`: verl's own checks of the section (`DistillationConfig`:
-    pool sizes, keys, loss mode), each teacher's model exists and its backend is one the pipeline serves
-    teachers on (AsyncConfigError naming the key)."""
+    pool sizes, keys, loss mode), each teacher's model exists, its backend is one the pipeline serves
+    teachers on, and its router file loads (AsyncConfigError naming the key)."""
     if not OmegaConf.select(config, "distillation.enabled", default=False):
         return
     try:
@@ -53,16 +55,21 @@ def check_teachers(config, device: str) -> None:
                                    f"one of {', '.join(TEACHER_BACKENDS)}: the backends the pipeline serves teachers "
                                    "on (a GPU server's teacher is not built yet)")
         rollout_backend(backend, device, f"{prefix}.inference.name")
+        router = (entry.get("inference") or {}).get("router_config_path")
+        if router:
+            check_router_file(f"{prefix}.inference.router_config_path", str(router))
 
 
 def absolute_teacher_paths(config) -> None:
-    """The teachers' model paths made absolute, in place (their servers load them in Ray workers)."""
+    """The teachers' model and router paths made absolute, in place (Ray workers load them)."""
     if not OmegaConf.select(config, "distillation.enabled", default=False):
         return
     with open_dict(config):
         for entry in config.distillation.teacher_models.values():
             if entry.get("model_path") is not None:
                 entry.model_path = os.path.abspath(str(entry.model_path))
+            if (entry.get("inference") or {}).get("router_config_path"):
+                entry.inference.router_config_path = resolve_config_path(str(entry.inference.router_config_path))
 
 
 def teacher_models(config) -> dict:
@@ -109,8 +116,9 @@ def start_teachers(config, timeout_s: float) -> TeacherService | None:
                         for rank in range(int(teacher.num_replicas))]
             service.replicas[key] = replicas
             start_standalone(replicas, timeout_s, f"the distillation teacher {key!r} ({teacher.model_path})")
-            service.routers[key] = get_router_handle(
-                servers={replica._server_address: replica._server_handle for replica in replicas})
+            service.routers[key] = get_router_handle(  # verl's, or the teacher's router_config_path's
+                servers={replica._server_address: replica._server_handle for replica in replicas},
+                router_config_path=teacher.inference.router_config_path)
     except BaseException:
         service.stop()
         raise

@@ -26,3 +26,8 @@ class ScriptedServer:
                                    extra_fields=fields)
 
         self.generate = _Generate()
+
+    def __reduce__(self):
+        # sent to another process (a router actor's pool), it arrives as its name: unpickling its script there
+        # would rebind this process's copy of the script to the unpickled one
+        return str, (f"ScriptedServer@{id(self):x}",)

@@ -140,6 +140,9 @@ def distillation_overrides(demo_dir, model_dir, **extra) -> list[str]:
      r"distillation.teacher_models.teacher_model.inference.name='vllm'.*the backends the pipeline serves teachers on"),
     ({"distillation.teacher_models.teacher_model.model_path": "/no/such/teacher"}, FileNotFoundError,
      r"distillation.teacher_models.teacher_model.model_path='/no/such/teacher'"),
+    ({"+distillation.teacher_models.teacher_model.inference.router_config_path": "/no/such/router.yaml"},
+     AsyncConfigError, r"distillation.teacher_models.teacher_model.inference.router_config_path='/no/such/router.yaml'"
+                       r".*Router config file not found"),
     ({"distillation.n_gpus_per_node": 3, "distillation.teacher_models.teacher_model.inference.tensor_model_parallel_size": 2},
      AsyncConfigError, r"distillation.*must divide the distillation resource pool size"),
 ])
