@@ -38,7 +38,7 @@ from async_rl.core.timeouts import CALL_TIMEOUT_S, SETUP_TIMEOUT_S
 from async_rl.rollout.reward_models import RewardModelService, start_reward_model
 from async_rl.rollout.teachers import TeacherService, start_teachers
 from async_rl.rollout.supervisor import kill_actor
-from async_rl.rollout.verl_replicas import launch_rollout_replicas, make_rollout_replicas
+from async_rl.rollout.verl_replicas import announce_to_prometheus, launch_rollout_replicas, make_rollout_replicas
 from async_rl.run_config import RunConfig
 from async_rl.stop_signals import PipelinePreempted, StopRequest
 from async_rl.validation import Validator
@@ -238,6 +238,7 @@ def build_stages(built: BuiltPipeline) -> None:
     tokenizer, processor = model_tokenizer_and_processor(cfg)
     built.replicas = launch_rollout_replicas(make_rollout_replicas(cfg, len(built.devices["generate"])), run.backend,
                                              built.devices["generate"], SETUP_TIMEOUT_S)
+    announce_to_prometheus(cfg, built.replicas)
     built.reward_model = start_reward_model(cfg, SETUP_TIMEOUT_S, settings.replica_max_restarts)
     built.teachers = start_teachers(cfg, SETUP_TIMEOUT_S)
     router = built.reward_model.router_address if built.reward_model is not None else None

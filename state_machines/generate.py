@@ -30,6 +30,7 @@ from async_rl.rollout.rollout_dumps import RolloutDumps
 from async_rl.rollout.routing import UserRouter, server_ids
 from async_rl.rollout.supervisor import ReplicaSupervisor
 from async_rl.rollout.teachers import teacher_clients
+from async_rl.rollout.verl_replicas import announce_to_prometheus
 from state_machines.base import StateMachine
 
 
@@ -82,6 +83,7 @@ class GenerateStage(StateMachine):
         handle = await self._replica_relaunch(self.replicas[index], attempt)
         if self.router is not None:
             await self.router.replace(index, server_ids(self.replicas, len(self.replicas))[index], handle)
+        await asyncio.to_thread(announce_to_prometheus, self.config, self.replicas)  # its new address
         return handle
 
     async def _feed_weights(self, index: int, handle) -> int:

@@ -104,7 +104,10 @@ VERL_KEYS = (
     *switched(f"{ARR}.rollout.profiler", "enable", "the generate stage serves several steps' requests at once, so a "
               "rollout server has no window of one step to profile; +trainer.async_trace_path writes the pipeline's "
               "timeline"),
-    *switched(f"{ARR}.rollout.prometheus", "enable", "verl's trainer starts the Prometheus scrape; the pipeline does not"),
+    KeyRow(f"{ARR}.rollout.prometheus", V, "verl's update_prometheus_config (port, file) and verl's vLLM server "
+           "(served_model_name)"),
+    KeyRow(f"{ARR}.rollout.prometheus.enable", P, "the rollout servers become Prometheus's scrape targets once up "
+           "(async_rl/rollout/verl_replicas.py announce_to_prometheus); vLLM only"),
     KeyRow(f"{ARR}.rollout.trace", V, "verl's rollout trace (weave, mlflow, trackio): verl's agent-loop worker sets it "
            "up in the generate stage, a span per trajectory and per request (async_rl/rollout/agent_loops.py)"),
     KeyRow(f"{ARR}.rollout.multi_turn.enable", N, "nothing on main_ppo's path reads it in verl 0.9.1"),

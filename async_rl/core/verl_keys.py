@@ -63,6 +63,10 @@ REWARD_MODEL_BACKENDS = ("cpu", "vllm")  # whose reward-model servers the pipeli
 
 BYPASS = "algorithm.rollout_correction.bypass_mode"
 
+PROMETHEUS = "actor_rollout_ref.rollout.prometheus.enable"
+# whose servers export /metrics at their address (the CPU server has no HTTP endpoint)
+PROMETHEUS_BACKENDS = ("vllm",)
+
 
 @functools.cache
 def verl_defaults() -> dict:
@@ -135,6 +139,10 @@ def refuse_unsupported(config) -> None:
                                f"0 with actor_rollout_ref.rollout.name={backend} (the async pipeline sends a LoRA "
                                f"adapter to rollout.name={' or '.join(LORA_BACKENDS)}; SGLang's adapter loading is "
                                "untested: no run of verl's SGLang rollout has completed here yet, docs/sglang_cpu.md)")
+    if select_value(config, PROMETHEUS, False) is True and backend not in PROMETHEUS_BACKENDS:
+        raise AsyncConfigError(PROMETHEUS, True, f"False with actor_rollout_ref.rollout.name={backend} (Prometheus "
+                               f"scrapes /metrics at each server's address: {' or '.join(PROMETHEUS_BACKENDS)}'s "
+                               "servers export them; the CPU server has no HTTP endpoint)")
     if select_value(config, f"{REWARD_MODEL}.enable", False) is True:
         rm_backend = select_value(config, f"{REWARD_MODEL}.rollout.name", None)
         if rm_backend not in REWARD_MODEL_BACKENDS:

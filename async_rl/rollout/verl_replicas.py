@@ -115,6 +115,21 @@ def launch_rollout_replicas(replicas: list, backend, devices: list, timeout_s: f
     return replicas
 
 
+def announce_to_prometheus(config: DictConfig, replicas: list) -> None:
+    """verl's `rollout.prometheus`: with `enable`, verl's `update_prometheus_config` writes the replicas' server
+    addresses as the `rollout` scrape targets into `prometheus.file` on every node and asks the Prometheus at
+    `prometheus.port` to reload, as verl's separate-async trainer does once its servers are up (a failure is
+    logged by verl, not raised: Prometheus is an observer). Called again after a replica restarts."""
+    prometheus = config.actor_rollout_ref.rollout.prometheus
+    if not prometheus.get("enable", False):
+        return
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.rollout.utils import update_prometheus_config
+
+    update_prometheus_config(omega_conf_to_dataclass(prometheus), [replica._server_address for replica in replicas],
+                             str(config.actor_rollout_ref.rollout.name))
+
+
 def start_standalone(replicas: list, timeout_s: float, what: str) -> None:
     """Start verl `replicas` standalone (`init_standalone`: servers of their own), all at once; TimeoutError
     naming `what` when they are not up within `timeout_s` (s)."""

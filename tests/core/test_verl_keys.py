@@ -24,6 +24,8 @@ REFUSED = [
     ({"actor_rollout_ref.model.lora_rank": 8, "actor_rollout_ref.rollout.name": "sglang"},
      "actor_rollout_ref.model.lora_rank=8", "0 with actor_rollout_ref.rollout.name=sglang"),
     ({"actor_rollout_ref.model.lora.rank": 8}, "actor_rollout_ref.model.lora.rank=8", "set actor_rollout_ref.model.lora_rank"),
+    ({"actor_rollout_ref.rollout.prometheus.enable": True}, "actor_rollout_ref.rollout.prometheus.enable=True",
+     "False with actor_rollout_ref.rollout.name=cpu (Prometheus scrapes /metrics"),
 ]
 
 
@@ -38,6 +40,13 @@ def test_a_setting_the_pipeline_cannot_run_is_refused_before_ray_starts(demo_dir
 def test_the_estimators_it_runs_are_not_refused(demo_dir, estimator):
     run = read_run_config(compose_ppo(demo_overrides(demo_dir, extra={"algorithm.adv_estimator": estimator})))
     assert run.config.algorithm.adv_estimator == estimator
+
+
+def test_prometheus_on_vllm_is_not_refused(demo_dir):
+    from async_rl.core.verl_keys import refuse_unsupported
+
+    refuse_unsupported(compose_ppo(demo_overrides(demo_dir, extra={"actor_rollout_ref.rollout.prometheus.enable": True,
+                                                                   "actor_rollout_ref.rollout.name": "vllm"})))
 
 
 def test_lora_on_the_cpu_backend_is_not_refused(demo_dir):

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import urllib.request
 
 import pytest
+import yaml
 
 from async_rl.rollout.vllm_digests import ALLOW_PICKLE_ENV
 from helpers.lineage import dumped_step_inputs, expected_step_inputs, read_jsonl
@@ -38,6 +40,13 @@ def run_to_its_end(proc, timeout_s: float = 900):
     finally:
         if proc.poll() is None:
             kill_session(proc)
+
+
+def scrape_targets(prometheus_file) -> list[str]:
+    """The `rollout` job's targets in the Prometheus config verl's update_prometheus_config wrote."""
+    jobs = yaml.safe_load(prometheus_file.read_text())["scrape_configs"]
+    return [target for job in jobs if job["job_name"] == "rollout" for config in job["static_configs"]
+            for target in config["targets"]]
 
 
 def ended_cleanly(proc, log_path, what: str) -> str:
@@ -249,25 +258,35 @@ def test_pipeline_on_vllm_on_policy_every_version_reaches_vllm_a_killed_server_t
     mid-run with `rollout.max_restarts=1`: its workers and server start again on the same devices, load the
     newest version before serving, and the run ends with every step trained once on the prompts an unfaulted
     run trains. After training, the weights the restarted vLLM computes with are the trainer's, bit for bit.
-    (One run for both: a vLLM run's start costs about 2.5 core-minutes on 2 cores.)"""
+    With `rollout.prometheus.enable`, Prometheus's config names the server as its scrape target, its
+    /metrics answering there, and is written again for the restarted server.
+    (One run for all three: a vLLM run's start costs about 2.5 core-minutes on 2 cores.)"""
     steps = 6
-    dumps = tmp_path / "dumps"
+    dumps, prometheus = tmp_path / "dumps", tmp_path / "prometheus" / "prometheus.yml"
     extra = {**PIPELINE, "+trainer.generate_ahead_steps": 1, "trainer.total_training_steps": steps,
              "trainer.test_freq": steps, "trainer.rollout_data_dir": str(dumps),
              "+actor_rollout_ref.rollout.max_restarts": 1,
+             "actor_rollout_ref.rollout.prometheus.enable": True,
+             "actor_rollout_ref.rollout.prometheus.file": str(prometheus),
              f"+ray_kwargs.ray_init.runtime_env.env_vars.{ALLOW_PICKLE_ENV}": "1"}  # in the servers' environment
     metrics, log_path = tmp_path / "metrics.jsonl", tmp_path / "metrics.jsonl.log"
     proc = start_pipeline_reading_digests(demo_dir, extra, tmp_path)
     with run_to_its_end(proc):
         wait_until(lambda: len(step_rows(read_jsonl(metrics))) >= 2, proc, "step 2", timeout_s=600)
+        targets = scrape_targets(prometheus)
+        assert len(targets) == 1, targets
+        with urllib.request.urlopen(f"http://{targets[0]}/metrics", timeout=30) as answer:
+            assert b"# TYPE http_request" in answer.read()  # the server's Prometheus metrics, to be scraped there
         servers = faults.titled_processes(proc.pid, "ray::vLLMHttpServer")
         assert len(servers) == 1, [s.cmdline() for s in servers]
         killed = servers[0].pid
+        written = prometheus.stat().st_mtime_ns
         servers[0].send_signal(signal.SIGKILL)
         killed_after = max(step_rows(read_jsonl(metrics)))
         wait_until(lambda: [s for s in faults.titled_processes(proc.pid, "ray::vLLMHttpServer") if s.pid != killed],
                    proc, "a new vLLM server process", timeout_s=600)
     log = ended_cleanly(proc, log_path, "a vLLM server killed and restarted")
+    assert prometheus.stat().st_mtime_ns > written and len(scrape_targets(prometheus)) == 1  # the new server's
     rows = read_jsonl(metrics)
     by_step = every_step_with(rows, steps, ["rollout_corr/log_ppl_abs_diff", "async/staleness/max",
                                             "async/faults/replica_restarts"])
