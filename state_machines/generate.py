@@ -5,8 +5,8 @@ Each sample is one trajectory of the agent loop verl would run for it (single-tu
 user's own loop: async_rl/rollout/agent_loops.py), whose model calls go to the rollout servers only
 through verl's server interface (`generate` on the server handle of a `RolloutReplica`), so the CPU
 backend, sglang and vllm are interchangeable. Trajectories are spread round-robin over the
-servers (or as the user's load balancer of `rollout.router_config_path` chooses:
-async_rl/rollout/routing.py), each keeping its turns on one; up to `generate_ahead_steps` batches are in flight, each
+servers, each keeping its turns on one (or as the user's load balancer of `rollout.router_config_path`
+chooses: async_rl/rollout/routing.py); up to `generate_ahead_steps` batches are in flight, each
 admitted only when AReaL's rule (`async_rl.core.staleness.StalenessGate`) allows it against the policy
 clock's versions (`async_rl.core.policy_clock`).
 """

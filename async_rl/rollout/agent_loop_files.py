@@ -1,7 +1,7 @@
 """What the agent loops need from a command, checked before Ray starts: the agent-loop, tool, interaction and
-router files (each exists, loads and imports, and every loop a run asks for is registered), written then as absolute
-paths for the stages, whose Ray workers do not share the driver's working directory; and the package of the
-rollout trace's backend."""
+router files (each exists, loads and imports, and every loop a run asks for is registered), written then as
+absolute paths for the stages, whose Ray workers do not share the driver's working directory; and the package
+of the rollout trace's backend."""
 
 from __future__ import annotations
 
@@ -50,8 +50,9 @@ def _agent_files(config) -> dict[str, str]:
 
 def check_agent_loops(config, data_agent_names: frozenset = frozenset()) -> None:
     """At start: every agent-loop, tool, interaction and router file exists, the agent-loop file loads and its
-    `_target_`s import, the tool file's and the router file's classes import, and `rollout.agent.default_agent_loop` and every `agent_name` of the data
-    (`data_agent_names`) is a registered loop. Raises AsyncConfigError naming the key."""
+    `_target_`s import, the tool file's and the router file's classes import, and
+    `rollout.agent.default_agent_loop` and every `agent_name` of the data (`data_agent_names`) is a registered
+    loop. Raises AsyncConfigError naming the key."""
     for key, path in _agent_files(config).items():
         try:
             found = os.path.isfile(resolve_config_path(path))
