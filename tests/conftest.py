@@ -105,16 +105,11 @@ def ray_address():
     cluster.shutdown()
 
 
-def workers_path(request) -> str:
-    """PYTHONPATH of a test's Ray workers: its module's folder, then tests/ (`helpers.*`)."""
-    return os.pathsep.join(dict.fromkeys([str(request.path.parent), str(Path(__file__).parent)]))
-
-
 @pytest.fixture
 def ray_cluster(ray_address, request):
-    """This test's driver on the session's cluster (its test module's folder and tests/, for `helpers`, on the
-    workers' path); the test's actors go with the driver at its end."""
-    ray.init(address=ray_address, runtime_env={"env_vars": {"PYTHONPATH": workers_path(request)}})
+    """This test's driver on the session's cluster (its test module's folder on the workers' path); the
+    test's actors go with the driver at its end."""
+    ray.init(address=ray_address, runtime_env={"env_vars": {"PYTHONPATH": str(request.path.parent)}})
     yield ray_address
     ray.shutdown()
 
@@ -131,6 +126,6 @@ def small_objects_ray_address():
 @pytest.fixture
 def small_objects_ray(small_objects_ray_address, request):
     """This test's driver on the small-objects cluster (as `ray_cluster`)."""
-    ray.init(address=small_objects_ray_address, runtime_env={"env_vars": {"PYTHONPATH": workers_path(request)}})
+    ray.init(address=small_objects_ray_address, runtime_env={"env_vars": {"PYTHONPATH": str(request.path.parent)}})
     yield small_objects_ray_address
     ray.shutdown()

@@ -4,7 +4,7 @@ to the policy loss; verl's own trainer, flag off, runs the same teacher on the C
 student's own starting model, so on-policy (k = 1) the first step's student and teacher distributions are the
 same, token for token, and its loss is zero; a teacher score shifted by one token, or on the wrong rows, would
 not be. Both runs route the rollout's and the teacher's requests through a user's load balancer
-(`router_config_path`, tests/helpers/routers.py), which records each request it routes."""
+(`router_config_path`, tests/rollout/recording_router.py), which records each request it routes."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from async_rl.demo.task import GROUP_SIZE, TRAIN_BATCH_SIZE
 from helpers.rows import every_step_with
 from helpers.runs import run_verl
 
-TESTS = Path(__file__).resolve().parents[1]  # `helpers.routers`, for the Ray workers that build the routers
+ROUTER_DIR = Path(__file__).resolve().parents[1] / "rollout"  # `recording_router`, for the processes that build routers
 
 STEPS = 3
 DISTILLATION_METRICS = ("actor/distillation/loss", "actor/distillation/abs_loss", "actor/distillation/loss_max")
@@ -36,12 +36,12 @@ def distillation_keys(demo_dir) -> dict:
 @pytest.mark.parametrize("flag", [True, False], ids=["pipeline", "verls_trainer"])
 def test_the_teacher_scores_every_trajectory_and_the_loss_starts_at_zero(demo_dir, tmp_path, ray_address, flag,
                                                                          monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", ":".join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("PYTHONPATH", ":".join(filter(None, [str(ROUTER_DIR), os.environ.get("PYTHONPATH")])))
     records = {role: tmp_path / f"{role}_routed.jsonl" for role in ("rollout", "teacher")}
     for role, record in records.items():
-        (tmp_path / f"{role}_router.yaml").write_text(f"router_class: helpers.routers.RecordingRouter\n"
+        (tmp_path / f"{role}_router.yaml").write_text(f"router_class: recording_router.RecordingRouter\n"
                                                       f"record: {record}\n")
-    keys = {**distillation_keys(demo_dir), "+ray_kwargs.ray_init.runtime_env.env_vars.PYTHONPATH": str(TESTS),
+    keys = {**distillation_keys(demo_dir), "+ray_kwargs.ray_init.runtime_env.env_vars.PYTHONPATH": str(ROUTER_DIR),
             "actor_rollout_ref.rollout.router_config_path": str(tmp_path / "rollout_router.yaml"),
             "+distillation.teacher_models.teacher_model.inference.router_config_path":
                 str(tmp_path / "teacher_router.yaml")}

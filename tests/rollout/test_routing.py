@@ -29,7 +29,7 @@ ROWS = [{"raw_prompt": [{"role": "user", "content": f"copy {d}"}], "data_source"
 def router_file(folder: Path, **fields) -> Path:
     path = folder / "router.yaml"
     path.write_text("\n".join(f"{key}: {json.dumps(value)}" for key, value in
-                              {"router_class": "helpers.routers.RecordingRouter", **fields}.items()))
+                              {"router_class": "recording_router.RecordingRouter", **fields}.items()))
     return path
 
 
@@ -50,9 +50,9 @@ class Replica:  # what the stage reads of a verl RolloutReplica: the address ver
 def test_a_router_file_that_cannot_work_is_named_before_ray(demo_dir, tmp_path):
     check_router_file(ROUTER_KEY, str(router_file(tmp_path)))
     for text, match in [("record: x\n", "no `router_class`"),
-                        ("router_class: helpers.routers.NoSuchRouter\n", "not found in module 'helpers.routers'"),
+                        ("router_class: recording_router.NoSuchRouter\n", "not found in module 'recording_router'"),
                         ("router_class: no_such_package.Router\n", "Failed to import module 'no_such_package'"),
-                        ("defaults: [x]\nrouter_class: helpers.routers.RecordingRouter\n", "Hydra 'defaults' block")]:
+                        ("defaults: [x]\nrouter_class: recording_router.RecordingRouter\n", "Hydra 'defaults' block")]:
         path = tmp_path / "bad.yaml"
         path.write_text(text)
         with pytest.raises(AsyncConfigError, match=rf"{ROUTER_KEY}=.*bad\.yaml.*{match}"):

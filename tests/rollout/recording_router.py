@@ -1,6 +1,6 @@
 """A user's load balancer for `rollout.router_config_path` (and a teacher's `inference.router_config_path`), as
-verl's router YAML names one: `router_class: helpers.routers.RecordingRouter`. The Ray worker that builds it
-needs `tests/` on its path."""
+verl's router YAML names one: `router_class: recording_router.RecordingRouter`. The Ray worker that builds it
+needs this folder on its path."""
 
 from __future__ import annotations
 
