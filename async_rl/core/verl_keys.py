@@ -142,7 +142,7 @@ def refuse_unsupported(config) -> None:
     if select_value(config, PROMETHEUS, False) is True and backend not in PROMETHEUS_BACKENDS:
         raise AsyncConfigError(PROMETHEUS, True, f"False with actor_rollout_ref.rollout.name={backend} (Prometheus "
                                f"scrapes /metrics at each server's address: {' or '.join(PROMETHEUS_BACKENDS)}'s "
-                               "servers export them; the CPU server has no HTTP endpoint)")
+                               "servers export them and run here; the CPU server has no HTTP endpoint)")
     if select_value(config, f"{REWARD_MODEL}.enable", False) is True:
         rm_backend = select_value(config, f"{REWARD_MODEL}.rollout.name", None)
         if rm_backend not in REWARD_MODEL_BACKENDS:
