@@ -47,6 +47,7 @@ VERL_TRAINER = {"+actor_rollout_ref.async_pipeline": "false"}  # verl's own trai
 RECORDED = ("python", "python3", "torchrun", "ray", "srun", "sbatch", "conda", "module", "pip", "pip3",
             "huggingface-cli", "hf", "modelscope", "wget", "curl", "git", "nvidia-smi", "npu-smi", "sleep")
 SCRIPT_TIMEOUT_S = 30
+WORKDIR = f"{OUTSIDE}/workdir"  # what results show for the sweep's temporary folder
 
 # a key that names a file or a model -> what the demo puts there ({demo}: the prepared demo's folder, {model}: the
 # stand-in model)
@@ -490,12 +491,15 @@ def main(argv=None) -> list[dict]:
             train_runs(runs_to_make(rows), demo_dir, Path(tmp) / "runs")
         if args.run_verl:
             train_runs(runs_to_make(rows, flag=False), demo_dir, Path(tmp) / "runs", flag=False)
+
+    def shown(text: str) -> str:  # the run keys name files of the temporary folder: no machine's paths in results
+        return text.replace(tmp, WORKDIR)
+
     print(f"\n{command}\n{shown_path(str(examples_dir))}: verl's examples; {time.monotonic() - start:.0f} s\n")
-    print("\n".join(summary(rows)) + "\n")
-    print("\n".join(table(rows)).replace(tmp, f"{OUTSIDE}/tmp"))
-    if args.json:  # the run keys name files of the temporary folder: no machine's paths in results
-        text = json.dumps({"command": command, "rows": rows}, indent=1).replace(tmp, f"{OUTSIDE}/tmp")
-        Path(args.json).write_text(text)
+    print(shown("\n".join(summary(rows))) + "\n")
+    print(shown("\n".join(table(rows))))
+    if args.json:
+        Path(args.json).write_text(shown(json.dumps({"command": command, "rows": rows}, indent=1)))
     return rows
 
 

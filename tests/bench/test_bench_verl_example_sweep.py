@@ -6,6 +6,7 @@ demo runs themselves are faked (they are bench/verl_examples.py's `run_one`, tes
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -196,3 +197,17 @@ def test_verls_trainer_runs_the_calls_only_the_flag_stops_and_the_summary_says_w
     assert "  pipeline: a.b: 1 / 1" in lines
     table = "\n".join(sweep.table(rows))
     assert "| trained in 7 s |" in table and "| failed: ModuleNotFoundError: m |" in table
+
+
+def test_the_results_show_the_sweeps_temporary_folder_as_a_placeholder(tmp_path, capsys):
+    examples = tmp_path / "examples"
+    (examples / "t").mkdir(parents=True)  # a script naming a file of its own tree, which the sweep copies
+    (examples / "t" / "run.sh").write_text(
+        "python3 -m verl.trainer.main_ppo actor_rollout_ref.rollout.name=cpu trainer.device=cpu "
+        "actor_rollout_ref.rollout.multi_turn.tool_config_path=$(pwd)/examples/t/tools.yaml\n")
+    results = tmp_path / "sweep.json"
+    sweep.main(["--examples-dir", str(examples), "--json", str(results)])
+    printed, saved = capsys.readouterr().out, results.read_text()
+    placeholder = f"{sweep.WORKDIR}/sweep/root/examples/t/tools.yaml"
+    assert placeholder in printed and placeholder in saved
+    assert tempfile.gettempdir() + "/" not in printed.split("\n\n", 1)[1] and tempfile.gettempdir() + "/" not in saved
