@@ -385,10 +385,22 @@ SPY_GROUPS["pipeline stages"] = (
 IDLE_LEAVES = ("Worker.main_loop", "select (selectors", "EpollSelector.select", "wait (threading", "_worker (concurrent")
 
 
+def spy_lines(text: str) -> list[str]:
+    """A py-spy raw profile's lines, "stack count" each; a stack whose frame name holds a line break (a
+    frame of an asyncio task can show its repr) is joined back into one line."""
+    lines, pending = [], ""
+    for line in text.splitlines():
+        pending += line
+        if pending.rpartition(" ")[2].isdigit():
+            lines.append(pending)
+            pending = ""
+    return lines
+
+
 def spy_groups(path: Path, kind: str) -> dict[str, float]:
     """Share of a py-spy raw profile's busy samples per group of SPY_GROUPS[kind] (leaves that block are left out)."""
     counts: dict[str, float] = defaultdict(float)
-    for line in path.read_text().splitlines():
+    for line in spy_lines(path.read_text()):
         stack, _, count = line.rpartition(" ")
         if not stack or any(leaf in stack.rsplit(";", 1)[-1] for leaf in IDLE_LEAVES):
             continue
@@ -588,9 +600,25 @@ def engine_facts(out: Path, warmup_end: float) -> dict:
     servers = sum(any(s[0] == "engine_forward" for s in ss) for ss in spans.values())
     rows = [json.loads(line)["data"] for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     lengths = [r["response_length/mean"] for r in rows if "response_length/mean" in r]
+    gaps = sorted(gap for ss in spans.values() for gap in arrival_gaps(ss, warmup_end))
+    walls = sorted(s[2] - s[1] for s in forwards)
     return {"servers": servers, "forwards": len(forwards), "decode_rows": sum(s[4]["decode_rows"] for s in forwards),
             "prefill_rows": sum(s[4]["prefill_rows"] for s in forwards),
-            "response_length": sum(lengths) / len(lengths) if lengths else None}
+            "response_length": sum(lengths) / len(lengths) if lengths else None,
+            "arrival_gap_ms": {"p50": 1e3 * quantile(gaps, 0.5), "p90": 1e3 * quantile(gaps, 0.9)} if gaps else None,
+            "forward_wall_ms": 1e3 * quantile(walls, 0.5) if walls else None}
+
+
+def arrival_gaps(spans: list[tuple], after: float, within_s: float = 1.0) -> list[float]:
+    """Seconds between consecutive requests reaching one server (its `server_generate` spans' starts) after
+    `after`, the gaps longer than `within_s` (between steps) left out."""
+    starts = sorted(s[1] for s in spans if s[0] == "server_generate" and s[1] >= after)
+    return [b - a for a, b in zip(starts, starts[1:]) if b - a <= within_s]
+
+
+def quantile(values: list[float], q: float) -> float:
+    """The `q` quantile of sorted `values` (nearest rank)."""
+    return values[min(len(values) - 1, int(q * len(values)))]
 
 
 def analyze(name: str, out: Path, warmup: int) -> dict:
@@ -646,6 +674,12 @@ def report(name: str, result: dict) -> list[str]:
     if facts["servers"]:
         lines.append(f"  engine: {facts['forwards']:.0f} forwards a step over {facts['servers']} server(s), "
                      f"{facts['decode_rows']:.0f} rows decoded and {facts['prefill_rows']:.0f} prefilled")
+        if facts.get("arrival_gap_ms") and facts.get("forward_wall_ms"):
+            gap = facts["arrival_gap_ms"]
+            rows = (facts["decode_rows"] + facts["prefill_rows"]) / facts["forwards"]
+            lines.append(f"  requests reach a server {gap['p50']:.1f} ms (median) / {gap['p90']:.1f} ms (90th percentile) "
+                         f"after the one before; a forward takes {facts['forward_wall_ms']:.1f} ms (median, wall) "
+                         f"for {rows:.1f} rows on average")
     lines.append(f"  mean response: {facts['response_length']:.2f} tokens")
     lines.append("  by code: " + ", ".join(f"{who} {sec:.3f} s" for who, sec in
                                           sorted(result["owners"].items(), key=lambda kv: -kv[1])))

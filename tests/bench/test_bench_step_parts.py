@@ -109,6 +109,21 @@ def test_py_spy_groups_leave_blocked_stacks_out():
     assert groups == {"building each sample's agent loop (hydra instantiate)": 0.75, "TransferQueue reads and writes": 0.25}
 
 
+def test_py_spy_stacks_broken_by_a_line_break_in_a_frame_are_joined():
+    text = ("a (x.py:1);task (\n ([\"llm_client_generate\", 1.0, 2.0, null, {}]\n);b (y.py:2) 4\n"
+            "c (z.py:3) 1\n")
+    assert step_parts.spy_lines(text) == ['a (x.py:1);task ( ([\"llm_client_generate\", 1.0, 2.0, null, {}]);b (y.py:2) 4',
+                                          "c (z.py:3) 1"]
+
+
+def test_arrival_gaps_are_per_server_after_warmup_and_within_a_step():
+    spans = [("server_generate", t, t + 0.05, None, {}) for t in (0.5, 1.0, 1.004, 1.010, 1.110, 5.0)]
+    spans.append(("engine_forward", 1.001, 1.002, None, {}))
+    gaps = step_parts.arrival_gaps(spans, after=0.9)
+    assert gaps == pytest.approx([0.004, 0.006, 0.1])  # 1.110 -> 5.0 is between steps
+    assert step_parts.quantile(sorted(gaps), 0.5) == pytest.approx(0.006)
+
+
 def test_process_kinds_from_command_lines_and_the_log(tmp_path):
     (tmp_path / "log.txt").write_text("(RewardLoopWorker pid=12) x\n(Worker pid=15) vLLM's worker logs as Worker\n")
     kinds = step_parts.process_kinds(tmp_path, {"10": "ray::AgentLoopWorkerTQ", "11": "ray::IDLE", "12": "",
