@@ -10,6 +10,7 @@ from async_rl.rollout.cpu.engine import ContinuousBatchingEngine
 from async_rl.rollout.cpu.registration import CPU_ROLLOUT_NAME, register_cpu_rollout
 from async_rl.rollout.cpu.replica import CPURolloutReplica
 from async_rl.rollout.cpu.server import CPURolloutServer
+from helpers.clusters import RAY_CALL_GUARD_S
 
 TIMEOUT_S = 60
 
@@ -345,17 +346,17 @@ def test_replica_init_standalone_and_generate_over_ray(ray_cluster, model_dir):
     assert replica.servers == [handle] and replica.server_address.count(":") == 1
     # one node: the address is loopback and the reserved port is bound there (never every interface)
     host, port = replica.server_address.split(":")
-    bound = ray.get(handle.__ray_call__.remote(lambda server: server._port_socket.getsockname()), timeout=60)
+    bound = ray.get(handle.__ray_call__.remote(lambda server: server._port_socket.getsockname()), timeout=RAY_CALL_GUARD_S)
     assert host == "127.0.0.1" and tuple(bound) == (host, int(port))
 
-    out = ray.get(handle.generate.remote(PROMPTS[1], {"temperature": 0.0}, "req-0"), timeout=60)
+    out = ray.get(handle.generate.remote(PROMPTS[1], {"temperature": 0.0}, "req-0"), timeout=RAY_CALL_GUARD_S)
     local = ContinuousBatchingEngine.from_pretrained(model_dir)
     assert out.token_ids == hf_greedy(local.model, PROMPTS[1], 5)
     assert out.log_probs == pytest.approx(forward_logprobs(local.model, PROMPTS[1], out.token_ids), abs=1e-4)
     assert out.stop_reason == "completed" and out.extra_fields["token_versions"] == [0] * 5
 
     state = {k: v + 0.05 for k, v in local.model.state_dict().items()}
-    ray.get(handle.update_weights.remote(state, 3), timeout=60)
-    assert ray.get(handle.get_param_version.remote(), timeout=60) == 3
-    out = ray.get(handle.generate.remote(PROMPTS[1], {"temperature": 0.0}, "req-1"), timeout=60)
+    ray.get(handle.update_weights.remote(state, 3), timeout=RAY_CALL_GUARD_S)
+    assert ray.get(handle.get_param_version.remote(), timeout=RAY_CALL_GUARD_S) == 3
+    out = ray.get(handle.generate.remote(PROMPTS[1], {"temperature": 0.0}, "req-1"), timeout=RAY_CALL_GUARD_S)
     assert out.extra_fields["token_versions"] == [3] * 5

@@ -18,6 +18,8 @@ from async_rl.core.policy_clock import ClockRef
 from async_rl.core.staleness import StalenessGate
 from async_rl.rollout.agent_loop_files import absolute_agent_files, check_agent_loops
 from async_rl.rollout.routing import ROUTER_KEY, RouterError, check_router_file, server_ids
+from async_rl.core.timeouts import SETUP_TIMEOUT_S
+from helpers.clusters import RAY_CALL_GUARD_S
 from helpers.lineage import compose_ppo
 from helpers.scripted_server import ScriptedServer
 from state_machines.generate import GenerateStage
@@ -85,7 +87,10 @@ def answer(kwargs, calls):
     return [7, 13, 3], 0, "completed"
 
 
-def run_batch(stage, timeout_s: float = 120):
+def run_batch(stage):
+    """One batch through the stage; the bound is a hang guard over the router actor's own start bound (a new
+    actor's first answer can take minutes on 2 busy cores), never the error under test."""
+    timeout_s = SETUP_TIMEOUT_S + RAY_CALL_GUARD_S
     return asyncio.run(asyncio.wait_for(stage.process_data(PromptBatch(0, ROWS)), timeout_s))
 
 
@@ -99,7 +104,7 @@ def test_the_users_router_chooses_every_turns_replica_and_hears_each_end(demo_di
     assert len(batch.samples) == 6
     # round-robin would have split the six trajectories 3 / 3; the router sends all to its pick, the second
     assert (len(servers[0].calls), len(servers[1].calls)) == (0, 6)
-    ray.get(stage.router.handle.get_all_servers.remote(), timeout=60)  # after the releases sent before it
+    ray.get(stage.router.handle.get_all_servers.remote(), timeout=RAY_CALL_GUARD_S)  # after the releases sent before it
     lines = [json.loads(line) for line in record.read_text().splitlines()]
     acquired = [line for line in lines if "server" in line]
     released = [line for line in lines if "released" in line]
@@ -114,9 +119,9 @@ def test_the_users_router_chooses_every_turns_replica_and_hears_each_end(demo_di
         return servers[1]
 
     stage._replica_relaunch = relaunch
-    asyncio.run(asyncio.wait_for(stage._relaunch(1, 1), 60))
+    asyncio.run(asyncio.wait_for(stage._relaunch(1, 1), RAY_CALL_GUARD_S))
 
-    assert sorted(ray.get(stage.router.handle.get_all_servers.remote(), timeout=60)) == ["10.0.0.2:7001",
+    assert sorted(ray.get(stage.router.handle.get_all_servers.remote(), timeout=RAY_CALL_GUARD_S)) == ["10.0.0.2:7001",
                                                                                           "10.0.0.3:7002"]
     assert stage.router.ids == ["10.0.0.2:7001", "10.0.0.3:7002"]
     run_batch(stage)
@@ -133,4 +138,4 @@ def test_a_router_that_misbehaves_fails_the_batch_naming_the_key(demo_dir, tmp_p
     stage = GenerateStage(servers=[ScriptedServer(answer)], config=config,
                           clock=ClockRef.in_process(StalenessGate(2)), request_timeout_s=3)
     with pytest.raises(error, match=match):
-        run_batch(stage, timeout_s=60)
+        run_batch(stage)
