@@ -81,6 +81,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import signal
 import subprocess
@@ -149,6 +150,14 @@ def fully_async_overrides(steps: int, prompts_per_step: int) -> dict:
         # lookup agent would train without its tool, while its validation calls it
         "actor_rollout_ref.rollout.multi_turn.enable": True,
     }
+
+
+def train_split(train_ranks: int) -> dict:
+    """The pipeline on `train_ranks` + 1 logical devices of the same cores: `train_ranks` FSDP2 train ranks
+    and one rollout server (`use_nodes_ratios` train, logp, ref_logp, generate)."""
+    devices = train_ranks + 1
+    train, generate = (math.ceil(n / devices * 1e4) / 1e4 for n in (train_ranks, 1))  # floor(share x devices) = n
+    return {"trainer.n_gpus_per_node": devices, "+trainer.use_nodes_ratios": [train, train, train, generate]}
 
 
 PIPELINE_KEYS = ("+actor_rollout_ref.async_pipeline", "+trainer.use_nodes_ratios", "+trainer.generate_ahead_steps",
@@ -234,6 +243,8 @@ def run_system(name: str, demo_dir: Path, workdir: Path, metrics_path: Path, ext
     if proc.returncode != 0 and not stopped:
         tail = log_path.read_text()[-3000:]
         raise RuntimeError(f"{name} failed after {time.monotonic() - start:.0f} s (log: {log_path}):\n{tail}")
+    if not metrics_path.exists():
+        raise RuntimeError(f"{name} logged no metrics in its {time.monotonic() - start:.0f} s (log: {log_path})")
     return read_metrics(metrics_path)
 
 
@@ -574,6 +585,12 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--model-size", default="tiny",
                         help="the demo model's size, a row of async_rl.demo.task.MODEL_SIZES (tiny, small, medium)")
     parser.add_argument("--ks", default="1,2,5", help="generate_ahead_steps of the pipeline runs")
+    parser.add_argument("--train-ranks", default="1",
+                        help="the --ks runs at each of these train-rank counts: N train ranks and 1 rollout server on "
+                             "N + 1 logical devices of the same cores (1: the demo's split of 2)")
+    parser.add_argument("--verl-ranks", type=int, default=2,
+                        help="verl-sync's FSDP2 ranks, each also a rollout replica of its hybrid engine, on logical "
+                             "devices of the same cores (2: the demo's)")
     parser.add_argument("--test-freq", type=int, default=10)
     parser.add_argument("--naive-ks", default="",
                         help="pipeline runs with AReaL's naive PPO (no pi_prox) at these generate_ahead_steps")
@@ -618,12 +635,15 @@ def main(argv=None) -> list[dict]:
         "trainer.test_freq": args.test_freq,
         "trainer.val_before_train": True,
     }
-    flag_off = {"+actor_rollout_ref.async_pipeline": False}
+    flag_off = {"+actor_rollout_ref.async_pipeline": False,
+                **({"trainer.n_gpus_per_node": args.verl_ranks} if args.verl_ranks != 2 else {})}
     if args.rollout == "vllm":
         common.update(VLLM_ON_CPU)
         flag_off.update({"trainer.n_gpus_per_node": 1, "actor_rollout_ref.rollout.agent.num_workers": 1})
-    systems = [(f"async-pipeline k={k}", k, {"+trainer.generate_ahead_steps": k}, False)
-               for k in map(int, filter(None, args.ks.split(",")))]
+    systems = [(f"async-pipeline k={k}" + (f" train x{ranks}" if ranks > 1 else ""), k,
+                {"+trainer.generate_ahead_steps": k, **(train_split(ranks) if ranks > 1 else {})}, False)
+               for k in map(int, filter(None, args.ks.split(",")))
+               for ranks in map(int, filter(None, args.train_ranks.split(",")))]
     systems += [(f"async-pipeline k={k} logp stage", k, {"+trainer.generate_ahead_steps": k, **LOGP_STAGE}, False)
                 for k in map(int, filter(None, args.logp_stage_ks.split(",")))]
     systems += [(f"async-pipeline k={k} naive PPO", k, {"+trainer.generate_ahead_steps": k, **NAIVE_PPO}, False)
