@@ -414,3 +414,36 @@ def test_a_long_task_run_gets_the_long_tasks_overrides(tmp_path, monkeypatch):
     assert argv == demo_overrides(tmp_path, long=True)
     assert "actor_rollout_ref.rollout.agent.default_agent_loop=long_tail" in argv
     assert "data.max_response_length=256" in argv
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_train_ranks_split_the_same_cores_into_that_many_train_ranks_and_one_rollout_server(ranks):
+    from async_rl.core.placement import plan_placement
+
+    keys = e2e.train_split(ranks)
+    assert keys["trainer.n_gpus_per_node"] == ranks + 1
+    ratios = dict(zip(("train", "logp", "ref_logp", "generate"), keys["+trainer.use_nodes_ratios"]))
+    placement = plan_placement(1, ranks + 1, ratios, ["train"], 1)
+    assert placement.groups["train"].count == ranks and len(placement.replicas) == 1
+
+
+def test_train_and_verl_ranks_reach_each_systems_keys(tmp_path, monkeypatch):
+    """--train-ranks crosses --ks (1: the demo's split, no keys added), --verl-ranks sets verl-sync's devices."""
+    import async_rl.demo
+
+    runs = {}
+
+    def run_system(name, demo_dir, workdir, path, extra, *args, **kwargs):
+        runs[name] = extra
+        return rows_for(2.0, e2e.VAL_KEYS[0], {0: 0.0, 4: 0.95})
+
+    monkeypatch.setattr(e2e, "run_system", run_system)
+    monkeypatch.setattr(async_rl.demo, "prepare", lambda demo_dir, **kwargs: demo_dir.mkdir())
+    e2e.main(["--ks", "1,2", "--train-ranks", "1,2", "--verl-ranks", "4", "--seeds", "0", "--metrics-dir",
+              str(tmp_path)])
+    assert list(runs) == ["verl-sync", "async-pipeline k=1", "async-pipeline k=1 train x2", "async-pipeline k=2",
+                          "async-pipeline k=2 train x2"]
+    assert runs["verl-sync"]["trainer.n_gpus_per_node"] == 4
+    assert "trainer.n_gpus_per_node" not in runs["async-pipeline k=2"]
+    assert runs["async-pipeline k=2 train x2"]["+trainer.use_nodes_ratios"] == [0.6667, 0.6667, 0.6667, 0.3334]
+    assert runs["async-pipeline k=2 train x2"]["+trainer.generate_ahead_steps"] == 2
