@@ -435,7 +435,8 @@ def test_train_and_verl_ranks_reach_each_systems_keys(tmp_path, monkeypatch):
 
     def run_system(name, demo_dir, workdir, path, extra, *args, **kwargs):
         runs[name] = extra
-        return rows_for(2.0, e2e.VAL_KEYS[0], {0: 0.0, 4: 0.95})
+        return rows_for(2.0, e2e.VAL_KEYS[0], {0: 0.0, 4: 0.95},
+                        **{"timing_s/gen": 1.0, "async/actor_train/busy_ratio": 1.0})  # verl's parts, a stage's busy
 
     monkeypatch.setattr(e2e, "run_system", run_system)
     monkeypatch.setattr(async_rl.demo, "prepare", lambda demo_dir, **kwargs: demo_dir.mkdir())
