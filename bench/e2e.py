@@ -40,8 +40,8 @@ take turns generating (V1 `sync` rollout mode, its default) and training. The pi
 splits the same 2 devices with `use_nodes_ratios=[0.5,0.5,0.5,0.5]`, its demo setting: 1
 train rank and 1 rollout server (no ref_logp group: no KL term; no logp group unless
 `proximal_logp_workers=logp`, then 1 logp rank). `--train-ranks 2`: the pipeline on 3 logical
-devices of the same 2 cores, 2 train ranks and 1 rollout server (`train_split`); `--verl-ranks 4`:
-verl's trainer on 4 (the tuned split of the long task, docs in bench/README).
+devices of the same 2 cores, 2 train ranks and 1 rollout server (`train_split`); `--verl-ranks N`:
+verl's trainer on N ranks (on the long task 2 is faster than 4: results/e2e_long_ranks.txt).
 
 Per run: wall time per trained sample (s; training steps only, start-up and validation
 excluded, the same for every system), time to `TARGET` (training seconds until a validation
