@@ -83,7 +83,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import math
 import os
 import signal
 import subprocess
@@ -97,6 +96,7 @@ sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 from bench.command import command_line, shown_path  # noqa: E402
 from async_rl.core.bottleneck import BUBBLE_GOAL, waiting_cause  # noqa: E402
+from async_rl.core.placement import standalone_rollout_ratios  # noqa: E402
 from async_rl.stop_signals import session_processes  # noqa: E402
 from verl_patches.cpu_patches import PATCH_LOG_ENV, applied_patches  # noqa: E402
 
@@ -157,9 +157,8 @@ def fully_async_overrides(steps: int, prompts_per_step: int) -> dict:
 def train_split(train_ranks: int) -> dict:
     """The pipeline on `train_ranks` + 1 logical devices of the same cores: `train_ranks` FSDP2 train ranks
     and one rollout server (`use_nodes_ratios` train, logp, ref_logp, generate)."""
-    devices = train_ranks + 1
-    train, generate = (math.ceil(n / devices * 1e4) / 1e4 for n in (train_ranks, 1))  # floor(share x devices) = n
-    return {"trainer.n_gpus_per_node": devices, "+trainer.use_nodes_ratios": [train, train, train, generate]}
+    return {"trainer.n_gpus_per_node": train_ranks + 1,
+            "+trainer.use_nodes_ratios": list(standalone_rollout_ratios(train_ranks, 1))}
 
 
 PIPELINE_KEYS = ("+actor_rollout_ref.async_pipeline", "+trainer.use_nodes_ratios", "+trainer.generate_ahead_steps",

@@ -446,5 +446,5 @@ def test_train_and_verl_ranks_reach_each_systems_keys(tmp_path, monkeypatch):
                           "async-pipeline k=2 train x2"]
     assert runs["verl-sync"]["trainer.n_gpus_per_node"] == 4
     assert "trainer.n_gpus_per_node" not in runs["async-pipeline k=2"]
-    assert runs["async-pipeline k=2 train x2"]["+trainer.use_nodes_ratios"] == [0.6667, 0.6667, 0.6667, 0.3334]
+    assert runs["async-pipeline k=2 train x2"]["+trainer.use_nodes_ratios"] == [2 / 3, 2 / 3, 2 / 3, 1 / 3]
     assert runs["async-pipeline k=2 train x2"]["+trainer.generate_ahead_steps"] == 2

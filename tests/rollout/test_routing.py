@@ -16,9 +16,9 @@ from async_rl.core.errors import AsyncConfigError
 from async_rl.core.messages import PromptBatch
 from async_rl.core.policy_clock import ClockRef
 from async_rl.core.staleness import StalenessGate
+from async_rl.core.timeouts import SETUP_TIMEOUT_S
 from async_rl.rollout.agent_loop_files import absolute_agent_files, check_agent_loops
 from async_rl.rollout.routing import ROUTER_KEY, RouterError, check_router_file, server_ids
-from async_rl.core.timeouts import SETUP_TIMEOUT_S
 from helpers.clusters import RAY_CALL_GUARD_S
 from helpers.lineage import compose_ppo
 from helpers.scripted_server import ScriptedServer
@@ -121,8 +121,8 @@ def test_the_users_router_chooses_every_turns_replica_and_hears_each_end(demo_di
     stage._replica_relaunch = relaunch
     asyncio.run(asyncio.wait_for(stage._relaunch(1, 1), RAY_CALL_GUARD_S))
 
-    assert sorted(ray.get(stage.router.handle.get_all_servers.remote(), timeout=RAY_CALL_GUARD_S)) == ["10.0.0.2:7001",
-                                                                                          "10.0.0.3:7002"]
+    pool = ray.get(stage.router.handle.get_all_servers.remote(), timeout=RAY_CALL_GUARD_S)
+    assert sorted(pool) == ["10.0.0.2:7001", "10.0.0.3:7002"]
     assert stage.router.ids == ["10.0.0.2:7001", "10.0.0.3:7002"]
     run_batch(stage)
     assert len(servers[1].calls) == 12  # the router's pick is the new server
