@@ -41,7 +41,8 @@ splits the same 2 devices with `use_nodes_ratios=[0.5,0.5,0.5,0.5]`, its demo se
 train rank and 1 rollout server (no ref_logp group: no KL term; no logp group unless
 `proximal_logp_workers=logp`, then 1 logp rank). `--train-ranks 2`: the pipeline on 3 logical
 devices of the same 2 cores, 2 train ranks and 1 rollout server (`train_split`); `--verl-ranks N`:
-verl's trainer on N ranks (on the long task 2 is faster than 4: results/e2e_long_ranks.txt).
+verl's trainer on N ranks (on the long task 2 is faster than 4: results/e2e_long_ranks.txt);
+`--fully-async-train-ranks N`: fully_async_policy's trainer on N ranks beside its one vLLM server.
 
 Per run: wall time per trained sample (s; training steps only, start-up and validation
 excluded, the same for every system), time to `TARGET` (training seconds until a validation
@@ -130,6 +131,7 @@ FULLY_ASYNC_NOT_RUN = (
 VLLM_ON_CPU = {"actor_rollout_ref.rollout.name": "vllm", "actor_rollout_ref.rollout.dtype": "float32",
                "actor_rollout_ref.rollout.enforce_eager": True}
 FULLY_ASYNC_MAIN = "verl.experimental.fully_async_policy.fully_async_main"
+FULLY_ASYNC = "verl-fully-async"  # the system's name; " train xN" follows with --fully-async-train-ranks N > 1
 VERL_MAIN = "verl.trainer.main_ppo"
 
 
@@ -592,6 +594,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--verl-ranks", type=int, default=2,
                         help="verl-sync's FSDP2 ranks, each also a rollout replica of its hybrid engine, on logical "
                              "devices of the same cores (2: the demo's)")
+    parser.add_argument("--fully-async-train-ranks", type=int, default=1,
+                        help="verl-fully-async's trainer ranks (trainer.n_gpus_per_node), beside its one rollout "
+                             "server, on logical devices of the same cores (1: fully_async_overrides')")
     parser.add_argument("--test-freq", type=int, default=10)
     parser.add_argument("--naive-ks", default="",
                         help="pipeline runs with AReaL's naive PPO (no pi_prox) at these generate_ahead_steps")
@@ -656,7 +661,10 @@ def main(argv=None) -> list[dict]:
     ppo_ks = list(map(int, filter(None, args.ppo_ks.split(","))))
     grpo_verl = not args.skip_verl and (systems or not ppo_ks)  # verl's GRPO run: the baseline of the GRPO rows
     if grpo_verl and args.rollout == "vllm":
-        systems.insert(0, ("verl-fully-async", None, fully_async_overrides(args.steps, TRAIN_BATCH_SIZE), False))
+        ranks = args.fully_async_train_ranks
+        systems.insert(0, (FULLY_ASYNC + (f" train x{ranks}" if ranks > 1 else ""), None,
+                           {**fully_async_overrides(args.steps, TRAIN_BATCH_SIZE), "trainer.n_gpus_per_node": ranks},
+                           False))
     if grpo_verl and args.verl_v0:
         systems.insert(0, (VERL_V0, None, {**flag_off, "trainer.use_v1": False}, False))
     if grpo_verl and not args.skip_verl_sync:
@@ -681,7 +689,7 @@ def main(argv=None) -> list[dict]:
                         from async_rl.demo import prepare
 
                         prepare(demo_dir, seed=seed, model_size=args.model_size)
-                    entry = FULLY_ASYNC_MAIN if name == "verl-fully-async" else "verl.trainer.main_ppo"
+                    entry = FULLY_ASYNC_MAIN if name.startswith(FULLY_ASYNC) else "verl.trainer.main_ppo"
                     metrics = run_system(name, demo_dir, Path(tmp), path, {**common, **extra}, args.timeout_s,
                                          critic, stop_at, entry, task=args.task)
                 row, curve = summarize(name, k, metrics, TRAIN_BATCH_SIZE * GROUP_SIZE, target)
@@ -741,8 +749,8 @@ def main(argv=None) -> list[dict]:
             continue
         base_name = "verl-sync PPO" if critic_run(r["system"]) else "verl-sync"
         base = next((b for b in rows if b["system"] == base_name and b["seed"] == r["seed"]), None)
-        peers = [b for b in rows if b["system"] in (VERL_V0, "verl-fully-async") and b["seed"] == r["seed"]
-                 and not r["system"].endswith(" PPO")]
+        peers = [b for b in rows if (b["system"] == VERL_V0 or b["system"].startswith(FULLY_ASYNC))
+                 and b["seed"] == r["seed"] and not r["system"].endswith(" PPO")]
         if base:
             print(explain(r, base))
             ratio, against = time_to_target_ratio(r, base)

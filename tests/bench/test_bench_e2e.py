@@ -448,3 +448,28 @@ def test_train_and_verl_ranks_reach_each_systems_keys(tmp_path, monkeypatch):
     assert "trainer.n_gpus_per_node" not in runs["async-pipeline k=2"]
     assert runs["async-pipeline k=2 train x2"]["+trainer.use_nodes_ratios"] == [2 / 3, 2 / 3, 2 / 3, 1 / 3]
     assert runs["async-pipeline k=2 train x2"]["+trainer.generate_ahead_steps"] == 2
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_fully_async_train_ranks_set_its_trainers_devices_and_it_runs_verls_fully_async_main(tmp_path, monkeypatch,
+                                                                                            ranks):
+    """--fully-async-train-ranks N: fully_async_policy's trainer on N devices (its own entry point), named apart
+    when N > 1, and the pipeline compared against it."""
+    import async_rl.demo
+
+    runs = {}
+
+    def run_system(name, demo_dir, workdir, path, extra, timeout_s, critic, stop_at, entry, **kwargs):
+        runs[name] = (extra, entry)
+        return rows_for(2.0, e2e.VAL_KEYS[0], {0: 0.0, 4: 0.95},
+                        **{"timing_s/gen": 1.0, "async/actor_train/busy_ratio": 1.0})
+
+    monkeypatch.setattr(e2e, "run_system", run_system)
+    monkeypatch.setattr(async_rl.demo, "prepare", lambda demo_dir, **kwargs: demo_dir.mkdir())
+    e2e.main(["--rollout", "vllm", "--ks", "2", "--skip-verl-sync", "--fully-async-train-ranks", str(ranks),
+              "--seeds", "0", "--metrics-dir", str(tmp_path)])
+    name = "verl-fully-async" + (" train x2" if ranks == 2 else "")
+    assert list(runs) == [name, "async-pipeline k=2"]
+    extra, entry = runs[name]
+    assert extra["trainer.n_gpus_per_node"] == ranks and extra["rollout.n_gpus_per_node"] == 1
+    assert entry == e2e.FULLY_ASYNC_MAIN and runs["async-pipeline k=2"][1] == "verl.trainer.main_ppo"
