@@ -135,12 +135,12 @@ FULLY_ASYNC = "verl-fully-async"  # the system's name; " train xN" follows with 
 VERL_MAIN = "verl.trainer.main_ppo"
 
 
-def fully_async_overrides(steps: int, prompts_per_step: int) -> dict:
-    """verl's fully_async_policy on the demo's job: one trainer device, one vLLM device, a param sync
+def fully_async_overrides(steps: int, prompts_per_step: int, train_ranks: int = 1) -> dict:
+    """verl's fully_async_policy on the demo's job: `train_ranks` trainer devices, one vLLM device, a param sync
     per update of `prompts_per_step` prompts, one batch generated ahead at most, weights through the
     `async_rl` checkpoint-engine backend; the pipeline's own keys removed (`PIPELINE_KEYS`)."""
     return {
-        "trainer.n_gpus_per_node": 1, "rollout.nnodes": 1, "rollout.n_gpus_per_node": 1,
+        "trainer.n_gpus_per_node": train_ranks, "rollout.nnodes": 1, "rollout.n_gpus_per_node": 1,
         "actor_rollout_ref.hybrid_engine": False, "actor_rollout_ref.rollout.mode": "async",
         "actor_rollout_ref.rollout.agent.num_workers": 1,
         "data.train_batch_size": 0, "data.gen_batch_size": 1,
@@ -154,6 +154,11 @@ def fully_async_overrides(steps: int, prompts_per_step: int) -> dict:
         # lookup agent would train without its tool, while its validation calls it
         "actor_rollout_ref.rollout.multi_turn.enable": True,
     }
+
+
+def ranks_suffix(train_ranks: int) -> str:
+    """A system's name suffix for its train-rank count: " train xN" for N > 1, none for 1."""
+    return f" train x{train_ranks}" if train_ranks > 1 else ""
 
 
 def train_split(train_ranks: int) -> dict:
@@ -202,7 +207,7 @@ def stop_like_a_scheduler(proc: subprocess.Popen, kill_wait_s: float = KILL_WAIT
 
 
 def run_system(name: str, demo_dir: Path, workdir: Path, metrics_path: Path, extra: dict, timeout_s: float,
-               critic: bool = False, stop_at: float | None = None, main: str = "verl.trainer.main_ppo",
+               critic: bool = False, stop_at: float | None = None, main: str = VERL_MAIN,
                task: str = "copy") -> list[dict]:
     """One training run by the plain verl command (`critic`: the demo's PPO with GAE; `task`: the demo's
     copy task, "lookup" (`overrides_agent.txt`) or "long" (`overrides_long.txt`)); returns its JSONL rows.
@@ -646,7 +651,7 @@ def main(argv=None) -> list[dict]:
     if args.rollout == "vllm":
         common.update(VLLM_ON_CPU)
         flag_off.update({"trainer.n_gpus_per_node": 1, "actor_rollout_ref.rollout.agent.num_workers": 1})
-    systems = [(f"async-pipeline k={k}" + (f" train x{ranks}" if ranks > 1 else ""), k,
+    systems = [(f"async-pipeline k={k}" + ranks_suffix(ranks), k,
                 {"+trainer.generate_ahead_steps": k, **(train_split(ranks) if ranks > 1 else {})}, False)
                for k in map(int, filter(None, args.ks.split(",")))
                for ranks in map(int, filter(None, args.train_ranks.split(",")))]
@@ -662,9 +667,8 @@ def main(argv=None) -> list[dict]:
     grpo_verl = not args.skip_verl and (systems or not ppo_ks)  # verl's GRPO run: the baseline of the GRPO rows
     if grpo_verl and args.rollout == "vllm":
         ranks = args.fully_async_train_ranks
-        systems.insert(0, (FULLY_ASYNC + (f" train x{ranks}" if ranks > 1 else ""), None,
-                           {**fully_async_overrides(args.steps, TRAIN_BATCH_SIZE), "trainer.n_gpus_per_node": ranks},
-                           False))
+        systems.insert(0, (FULLY_ASYNC + ranks_suffix(ranks), None,
+                           fully_async_overrides(args.steps, TRAIN_BATCH_SIZE, ranks), False))
     if grpo_verl and args.verl_v0:
         systems.insert(0, (VERL_V0, None, {**flag_off, "trainer.use_v1": False}, False))
     if grpo_verl and not args.skip_verl_sync:
@@ -689,7 +693,7 @@ def main(argv=None) -> list[dict]:
                         from async_rl.demo import prepare
 
                         prepare(demo_dir, seed=seed, model_size=args.model_size)
-                    entry = FULLY_ASYNC_MAIN if name.startswith(FULLY_ASYNC) else "verl.trainer.main_ppo"
+                    entry = FULLY_ASYNC_MAIN if name.startswith(FULLY_ASYNC) else VERL_MAIN
                     metrics = run_system(name, demo_dir, Path(tmp), path, {**common, **extra}, args.timeout_s,
                                          critic, stop_at, entry, task=args.task)
                 row, curve = summarize(name, k, metrics, TRAIN_BATCH_SIZE * GROUP_SIZE, target)

@@ -472,4 +472,4 @@ def test_fully_async_train_ranks_set_its_trainers_devices_and_it_runs_verls_full
     assert list(runs) == [name, "async-pipeline k=2"]
     extra, entry = runs[name]
     assert extra["trainer.n_gpus_per_node"] == ranks and extra["rollout.n_gpus_per_node"] == 1
-    assert entry == e2e.FULLY_ASYNC_MAIN and runs["async-pipeline k=2"][1] == "verl.trainer.main_ppo"
+    assert entry == e2e.FULLY_ASYNC_MAIN and runs["async-pipeline k=2"][1] == e2e.VERL_MAIN
