@@ -1,6 +1,6 @@
 """End to end: a user's own multi-turn agent loop (two_turn_loop.py, from this folder, registered
-through verl's `agent_loop_config_path`) and the demo's lookup agent train under the flag as under
-verl's own trainer."""
+through verl's `agent_loop_config_path`) trains under the flag as under verl's own trainer, and the
+demo's lookup agent trains under the flag."""
 
 from __future__ import annotations
 
@@ -40,19 +40,15 @@ def test_a_users_two_turn_loop_trains_under_the_flag_as_under_verls_trainer(demo
     assert dumped_step_inputs(runs["pipeline"]) == dumped_step_inputs(runs["verl"])  # the same prompts, step for step
 
 
-def test_the_lookup_demo_trains_under_the_flag_and_under_verls_trainer(demo_dir, tmp_path, ray_address):
+def test_the_lookup_demo_trains_under_the_flag(demo_dir, tmp_path, ray_address):
     """The demo's agent task (`overrides_agent.txt`: the lookup tool, async_rl/demo/lookup.py) runs with the
-    flag and with verl's own trainer: trajectories of varying turns, verl's `num_turns` metrics at every
-    step (and, under the flag, `tool_call_counts`)."""
+    flag: trajectories of varying turns, verl's `num_turns` metrics and the loop's `tool_call_counts` at every
+    step."""
     steps = 2
     extra = {"trainer.total_training_steps": steps, "trainer.test_freq": -1, "trainer.val_before_train": False}
-    for name, flag in (("pipeline", True), ("verl", False)):
-        code, out, rows = run_verl(demo_dir, {**extra, "+actor_rollout_ref.async_pipeline": flag}, tmp_path / name,
-                                   ray_address=ray_address, agent=True)
-        assert code == 0, out[-4000:]
-        # verl 0.9.1's own trainer does not log a loop's `tool_call_counts`; the pipeline does
-        counted = ["tool_call_counts/max"] if flag else []
-        by_step = every_step_with(rows, steps, ["num_turns/min", "num_turns/max", "critic/score/mean", *counted])
-        assert all(m["num_turns/min"] >= 2 for m in by_step.values()), by_step  # the prompt and an answer at least
-        assert any(m["num_turns/max"] > m["num_turns/min"] for m in by_step.values()), by_step  # turns vary
-        assert not flag or any(m["tool_call_counts/max"] >= 1 for m in by_step.values()), by_step
+    code, out, rows = run_verl(demo_dir, extra, tmp_path, ray_address=ray_address, agent=True)
+    assert code == 0, out[-4000:]
+    by_step = every_step_with(rows, steps, ["num_turns/min", "num_turns/max", "critic/score/mean", "tool_call_counts/max"])
+    assert all(m["num_turns/min"] >= 2 for m in by_step.values()), by_step  # the prompt and an answer at least
+    assert any(m["num_turns/max"] > m["num_turns/min"] for m in by_step.values()), by_step  # turns vary
+    assert any(m["tool_call_counts/max"] >= 1 for m in by_step.values()), by_step

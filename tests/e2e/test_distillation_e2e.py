@@ -1,10 +1,10 @@
 """On-policy distillation end to end (`distillation.enabled=True`): under the flag, a teacher on the CPU backend
 scores every training trajectory through verl's agent loop, and the train ranks add verl's distillation loss
-to the policy loss; verl's own trainer, flag off, runs the same teacher on the CPU backend. The teacher is the
-student's own starting model, so on-policy (k = 1) the first step's student and teacher distributions are the
-same, token for token, and its loss is zero; a teacher score shifted by one token, or on the wrong rows, would
-not be. Both runs route the rollout's and the teacher's requests through a user's load balancer
-(`router_config_path`, tests/rollout/recording_router.py), which records each request it routes."""
+to the policy loss. The teacher is the student's own starting model, so on-policy (k = 1) the first step's
+student and teacher distributions are the same, token for token, and its loss is zero; a teacher score shifted
+by one token, or on the wrong rows, would not be. The run routes the rollout's and the teacher's requests
+through a user's load balancer (`router_config_path`, tests/rollout/recording_router.py), which records each
+request it routes."""
 
 from __future__ import annotations
 
@@ -33,9 +33,7 @@ def distillation_keys(demo_dir) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flag", [True, False], ids=["pipeline", "verls_trainer"])
-def test_the_teacher_scores_every_trajectory_and_the_loss_starts_at_zero(demo_dir, tmp_path, ray_address, flag,
-                                                                         monkeypatch):
+def test_the_teacher_scores_every_trajectory_and_the_loss_starts_at_zero(demo_dir, tmp_path, ray_address, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", ":".join(filter(None, [str(ROUTER_DIR), os.environ.get("PYTHONPATH")])))
     records = {role: tmp_path / f"{role}_routed.jsonl" for role in ("rollout", "teacher")}
     for role, record in records.items():
@@ -45,12 +43,9 @@ def test_the_teacher_scores_every_trajectory_and_the_loss_starts_at_zero(demo_di
             "actor_rollout_ref.rollout.router_config_path": str(tmp_path / "rollout_router.yaml"),
             "+distillation.teacher_models.teacher_model.inference.router_config_path":
                 str(tmp_path / "teacher_router.yaml")}
-    if not flag:
-        keys = {**keys, "+actor_rollout_ref.async_pipeline": False}
-        del keys["+trainer.generate_ahead_steps"]  # verl's trainer is on-policy
     code, out, rows = run_verl(demo_dir, keys, tmp_path, ray_address=ray_address)
     assert code == 0, out[-3000:]
-    assert ("async-rl" in out) == flag  # the pipeline ran, or verl's trainer
+    assert "async-rl" in out  # the pipeline ran
     by_step = every_step_with(rows, STEPS, DISTILLATION_METRICS + ("actor/pg_loss", "critic/score/mean"))
     first = by_step[1]
     assert abs(first["actor/distillation/loss"]) < 1e-5 and first["actor/distillation/loss_max"] < 1e-4, first

@@ -1,6 +1,6 @@
 """Image prompts end to end (verl's `data.image_key` rows, a tiny Qwen2-VL: async_rl/demo/vision.py) on the CPU
-backend: under the flag and in verl's own trainer, each row's image goes through verl's dataset and agent
-loop to the rollout server, and at k = 1 the trainer's log-probs of every trained token equal the
+backend: under the flag, each row's image goes through verl's dataset and agent loop to the rollout
+server, and at k = 1 the trainer's log-probs of every trained token equal the
 server's (which they would not if either side missed the image or its multimodal RoPE)."""
 
 from __future__ import annotations
@@ -28,15 +28,13 @@ def image_task(tmp_path_factory):
     return save_vl_model(root / "model", seed=3), root / "train.parquet", root / "val.parquet"
 
 
-@pytest.mark.parametrize("flag", [True, False], ids=["pipeline", "verls_trainer"])
 def test_image_prompts_train_with_the_servers_log_probs_equal_to_the_trainers(demo_dir, tmp_path, ray_address,
-                                                                            image_task, flag):
+                                                                            image_task):
     model, train, val = image_task
     extra = {"actor_rollout_ref.model.path": str(model), "data.train_files": str(train), "data.val_files": str(val),
              "data.max_prompt_length": 16, "actor_rollout_ref.model.use_remove_padding": False,
              "trainer.total_training_steps": STEPS, "trainer.test_freq": STEPS, "trainer.val_before_train": False,
-             "trainer.save_freq": -1, "+actor_rollout_ref.async_pipeline": flag,
-             **({"+trainer.generate_ahead_steps": 1} if flag else {})}
+             "trainer.save_freq": -1, "+trainer.generate_ahead_steps": 1}
     code, out, rows = run_verl(demo_dir, extra, tmp_path, timeout_s=900, ray_address=ray_address)
     assert code == 0, out[-4000:]
     by_step = every_step_with(rows, STEPS, ["rollout_corr/log_ppl_abs_diff", "prompt_length/mean"])

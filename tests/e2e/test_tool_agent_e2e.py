@@ -1,5 +1,5 @@
 """verl's own `tool_agent` loop with its hermes tool parser and a verl function tool, under the flag on
-the CPU backend and on vLLM's CPU build (the vllm venv): the model (taught to call, tests/e2e/tool_task.py) writes a tool call, verl's parser
+the CPU backend: the model (taught to call, tests/e2e/tool_task.py) writes a tool call, verl's parser
 reads it, the tool answers, the model answers again; the trajectories are trained and the reward needs
 the reply. (That tool tokens get no gradient: tests/core/test_decoupled_ppo.py, tests/rollout/test_agent_loops.py.)"""
 
@@ -21,14 +21,9 @@ def task(tmp_path_factory):
     return built["root"]
 
 
-BACKENDS = {"cpu": {}, "vllm": {"actor_rollout_ref.rollout.name": "vllm", "actor_rollout_ref.rollout.dtype": "float32",
-                                "actor_rollout_ref.rollout.enforce_eager": True}}
-
-
-@pytest.mark.parametrize("backend", ["cpu", pytest.param("vllm", marks=pytest.mark.vllm)])
-def test_verls_tool_agent_calls_the_tool_under_the_flag(demo_dir, task, tmp_path, ray_address, backend):
+def test_verls_tool_agent_calls_the_tool_under_the_flag(demo_dir, task, tmp_path, ray_address):
     dump = tmp_path / "dump"
-    extra = {**tool_task.overrides(task), **BACKENDS[backend], "trainer.total_training_steps": 2,
+    extra = {**tool_task.overrides(task), "trainer.total_training_steps": 2,
              "trainer.test_freq": 2, "trainer.val_before_train": False, "trainer.rollout_data_dir": str(dump)}
     code, out, rows = run_verl(demo_dir, extra, tmp_path, timeout_s=900, ray_address=ray_address)
     assert code == 0, out[-4000:]

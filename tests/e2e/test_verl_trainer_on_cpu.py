@@ -42,6 +42,21 @@ def test_prepare_sets_up_ray_for_cpu_workers(demo_dir, monkeypatch):
     assert all(joined.ray_kwargs.ray_init.get(key) is None for key in ("address", "num_cpus", "num_gpus"))
 
 
+def test_a_teacher_gets_devices_of_its_own_beside_the_trainers(demo_dir, monkeypatch):
+    """`distillation.enabled=True` under verl's own trainer: Ray gets the teacher pool's devices beside the
+    trainer's (verl places the teachers on a resource pool of their own)."""
+    from async_rl.demo import demo_overrides
+
+    for key in WORKER_ENV:  # prepare() sets them in this process: put back after the test
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    teacher = {"distillation.enabled": True, "distillation.nnodes": 1, "distillation.n_gpus_per_node": 3,
+               "distillation.teacher_models.teacher_model.model_path": str(demo_dir / "model")}
+    config = compose_ppo(demo_overrides(demo_dir, extra={**FLAG_OFF, **teacher}))
+    prepare(config)
+    assert config.ray_kwargs.ray_init.num_gpus == 2 + 3
+
+
 def test_verls_fully_async_main_is_set_up_for_cpu_at_auto_set_device(demo_dir, monkeypatch):
     """verl's fully_async_main never calls validate_config: its auto_set_device call sets up the CPU run,
     with Ray devices for its trainer and its rollout and logical CPUs for its 23-CPU actors."""
