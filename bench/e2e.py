@@ -90,6 +90,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 # bench/param_update.py would shadow the `param_update` package: drop this folder from the path
@@ -117,8 +118,6 @@ STAGES = ("dataloader", "generate", "rollout", "reward", "logp", "ref_logp", "ac
 VERL_SYNC_PARTS = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor",
                    "update_weights")
 TARGET = 0.9  # the validation reward every system is timed to; fixed before the runs
-VERL_V0 = "verl-sync v0"  # verl's legacy synchronous trainer
-VERL_SYNC_BASES = ("verl-sync", VERL_V0)  # verl's synchronous GRPO runs: each gives an overlap limit
 COMPUTE_SHARE_GOAL = 0.7  # a workload shaped like GPU RL: model compute at least this share of verl's sync step
 GOAL_SPEEDUP = 3.0  # time to TARGET: the pipeline at least this many times sooner than verl-sync
 GOAL_BUBBLE = BUBBLE_GOAL  # and at generate_ahead_steps >= 2: step time / the busiest stage's time at most this
@@ -131,8 +130,35 @@ FULLY_ASYNC_NOT_RUN = (
 VLLM_ON_CPU = {"actor_rollout_ref.rollout.name": "vllm", "actor_rollout_ref.rollout.dtype": "float32",
                "actor_rollout_ref.rollout.enforce_eager": True}
 FULLY_ASYNC_MAIN = "verl.experimental.fully_async_policy.fully_async_main"
-FULLY_ASYNC = "verl-fully-async"  # the system's name; " train xN" follows with --fully-async-train-ranks N > 1
 VERL_MAIN = "verl.trainer.main_ppo"
+# the trainers a system runs on
+PIPELINE = "async-pipeline"  # verl's command with the flag
+VERL_SYNC = "verl-sync"  # verl's synchronous trainer (use_v1, the default)
+VERL_V0 = "verl-sync v0"  # verl's legacy synchronous trainer
+FULLY_ASYNC = "verl-fully-async"  # verl's fully_async_policy
+VERL_SYNC_TRAINERS = (VERL_SYNC, VERL_V0)
+
+
+@dataclass(frozen=True)
+class System:
+    """One column of the comparison: its name in the tables, the trainer it runs on (PIPELINE, VERL_SYNC,
+    VERL_V0 or FULLY_ASYNC), the pipeline's generate_ahead_steps (None on verl's trainers), its overrides on
+    top of the runs' common ones, and whether it is PPO with GAE and a critic (compared with verl-sync's)."""
+    name: str
+    trainer: str
+    k: int | None = None
+    overrides: dict = field(default_factory=dict)
+    critic: bool = False
+
+    @property
+    def entry(self) -> str:
+        """The module `python -m` runs."""
+        return FULLY_ASYNC_MAIN if self.trainer == FULLY_ASYNC else VERL_MAIN
+
+
+def gives_overlap_limit(row: dict) -> bool:
+    """verl's synchronous GRPO runs: each gives the overlap limit of its seed and is the baseline of the GRPO rows."""
+    return row["trainer"] in VERL_SYNC_TRAINERS and not row["critic"]
 
 
 def fully_async_overrides(steps: int, prompts_per_step: int, train_ranks: int = 1) -> dict:
@@ -408,13 +434,13 @@ def bottleneck(row: dict) -> str | None:
     return None if cause is None else f"bottleneck: {cause}"
 
 
-def plot_title(task: str, response_length: int, systems: list) -> str:
-    """The picture's title: the workload, and verl's trainers only where a curve is theirs."""
+def plot_title(task: str, response_length: int, with_verl: bool) -> str:
+    """The picture's title: the workload, and verl's trainers only where a curve is theirs (`with_verl`)."""
     from async_rl.demo.long_tail import LONG_RESPONSE_TOKENS
 
     workload = {"copy": f"copy-digits, responses up to {response_length} tokens", "lookup": "lookup agent, 2-4 turns",
                 "long": f"copy-digits, long-tailed responses up to {LONG_RESPONSE_TOKENS} tokens"}[task]
-    return f"{workload}: {'verl vs async pipeline' if any(s.startswith('verl') for s in systems) else 'async pipeline'}"
+    return f"{workload}: {'verl vs async pipeline' if with_verl else 'async pipeline'}"
 
 
 def plot(curves: dict, path: str, target: float, title: str) -> None:
@@ -449,7 +475,7 @@ def explain(row: dict, base: dict) -> str:
     if row["beside"]:
         line += "; beside it: " + ", ".join(f"{s} {v:.2f}" for s, v in sorted(row["beside"].items(), key=lambda x: -x[1]))
     verl_gen, own_gen = base["breakdown"]["generation"], row["beside"].get("generate", 0.0)
-    if verl_gen > 0 and own_gen > 0 and base["system"].startswith("verl-sync"):  # fully_async: its wait for samples
+    if verl_gen > 0 and own_gen > 0 and base["trainer"] in VERL_SYNC_TRAINERS:  # fully_async: its wait for samples
         line += (f". Generation: {verl_gen:.2f} s of verl's step, {own_gen:.2f} s busy in the pipeline's generate "
                  f"stage, for {base['mean_response_length']:.1f} and {row['mean_response_length']:.1f} tokens a "
                  "response")
@@ -542,11 +568,6 @@ def model_words(kwargs: dict) -> str:
     """A model size in words: its hidden size, MLP size and layers."""
     return (f"hidden {kwargs['hidden_size']}, MLP {kwargs['intermediate_size']}, {kwargs['num_hidden_layers']} layers, "
             f"{kwargs['num_attention_heads']} attention head(s)")
-
-
-def critic_run(name: str) -> bool:
-    """Whether a system is one of the PPO-with-a-critic runs (`--ppo-ks`), compared with `verl-sync PPO`."""
-    return name.endswith(" PPO") and "naive" not in name
 
 
 def goal_verdict(row: dict, ratio: float | None) -> tuple[bool, str]:
@@ -651,31 +672,33 @@ def main(argv=None) -> list[dict]:
     if args.rollout == "vllm":
         common.update(VLLM_ON_CPU)
         flag_off.update({"trainer.n_gpus_per_node": 1, "actor_rollout_ref.rollout.agent.num_workers": 1})
-    systems = [(f"async-pipeline k={k}" + ranks_suffix(ranks), k,
-                {"+trainer.generate_ahead_steps": k, **(train_split(ranks) if ranks > 1 else {})}, False)
-               for k in map(int, filter(None, args.ks.split(",")))
-               for ranks in map(int, filter(None, args.train_ranks.split(",")))]
-    systems += [(f"async-pipeline k={k} logp stage", k, {"+trainer.generate_ahead_steps": k, **LOGP_STAGE}, False)
-                for k in map(int, filter(None, args.logp_stage_ks.split(",")))]
-    systems += [(f"async-pipeline k={k} naive PPO", k, {"+trainer.generate_ahead_steps": k, **NAIVE_PPO}, False)
-                for k in map(int, filter(None, args.naive_ks.split(",")))]
+
+    def pipeline(k: int, suffix: str, overrides: dict, critic: bool = False) -> System:
+        return System(f"{PIPELINE} k={k}{suffix}", PIPELINE, k, {"+trainer.generate_ahead_steps": k, **overrides}, critic)
+
+    def ks(arg: str) -> list[int]:  # "1,2" -> [1, 2]
+        return [int(k) for k in arg.split(",") if k.strip()]
+
     from async_rl.demo.task import LORA_OVERRIDES
 
-    systems += [(f"async-pipeline k={k} LoRA", k, {"+trainer.generate_ahead_steps": k, **LORA_OVERRIDES}, False)
-                for k in map(int, filter(None, args.lora_ks.split(",")))]
-    ppo_ks = list(map(int, filter(None, args.ppo_ks.split(","))))
+    systems = [pipeline(k, ranks_suffix(ranks), train_split(ranks) if ranks > 1 else {})
+               for k in ks(args.ks) for ranks in ks(args.train_ranks)]
+    systems += [pipeline(k, " logp stage", LOGP_STAGE) for k in ks(args.logp_stage_ks)]
+    systems += [pipeline(k, " naive PPO", NAIVE_PPO) for k in ks(args.naive_ks)]
+    systems += [pipeline(k, " LoRA", LORA_OVERRIDES) for k in ks(args.lora_ks)]
+    ppo_ks = ks(args.ppo_ks)
     grpo_verl = not args.skip_verl and (systems or not ppo_ks)  # verl's GRPO run: the baseline of the GRPO rows
     if grpo_verl and args.rollout == "vllm":
         ranks = args.fully_async_train_ranks
-        systems.insert(0, (FULLY_ASYNC + ranks_suffix(ranks), None,
-                           fully_async_overrides(args.steps, TRAIN_BATCH_SIZE, ranks), False))
+        systems.insert(0, System(FULLY_ASYNC + ranks_suffix(ranks), FULLY_ASYNC,
+                                 overrides=fully_async_overrides(args.steps, TRAIN_BATCH_SIZE, ranks)))
     if grpo_verl and args.verl_v0:
-        systems.insert(0, (VERL_V0, None, {**flag_off, "trainer.use_v1": False}, False))
+        systems.insert(0, System(VERL_V0, VERL_V0, overrides={**flag_off, "trainer.use_v1": False}))
     if grpo_verl and not args.skip_verl_sync:
-        systems.insert(0, ("verl-sync", None, flag_off, False))
+        systems.insert(0, System(VERL_SYNC, VERL_SYNC, overrides=flag_off))
     if ppo_ks and not args.skip_verl:
-        systems.append(("verl-sync PPO", None, flag_off, True))
-    systems += [(f"async-pipeline k={k} PPO", k, {"+trainer.generate_ahead_steps": k}, True) for k in ppo_ks]
+        systems.append(System(f"{VERL_SYNC} PPO", VERL_SYNC, overrides=flag_off, critic=True))
+    systems += [pipeline(k, " PPO", {}, critic=True) for k in ppo_ks]
     target = args.target
     stop_at = None if args.no_stop_at_target else target
     rows, curves = [], {}
@@ -684,8 +707,8 @@ def main(argv=None) -> list[dict]:
         metrics_dir.mkdir(parents=True, exist_ok=True)
         for seed in seeds:  # interleaved: every system on seed 0, then every system on seed 1, ...
             demo_dir = Path(tmp) / f"demo_seed{seed}"
-            for name, k, extra, critic in systems:
-                path = metrics_file(metrics_dir, name, seed)
+            for system in systems:
+                path = metrics_file(metrics_dir, system.name, seed)
                 if args.summarize_only or (args.reuse and path.exists()):
                     metrics = read_metrics(path)
                 else:
@@ -693,16 +716,14 @@ def main(argv=None) -> list[dict]:
                         from async_rl.demo import prepare
 
                         prepare(demo_dir, seed=seed, model_size=args.model_size)
-                    entry = FULLY_ASYNC_MAIN if name.startswith(FULLY_ASYNC) else VERL_MAIN
-                    metrics = run_system(name, demo_dir, Path(tmp), path, {**common, **extra}, args.timeout_s,
-                                         critic, stop_at, entry, task=args.task)
-                row, curve = summarize(name, k, metrics, TRAIN_BATCH_SIZE * GROUP_SIZE, target)
-                row["seed"] = seed
-                row.update(engine_patches(path))
-                if name in VERL_SYNC_BASES:
+                    metrics = run_system(system.name, demo_dir, Path(tmp), path, {**common, **system.overrides},
+                                         args.timeout_s, system.critic, stop_at, system.entry, task=args.task)
+                row, curve = summarize(system.name, system.k, metrics, TRAIN_BATCH_SIZE * GROUP_SIZE, target)
+                row.update(seed=seed, trainer=system.trainer, critic=system.critic, **engine_patches(path))
+                if gives_overlap_limit(row):
                     row["overlap_limit"], row["compute_share"] = overlap_limit(row["breakdown"]), compute_share(row)
                 rows.append(row)
-                curves[f"{name} seed {seed}"] = curve
+                curves[f"{system.name} seed {seed}"] = curve
                 print(f"done: {json.dumps(row)}", flush=True)
     print(f"\ncommand: {command}\ncpus: {os.cpu_count()}; up to {args.steps} steps of {TRAIN_BATCH_SIZE} prompts x "
           f"{GROUP_SIZE} samples; task {args.task}; "
@@ -733,14 +754,14 @@ def main(argv=None) -> list[dict]:
                    "loaded verl's FSDP engine module, its training workers among them)"
                    if r.get("engine_processes") else "not recorded")
         print(f"{r['system']} seed {r['seed']}: {r['tokens_per_step']:.0f} tokens; {patches}")
-    bases = [r for r in rows if r["system"] in VERL_SYNC_BASES]
+    bases = [r for r in rows if gives_overlap_limit(r)]
     if bases:
         print("\noverlap limit from verl's own parts (mean s per step), the share of verl's step that is model compute, "
               "and each run's speed-up against that verl run as a fraction of its limit")
     for base in bases:
         print(limit_line(base))
         for r in rows:
-            if r["seed"] == base["seed"] and r["system"] not in VERL_SYNC_BASES and not critic_run(r["system"]):
+            if r["seed"] == base["seed"] and not gives_overlap_limit(r) and not r["critic"]:
                 print(against_limit_line(r, base, target))
     if stop_at is None:  # every run went on past the target: did it stay there?
         print(f"\nstays learned (validation >= {target} from its first validation there to its last)")
@@ -751,10 +772,10 @@ def main(argv=None) -> list[dict]:
     for r in rows:
         if not r.get("generate_ahead_steps"):
             continue
-        base_name = "verl-sync PPO" if critic_run(r["system"]) else "verl-sync"
-        base = next((b for b in rows if b["system"] == base_name and b["seed"] == r["seed"]), None)
-        peers = [b for b in rows if (b["system"] == VERL_V0 or b["system"].startswith(FULLY_ASYNC))
-                 and b["seed"] == r["seed"] and not r["system"].endswith(" PPO")]
+        base = next((b for b in rows if b["trainer"] == VERL_SYNC and b["critic"] == r["critic"]
+                     and b["seed"] == r["seed"]), None)
+        peers = [b for b in rows
+                 if b["trainer"] in (VERL_V0, FULLY_ASYNC) and b["seed"] == r["seed"] and not r["critic"]]
         if base:
             print(explain(r, base))
             ratio, against = time_to_target_ratio(r, base)
@@ -767,10 +788,11 @@ def main(argv=None) -> list[dict]:
     if args.png and importlib.util.find_spec("matplotlib") is None:
         print("plot: not drawn (matplotlib is not installed in this venv)")
     elif args.png:
-        plot(curves, args.png, target, plot_title(args.task, args.response_length, list(curves)))
+        plot(curves, args.png, target, plot_title(args.task, args.response_length,
+                                                  any(r["trainer"] != PIPELINE for r in rows)))
         print(f"plot: {shown_path(args.png)}")
     if args.json:
-        keys = ("system", "seed", "generate_ahead_steps", "wall_s_per_sample", "time_to_target_s", "steps",
+        keys = ("system", "trainer", "critic", "seed", "generate_ahead_steps", "wall_s_per_sample", "time_to_target_s", "steps",
                 "final_val_reward", "bubble_ratio", "busiest_stage", "busy_ratio", "train_chain_busy", "mean_step_s",
                 "breakdown", "beside", "tokens_per_step", "cpu_patches", "engine_processes", "target_step",
                 "min_val_after_target", "min_val_step", "held", "vals_below_after_target", "settled_step",

@@ -89,6 +89,7 @@ def test_explain_and_the_goal_name_the_parts_and_what_bounds_the_pipeline():
     pipe, _ = e2e.summarize("async-pipeline k=2", 2, rows_for(2.0, e2e.VAL_KEYS[0], {0: 0.0, 4: 0.95}, **{
         "timing_s/update_actor": 0.5, "async/actor_train/busy_ratio": 0.5, "async/generate/busy_ratio": 0.25}), 8, 0.9)
     verl["seed"] = pipe["seed"] = 0
+    verl["trainer"], pipe["trainer"] = e2e.VERL_SYNC, e2e.PIPELINE
     line = e2e.explain(pipe, verl)
     assert line.startswith("async-pipeline k=2 seed 0: 4.00x per sample")
     assert "generation 5.00 + update 1.00 + fixed overhead 2.00" in line and "beside it: generate 0.50" in line
@@ -204,8 +205,8 @@ def test_a_run_stops_at_its_first_validation_at_the_target_with_its_whole_proces
 
 
 def test_the_pictures_title_names_verl_only_where_a_curve_is_verls():
-    assert e2e.plot_title("lookup", 4, ["async-pipeline k=1 seed 0"]) == "lookup agent, 2-4 turns: async pipeline"
-    assert e2e.plot_title("copy", 4, ["verl-sync seed 0", "async-pipeline k=2 seed 0"]).endswith("verl vs async pipeline")
+    assert e2e.plot_title("lookup", 4, with_verl=False) == "lookup agent, 2-4 turns: async pipeline"
+    assert e2e.plot_title("copy", 4, with_verl=True).endswith("verl vs async pipeline")
 
 
 FAKE_TRAINER = '''
@@ -363,7 +364,6 @@ def test_each_run_is_measured_against_verls_overlap_limit():
     verl, pipe = verl_and_pipeline(verl_reached=None)
     assert e2e.against_limit(pipe, verl)["to_target"] is None
     assert e2e.against_limit_line(pipe, verl).endswith("time to 0.9: not compared (verl-sync did not reach it)")
-    assert e2e.critic_run("async-pipeline k=2 PPO") and not e2e.critic_run("async-pipeline k=2 naive PPO")
 
 
 def test_the_long_task_prints_the_limit_and_each_runs_fraction_of_it(tmp_path, monkeypatch, capsys):
@@ -391,7 +391,7 @@ def test_the_long_task_prints_the_limit_and_each_runs_fraction_of_it(tmp_path, m
         e2e.main(["--summarize-only", "--metrics-dir", str(runs), "--task", "long", "--model-size", "tiny"])
     with pytest.raises(SystemExit):
         e2e.main(["--summarize-only", "--metrics-dir", str(runs), "--model-size", "huge"])
-    assert e2e.plot_title("long", 4, ["verl-sync seed 0"]).startswith("copy-digits, long-tailed responses up to 256")
+    assert e2e.plot_title("long", 4, with_verl=True).startswith("copy-digits, long-tailed responses up to 256")
 
 
 ARGV_TRAINER = '''
@@ -473,3 +473,35 @@ def test_fully_async_train_ranks_set_its_trainers_devices_and_it_runs_verls_full
     extra, entry = runs[name]
     assert extra["trainer.n_gpus_per_node"] == ranks and extra["rollout.n_gpus_per_node"] == 1
     assert entry == e2e.FULLY_ASYNC_MAIN and runs["async-pipeline k=2"][1] == e2e.VERL_MAIN
+
+
+def test_each_system_has_its_trainer_and_the_ppo_runs_are_compared_with_verls_ppo_run(tmp_path, monkeypatch, capsys):
+    """The systems carry their trainer and whether they train a critic: the PPO runs (`--ppo-ks`) are run with a
+    critic and compared with verl-sync PPO, naive PPO (no critic) with verl-sync; verl-sync alone gives the
+    overlap limit, and its saved row names its trainer."""
+    import json
+
+    import async_rl.demo
+
+    critics = {}
+
+    def run_system(name, demo_dir, workdir, path, extra, timeout_s, critic, stop_at, entry, **kwargs):
+        critics[name] = critic
+        step_s = 4.0 if name.startswith("verl") else 2.0
+        return rows_for(step_s, e2e.VAL_KEYS[0], {0: 0.0, 4: 0.95},
+                        **{"timing_s/gen": 1.0, "timing_s/update_actor": 1.0, "async/actor_train/busy_ratio": 1.0})
+
+    monkeypatch.setattr(e2e, "run_system", run_system)
+    monkeypatch.setattr(async_rl.demo, "prepare", lambda demo_dir, **kwargs: demo_dir.mkdir())
+    e2e.main(["--ks", "", "--naive-ks", "2", "--ppo-ks", "2", "--seeds", "0", "--metrics-dir", str(tmp_path),
+              "--json", str(tmp_path / "out.json")])
+    assert critics == {"verl-sync": False, "async-pipeline k=2 naive PPO": False, "verl-sync PPO": True,
+                       "async-pipeline k=2 PPO": True}
+    out = capsys.readouterr().out
+    assert "async-pipeline k=2 naive PPO seed 0: 2.00x per sample; verl-sync's step" in out
+    assert "async-pipeline k=2 PPO seed 0: 2.00x per sample; verl-sync PPO's step" in out
+    limits = [line for line in out.splitlines() if "overlap limit" in line and line.startswith("verl-sync")]
+    assert len(limits) == 1 and limits[0].startswith("verl-sync seed 0"), limits
+    saved = {r["system"]: r for r in json.loads((tmp_path / "out.json").read_text())["rows"]}
+    assert saved["verl-sync PPO"]["trainer"] == "verl-sync" and saved["verl-sync PPO"]["critic"] is True
+    assert saved["verl-sync"]["overlap_limit"] is not None and saved["verl-sync PPO"]["overlap_limit"] is None
