@@ -6,7 +6,7 @@
 # (marked `sglang`) in .venv-sglang; CI does not run them: that venv compiles SGLang's CPU kernels from
 # SGLang's source, which no package registry holds (docs/sglang_cpu.md, docs/tests.md).
 #
-#   bash scripts/test.sh          everything, as CI runs it (over an hour on 2 cores: docs/tests.md)
+#   bash scripts/test.sh          everything, as CI runs it (about 80 min on 2 cores: docs/tests.md)
 #   bash scripts/test.sh --fast   the inner loop: no Ray start, no end-to-end run, no bench script (the
 #                                 tests' --fast option, tests/conftest.py; a few minutes)
 #
@@ -40,7 +40,8 @@ PYTEST=(-q -p no:cacheprovider --timeout=1500 --durations=0 --durations-min=10)
 # the lanes' times vary from run to run by a fifth (docs/tests.md has the runs measured)
 LANE_B_E2E=(tests/e2e/test_verl_examples_e2e.py tests/e2e/test_reward_model_e2e.py tests/e2e/test_weight_sync_e2e.py
             tests/e2e/test_reward_faults.py)
-LANE_C_E2E=(tests/e2e/test_agent_loops_e2e.py tests/e2e/test_verl_trainer_on_cpu.py tests/e2e/test_replica_restarts_e2e.py)
+LANE_C_E2E=(tests/e2e/test_agent_loops_e2e.py tests/e2e/test_verl_trainer_on_cpu.py tests/e2e/test_replica_restarts_e2e.py
+            tests/e2e/test_sequence_parallel_e2e.py tests/e2e/test_bad_data.py)
 LANE_A=()
 for file in tests/e2e/test_*.py; do
   [[ " ${LANE_B_E2E[*]} ${LANE_C_E2E[*]} " == *" $file "* ]] || LANE_A+=("$file")
