@@ -37,7 +37,7 @@ export PYTHONUNBUFFERED=1 RAY_DEDUP_LOGS=0
 LOGS="$(mktemp -d)"
 PYTEST=(-q -p no:cacheprovider --timeout=1500 --durations=0 --durations-min=10)
 # lanes B and C take some end-to-end files too, so that the three take about as long. On this 2-core machine
-# the lanes' times vary from run to run by a fifth (docs/tests.md has the runs measured)
+# the lanes' times vary from run to run by a fifth (docs/tests.md has the last full run measured)
 LANE_B_E2E=(tests/e2e/test_verl_examples_e2e.py tests/e2e/test_reward_model_e2e.py tests/e2e/test_weight_sync_e2e.py
             tests/e2e/test_reward_faults.py)
 LANE_C_E2E=(tests/e2e/test_agent_loops_e2e.py tests/e2e/test_verl_trainer_on_cpu.py tests/e2e/test_replica_restarts_e2e.py
