@@ -21,6 +21,7 @@ from async_rl.rollout.cpu.server import CPURolloutServer
 from param_update.buckets import tensor_digest
 from param_update.receivers import ActorReceiver
 from state_machines.param_update import ParamUpdateStage
+from helpers.clusters import RAY_CALL_GUARD_S
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -115,7 +116,7 @@ class VersionLog:
         return self.losses
 
 
-TIMEOUT_S = 180
+TIMEOUT_S = RAY_CALL_GUARD_S  # a hang guard, not a bound on how long a call takes
 
 
 def on_node(node_id):

@@ -20,12 +20,13 @@ from param_update.buckets import tensor_digest
 from param_update.sync import BucketStream
 from param_update.transports.object_store import StoredBucket
 from sync_actors import tiny_model
+from helpers.clusters import RAY_CALL_GUARD_S
 
 
 # FakeCheckpointEngineWorker lives in this module: Ray pickles it by value, as sync_actors.py's actors
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-TIMEOUT_S = 120
+TIMEOUT_S = RAY_CALL_GUARD_S  # a hang guard, not a bound on how long a call takes
 
 
 @pytest.fixture(scope="module")

@@ -20,9 +20,10 @@ from param_update.staging import StagingError, weight_layout
 from param_update.sync import BucketStream, OverlappedWeightSync, VersionEnd
 from param_update.transports.object_store import StoredBucket
 from sync_actors import VersionLog, tiny_model
+from helpers.clusters import RAY_CALL_GUARD_S
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-TIMEOUT_S = 120
+TIMEOUT_S = RAY_CALL_GUARD_S  # a hang guard, not a bound on how long a call takes
 
 
 class DigestHolder(StagedWeights):

@@ -51,12 +51,11 @@ from sync_actors import (
     tiny_model,
     wait_for_timings,
 )
+from helpers.clusters import RAY_CALL_GUARD_S
 
 SHM, STORE, COLLECTIVE = SharedMemory.name, ObjectStore.name, Collective.name
 
-# generous: beside the end-to-end lane a call here can wait minutes for the 2 cores; a hang guard, not a
-# performance bound
-TIMEOUT_S = 300
+TIMEOUT_S = RAY_CALL_GUARD_S  # a hang guard, not a bound on how long a call takes
 
 
 # ---- the shared buffer ------------------------------------------------------------------------

@@ -341,7 +341,7 @@ def test_replica_init_standalone_and_generate_over_ray(ray_cluster, model_dir):
         replica_rank=0, config=config, model_config=model_config, gpus_per_node=1
     )
     assert not replica.rollout_worker_use_gpu()
-    run(replica.init_standalone(), timeout=120)
+    run(replica.init_standalone(), timeout=RAY_CALL_GUARD_S)
     handle = replica.server_handle
     assert replica.servers == [handle] and replica.server_address.count(":") == 1
     # one node: the address is loopback and the reserved port is bound there (never every interface)

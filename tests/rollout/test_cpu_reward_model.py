@@ -82,7 +82,7 @@ def kill_and_wait(server, timeout_s: float = 120.0) -> None:
 @pytest.fixture
 def reward_model(demo_dir, ray_cluster):
     config = config_for(demo_dir, {"reward.custom_reward_function.path": None})
-    service = start_reward_model(config, timeout_s=120)
+    service = start_reward_model(config, timeout_s=RAY_CALL_GUARD_S)
     yield config, service
     service.stop()
 
@@ -135,7 +135,7 @@ def test_a_reward_function_gets_the_router_and_combines_the_score(demo_dir, ray_
     `reward_router_address` and `reward_model_tokenizer` (an exact copy scores 1 + the model's score)."""
     path = Path(__file__).parents[1] / "e2e" / "rm_plus_rule_reward.py"
     config = config_for(demo_dir, {"reward.custom_reward_function.path": str(path)})
-    service = start_reward_model(config, timeout_s=120)
+    service = start_reward_model(config, timeout_s=RAY_CALL_GUARD_S)
     try:
         tokenizer = AutoTokenizer.from_pretrained(demo_dir / "model")
         prompt = prompt_ids(tokenizer)
@@ -153,7 +153,7 @@ def test_a_lost_reward_model_is_named_within_the_timeout(demo_dir, ray_cluster):
     """No restarts left (actor_rollout_ref.rollout.max_restarts=0): verl's client would retry for minutes;
     the row's deadline names it."""
     config = config_for(demo_dir, {"reward.custom_reward_function.path": None})
-    service = start_reward_model(config, timeout_s=120, max_restarts=0)
+    service = start_reward_model(config, timeout_s=RAY_CALL_GUARD_S, max_restarts=0)
     try:
         for replica in service.replicas:
             kill_and_wait(replica.servers[0])
@@ -169,7 +169,7 @@ def test_a_lost_reward_model_server_is_started_again_on_its_address(demo_dir, ra
     """A killed server is restarted on the same port (verl's router keeps its address list); a row sent
     meanwhile is scored once it is back, within its deadline."""
     config = config_for(demo_dir, {"reward.custom_reward_function.path": None})
-    service = start_reward_model(config, timeout_s=120, max_restarts=1)
+    service = start_reward_model(config, timeout_s=RAY_CALL_GUARD_S, max_restarts=1)
     try:
         replica = service.replicas[0]
         address = replica.server_address

@@ -7,6 +7,7 @@ import socket
 
 import ray
 
+from helpers.clusters import RAY_CALL_GUARD_S
 from verl_patches.master_port import LOWEST_PORT, ephemeral_range, patch_master_port, pick_master_port
 
 
@@ -41,11 +42,11 @@ def test_verls_worker_groups_get_the_port_after_the_patch(ray_cluster):
         patch_master_port()
         patch_master_port()  # once
         assert base.get_master_addr_port._async_rl_patched and base.get_master_addr_port is not before
-        addr, port = ray.get(base.get_master_addr_port.remote(master_port_range=None), timeout=120)
+        addr, port = ray.get(base.get_master_addr_port.remote(master_port_range=None), timeout=RAY_CALL_GUARD_S)
         assert addr and LOWEST_PORT <= int(port) < ephemeral_range()[0]
         # an explicit range keeps verl's search from its first port
         _, port = ray.get(base.get_master_addr_port.remote(master_port_range=[LOWEST_PORT + 5, LOWEST_PORT + 400]),
-                          timeout=120)
+                          timeout=RAY_CALL_GUARD_S)
         assert LOWEST_PORT + 5 <= int(port) < LOWEST_PORT + 400
     finally:
         base.get_master_addr_port = before
