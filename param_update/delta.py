@@ -56,10 +56,10 @@ def changed_positions(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
 def with_bridges(positions: torch.Tensor) -> torch.Tensor:
     """`positions` (int64, ascending, >= 0) with positions added wherever a gap (from 0 to the first,
     then between neighbours) exceeds GAP_LIMIT: every GAP_LIMIT-th position after the gap's start."""
+    if not positions.numel() or int(np.diff(positions.numpy(), prepend=0).max()) <= GAP_LIMIT:
+        return positions  # the common case, checked in one pass
     gaps = torch.diff(positions, prepend=positions.new_zeros(1))
     bridges = (gaps - 1).clamp_min(0) // GAP_LIMIT  # positions to add inside each gap
-    if not positions.numel() or not int(bridges.max()):
-        return positions
     starts = positions - gaps  # the position each gap starts from
     wide = bridges > 0
     count = bridges[wide]
@@ -74,12 +74,15 @@ def with_bridges(positions: torch.Tensor) -> torch.Tensor:
 
 def gaps_of(positions: torch.Tensor) -> torch.Tensor:
     """INDEX on the wire: the gaps of `positions` (int64, ascending, each gap <= GAP_LIMIT), int16 bits."""
-    return torch.diff(positions, prepend=positions.new_zeros(1)).to(torch.int32).to(torch.int16)
+    if not positions.numel():
+        return torch.empty(0, dtype=torch.int16)  # (torch reads an empty numpy array with stride 0)
+    return torch.from_numpy(np.diff(positions.numpy(), prepend=0).astype(np.uint16)).view(torch.int16)
 
 
 def positions_of(gaps: torch.Tensor) -> torch.Tensor:
-    """The int64 flat positions INDEX's gaps (uint16 in int16 bits) stand for."""
-    return torch.cumsum(gaps.to(torch.int64) & GAP_LIMIT, 0)
+    """The int64 flat positions INDEX's gaps (uint16 in int16 bits) stand for: their running sum, in one
+    pass (numpy's cumsum into int64 from the uint16 view)."""
+    return torch.from_numpy(np.cumsum(gaps.contiguous().numpy().view(np.uint16), dtype=np.int64))
 
 
 def wire_name(name: str) -> tuple[str, Optional[str]]:
