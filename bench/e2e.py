@@ -73,7 +73,10 @@ it prints the overlap limit from verl's own parts, (generation + training) / max
 with training = log-prob passes + update + weight sync (mean s per step), and the share of its step that
 is model compute, (generation + log-prob passes + update) / step (the whole generation phase counted as
 compute); for every other GRPO run, its speed-up against that verl run per step and in time to `TARGET`,
-each as a fraction of the limit.
+each as a fraction of the limit. Every run also records the share of the machine's cores busy while it
+took its steps after the first (/proc/stat at each poll, `cores_busy`): for a verl synchronous run,
+1 / that share is the same-cores limit, the most a system doing the same CPU work a step can gain on
+these cores, and each run's per-step speed-up is also given as a fraction of it.
 
     python bench/e2e.py [--seeds 0,1] [--steps 400] [--rollout cpu|vllm] [--task copy|lookup|long]
         [--model-size tiny|small|medium] [--json PATH] [--png PATH]
@@ -206,6 +209,50 @@ def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def steps_logged(path: Path) -> int:
+    """How many training steps the run logging to ``path`` has logged (0 before its file exists)."""
+    if not path.exists():
+        return 0
+    return sum("timing_s/step" in row["data"] for row in read_metrics(path))
+
+
+def machine_cpu_s() -> tuple[float, float]:
+    """(busy, all) CPU seconds of the machine's cores since boot, from /proc/stat's first line: busy is all but
+    idle and iowait."""
+    ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    per_s = os.sysconf("SC_CLK_TCK")
+    return (sum(ticks) - ticks[3] - ticks[4]) / per_s, sum(ticks) / per_s
+
+
+def cores_log_of(metrics_path: Path) -> Path:
+    """Where `run_system` records the machine's CPU seconds and the steps logged, at every poll of a run."""
+    return metrics_path.with_suffix(".cores.jsonl")
+
+
+def read_cores(metrics_path: Path) -> list[dict]:
+    path = cores_log_of(metrics_path)
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def cores_busy(samples: list[dict]) -> float | None:
+    """The share of the machine's cores that were busy while a run took its steps after the first: from the first
+    poll that saw step 1 logged to the first that saw its last step (validation between them included; each end
+    late by up to a poll, `POLL_S`). None with fewer than 2 steps or no such window."""
+    last = max((s["steps"] for s in samples), default=0)
+    start = next((s for s in samples if s["steps"] >= 1), None)
+    end = next((s for s in samples if s["steps"] >= last), None)
+    if last < 2 or start is None or end is None or end["all_s"] <= start["all_s"]:
+        return None
+    return (end["busy_s"] - start["busy_s"]) / (end["all_s"] - start["all_s"])
+
+
+def same_cores_limit(row: dict) -> float | None:
+    """The most a system doing the same CPU work per step as `row`'s run can gain on the same cores: 1 / the share
+    of the cores that run kept busy (`cores_busy`); None where that was not recorded."""
+    busy = row.get("cores_busy")
+    return 1.0 / busy if busy else None
+
+
 def reached_target(path: Path, target: float) -> bool:
     """Whether the run logging to ``path`` has had a validation at or above ``target``."""
     if not path.exists():
@@ -213,6 +260,7 @@ def reached_target(path: Path, target: float) -> bool:
     return any(row["data"].get(key, -1.0) >= target for row in read_metrics(path) for key in VAL_KEYS)
 
 
+POLL_S = 2.0  # how often `run_system` looks at a run: its target, its bound, the machine's CPU
 KILL_WAIT_S = 30.0  # Slurm's default KillWait: SIGTERM to every process of the job, SIGKILL this much later
 
 
@@ -248,6 +296,8 @@ def run_system(name: str, demo_dir: Path, workdir: Path, metrics_path: Path, ext
 
     patch_log = patch_log_of(metrics_path)
     patch_log.unlink(missing_ok=True)
+    cores_log = cores_log_of(metrics_path)
+    cores_log.unlink(missing_ok=True)
     env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(metrics_path), "PYTHONUNBUFFERED": "1",
            PATCH_LOG_ENV: str(patch_log)}
     overrides = demo_overrides(demo_dir, extra=extra, critic=critic, agent=task == "lookup", long=task == "long")
@@ -262,6 +312,9 @@ def run_system(name: str, demo_dir: Path, workdir: Path, metrics_path: Path, ext
         stopped = False  # by the bench: at the target or at the bound
         try:
             while proc.poll() is None:
+                busy_s, all_s = machine_cpu_s()
+                with open(cores_log, "a") as cores:
+                    cores.write(json.dumps({"busy_s": busy_s, "all_s": all_s, "steps": steps_logged(metrics_path)}) + "\n")
                 if time.monotonic() - start > timeout_s:
                     print(f"{name}: stopped at --timeout-s {timeout_s:.0f} s, its rows so far kept (log: {log_path})",
                           flush=True)
@@ -270,7 +323,7 @@ def run_system(name: str, demo_dir: Path, workdir: Path, metrics_path: Path, ext
                 if stop_at is not None and reached_target(metrics_path, stop_at):
                     stopped = True
                     break
-                time.sleep(5.0)
+                time.sleep(POLL_S)
         finally:
             if proc.poll() is None:
                 stop_like_a_scheduler(proc)
@@ -556,6 +609,9 @@ def against_limit_line(row: dict, base: dict, target: float = TARGET) -> str:
             f"({base['mean_step_s']:.2f} s / {row['mean_step_s']:.2f} s)")
     if limit is not None:
         line += f", {got['per_step_of_limit']:.2f} of the overlap limit {limit:.2f}"
+    cores = same_cores_limit(base)
+    if cores is not None:
+        line += f", {got['per_step'] / cores:.2f} of the same-cores limit {cores:.2f}"
     if got["to_target"] is None:
         missing = [r["system"] for r in (row, base) if not r["time_to_target_s"]]
         return line + f"; time to {target}: not compared ({' and '.join(missing)} did not reach it)"
@@ -719,7 +775,8 @@ def main(argv=None) -> list[dict]:
                     metrics = run_system(system.name, demo_dir, Path(tmp), path, {**common, **system.overrides},
                                          args.timeout_s, system.critic, stop_at, system.entry, task=args.task)
                 row, curve = summarize(system.name, system.k, metrics, TRAIN_BATCH_SIZE * GROUP_SIZE, target)
-                row.update(seed=seed, trainer=system.trainer, critic=system.critic, **engine_patches(path))
+                row.update(seed=seed, trainer=system.trainer, critic=system.critic, **engine_patches(path),
+                           cores_busy=cores_busy(read_cores(path)))
                 if gives_overlap_limit(row):
                     row["overlap_limit"], row["compute_share"] = overlap_limit(row["breakdown"]), compute_share(row)
                 rows.append(row)
@@ -754,6 +811,13 @@ def main(argv=None) -> list[dict]:
                    "loaded verl's FSDP engine module, its training workers among them)"
                    if r.get("engine_processes") else "not recorded")
         print(f"{r['system']} seed {r['seed']}: {r['tokens_per_step']:.0f} tokens; {patches}")
+    print(f"\ncores busy while each run took its steps after the first (the machine's {os.cpu_count()}, /proc/stat); "
+          "for verl's synchronous runs, the most a system doing the same CPU work a step can gain on these cores")
+    for r in rows:
+        limit = same_cores_limit(r)
+        print(f"{r['system']} seed {r['seed']}: " + ("not recorded" if r.get("cores_busy") is None else
+              f"{r['cores_busy']:.0%}" + (f"; same-cores limit 1 / {r['cores_busy']:.2f} = {limit:.2f}"
+                                          if gives_overlap_limit(r) else "")))
     bases = [r for r in rows if gives_overlap_limit(r)]
     if bases:
         print("\noverlap limit from verl's own parts (mean s per step), the share of verl's step that is model compute, "

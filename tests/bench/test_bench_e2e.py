@@ -228,6 +228,10 @@ def test_a_run_past_its_bound_is_stopped_and_its_rows_kept(tmp_path, monkeypatch
     rows = e2e.run_system("slow system", tmp_path, tmp_path, metrics, {}, timeout_s=3.0, main="fake_trainer")
     assert [r["step"] for r in rows] == [1, 2]
     assert "slow system: stopped at --timeout-s 3 s" in capsys.readouterr().out
+    samples = e2e.read_cores(metrics)  # a poll every POLL_S: the machine's CPU and the steps logged by then
+    assert samples and samples[-1]["steps"] == 2
+    assert all(0 < s["busy_s"] <= s["all_s"] for s in samples)
+    assert [s["all_s"] for s in samples] == sorted(s["all_s"] for s in samples)
     pid = int((tmp_path / "pid").read_text())
     with pytest.raises(ProcessLookupError):  # ended, and reaped by run_system
         os.kill(pid, 0)
@@ -366,6 +370,24 @@ def test_each_run_is_measured_against_verls_overlap_limit():
     assert e2e.against_limit_line(pipe, verl).endswith("time to 0.9: not compared (verl-sync did not reach it)")
 
 
+def test_the_cores_busy_are_measured_from_step_one_to_the_last_step_and_bound_the_same_cores():
+    """Polls before step 1 (start-up) and after the last step (the run ending) are left out; verl's run at 40% of
+    the cores bounds a system doing its work on the same cores at 1 / 0.4 = 2.5x."""
+    samples = [{"busy_s": 0.0, "all_s": 0.0, "steps": 0}, {"busy_s": 9.0, "all_s": 10.0, "steps": 0},
+               {"busy_s": 10.0, "all_s": 20.0, "steps": 1}, {"busy_s": 13.0, "all_s": 30.0, "steps": 2},
+               {"busy_s": 18.0, "all_s": 40.0, "steps": 4}, {"busy_s": 28.0, "all_s": 50.0, "steps": 4}]
+    assert e2e.cores_busy(samples) == pytest.approx((18.0 - 10.0) / (40.0 - 20.0))
+    assert e2e.cores_busy(samples[:3]) is None  # one step: no window after the first
+    assert e2e.cores_busy([]) is None
+    verl, pipe = verl_and_pipeline()
+    assert e2e.same_cores_limit(verl) is None
+    verl["cores_busy"] = 0.4
+    assert e2e.same_cores_limit(verl) == pytest.approx(2.5)
+    assert ", 0.90 of the overlap limit 1.67, 0.60 of the same-cores limit 2.50;" in e2e.against_limit_line(pipe, verl)
+    busy, every = e2e.machine_cpu_s()
+    assert 0 < busy <= every
+
+
 def test_the_long_task_prints_the_limit_and_each_runs_fraction_of_it(tmp_path, monkeypatch, capsys):
     import json
 
@@ -377,6 +399,8 @@ def test_the_long_task_prints_the_limit_and_each_runs_fraction_of_it(tmp_path, m
                                                              {"async/actor_train/busy_ratio": 1.0})):
         rows = rows_for(step_s, e2e.VAL_KEYS[-1], {0: 0.0, 4: 0.95}, **metrics)  # the long task's validation key
         e2e.metrics_file(runs, name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    e2e.cores_log_of(e2e.metrics_file(runs, "verl-sync")).write_text("".join(  # half the cores busy over its steps
+        json.dumps({"busy_s": 10.0 * i, "all_s": 20.0 * i, "steps": i}) + "\n" for i in range(5)))
     monkeypatch.setattr(e2e, "plot", lambda *args, **kwargs: None)
     e2e.main(["--summarize-only", "--metrics-dir", str(runs), "--ks", "2", "--seeds", "0", "--task", "long",
               "--model-size", "small", "--json", str(tmp_path / "out.json")])
@@ -384,6 +408,8 @@ def test_the_long_task_prints_the_limit_and_each_runs_fraction_of_it(tmp_path, m
     assert "task long; model small (hidden 256, MLP 1024, 4 layers, 1 attention head(s))" in out
     assert "verl-sync seed 0: overlap limit (generation + training) / max(generation, training) = (6.00 + 4.00)" in out
     assert "async-pipeline k=2 seed 0 against verl-sync: 1.50x per step (12.00 s / 8.00 s), 0.90 of the overlap" in out
+    assert "verl-sync seed 0: 50%; same-cores limit 1 / 0.50 = 2.00" in out and "k=2 seed 0: not recorded" in out
+    assert "0.75 of the same-cores limit 2.00" in out
     saved = {r["system"]: r for r in json.loads((tmp_path / "out.json").read_text())["rows"]}
     assert saved["verl-sync"]["overlap_limit"] == pytest.approx(10 / 6) and saved["verl-sync"]["compute_share"] == 0.75
     assert saved["async-pipeline k=2"]["overlap_limit"] is None
