@@ -76,7 +76,8 @@ compute); for every other GRPO run, its speed-up against that verl run per step 
 each as a fraction of the limit. Every run also records the share of the machine's cores busy while it
 took its steps after the first (/proc/stat at each poll, `cores_busy`): for a verl synchronous run,
 1 / that share is the same-cores limit, the most a system doing the same CPU work a step can gain on
-these cores, and each run's per-step speed-up is also given as a fraction of it.
+these cores; each run's per-step speed-up is split exactly into its two factors, verl's CPU seconds a
+step over the run's, and the run's busy share over verl's.
 
     python bench/e2e.py [--seeds 0,1] [--steps 400] [--rollout cpu|vllm] [--task copy|lookup|long]
         [--model-size tiny|small|medium] [--json PATH] [--png PATH]
@@ -244,6 +245,14 @@ def cores_busy(samples: list[dict]) -> float | None:
     if last < 2 or start is None or end is None or end["all_s"] <= start["all_s"]:
         return None
     return (end["busy_s"] - start["busy_s"]) / (end["all_s"] - start["all_s"])
+
+
+def cpu_use(samples: list[dict], step_s: float, cores: int | None = None) -> dict:
+    """A run's `cores_busy` and its CPU seconds a step: that share x the cores x its mean step (s); None without
+    a window."""
+    busy = cores_busy(samples)
+    per_step = busy * (cores or os.cpu_count()) * step_s if busy is not None else None
+    return {"cores_busy": busy, "cpu_s_per_step": per_step}
 
 
 def same_cores_limit(row: dict) -> float | None:
@@ -609,9 +618,10 @@ def against_limit_line(row: dict, base: dict, target: float = TARGET) -> str:
             f"({base['mean_step_s']:.2f} s / {row['mean_step_s']:.2f} s)")
     if limit is not None:
         line += f", {got['per_step_of_limit']:.2f} of the overlap limit {limit:.2f}"
-    cores = same_cores_limit(base)
-    if cores is not None:
-        line += f", {got['per_step'] / cores:.2f} of the same-cores limit {cores:.2f}"
+    if row.get("cpu_s_per_step") and base.get("cpu_s_per_step"):  # per step = work ratio x busy ratio, exactly
+        line += (f"; {got['per_step']:.2f}x = CPU a step {base['cpu_s_per_step']:.1f} / {row['cpu_s_per_step']:.1f} "
+                 f"CPU-s ({base['cpu_s_per_step'] / row['cpu_s_per_step']:.2f}x) x cores busy "
+                 f"{row['cores_busy']:.0%} / {base['cores_busy']:.0%} ({row['cores_busy'] / base['cores_busy']:.2f}x)")
     if got["to_target"] is None:
         missing = [r["system"] for r in (row, base) if not r["time_to_target_s"]]
         return line + f"; time to {target}: not compared ({' and '.join(missing)} did not reach it)"
@@ -776,7 +786,7 @@ def main(argv=None) -> list[dict]:
                                          args.timeout_s, system.critic, stop_at, system.entry, task=args.task)
                 row, curve = summarize(system.name, system.k, metrics, TRAIN_BATCH_SIZE * GROUP_SIZE, target)
                 row.update(seed=seed, trainer=system.trainer, critic=system.critic, **engine_patches(path),
-                           cores_busy=cores_busy(read_cores(path)))
+                           **cpu_use(read_cores(path), row["mean_step_s"]))
                 if gives_overlap_limit(row):
                     row["overlap_limit"], row["compute_share"] = overlap_limit(row["breakdown"]), compute_share(row)
                 rows.append(row)
@@ -811,13 +821,14 @@ def main(argv=None) -> list[dict]:
                    "loaded verl's FSDP engine module, its training workers among them)"
                    if r.get("engine_processes") else "not recorded")
         print(f"{r['system']} seed {r['seed']}: {r['tokens_per_step']:.0f} tokens; {patches}")
-    print(f"\ncores busy while each run took its steps after the first (the machine's {os.cpu_count()}, /proc/stat); "
-          "for verl's synchronous runs, the most a system doing the same CPU work a step can gain on these cores")
+    print(f"\ncores busy while each run took its steps after the first (the machine's {os.cpu_count()}, /proc/stat), its "
+          "CPU seconds a step (that share x the cores x its s a step) and, for verl's synchronous runs, the most a "
+          "system doing the same CPU work a step can gain on these cores")
     for r in rows:
         limit = same_cores_limit(r)
         print(f"{r['system']} seed {r['seed']}: " + ("not recorded" if r.get("cores_busy") is None else
-              f"{r['cores_busy']:.0%}" + (f"; same-cores limit 1 / {r['cores_busy']:.2f} = {limit:.2f}"
-                                          if gives_overlap_limit(r) else "")))
+              f"{r['cores_busy']:.0%} of the cores, {r['cpu_s_per_step']:.1f} CPU-s a step"
+              + (f"; same-cores limit 1 / {r['cores_busy']:.2f} = {limit:.2f}" if gives_overlap_limit(r) else "")))
     bases = [r for r in rows if gives_overlap_limit(r)]
     if bases:
         print("\noverlap limit from verl's own parts (mean s per step), the share of verl's step that is model compute, "

@@ -381,9 +381,13 @@ def test_the_cores_busy_are_measured_from_step_one_to_the_last_step_and_bound_th
     assert e2e.cores_busy([]) is None
     verl, pipe = verl_and_pipeline()
     assert e2e.same_cores_limit(verl) is None
-    verl["cores_busy"] = 0.4
-    assert e2e.same_cores_limit(verl) == pytest.approx(2.5)
-    assert ", 0.90 of the overlap limit 1.67, 0.60 of the same-cores limit 2.50;" in e2e.against_limit_line(pipe, verl)
+    verl.update(e2e.cpu_use(samples, verl["mean_step_s"], cores=2))
+    assert e2e.same_cores_limit(verl) == pytest.approx(2.5) and verl["cpu_s_per_step"] == pytest.approx(0.4 * 2 * 12.0)
+    assert "0.90 of the overlap limit 1.67; time" in e2e.against_limit_line(pipe, verl)  # the pipeline's not recorded
+    pipe.update(e2e.cpu_use([{**s, "busy_s": s["all_s"] * 0.8} for s in samples], pipe["mean_step_s"], cores=2))
+    # 1.5x per step = 9.6 / 12.8 CPU-s a step (0.75x: more work) x 80% / 40% of the cores (2x)
+    assert ("1.50x = CPU a step 9.6 / 12.8 CPU-s (0.75x) x cores busy 80% / 40% (2.00x)"
+            in e2e.against_limit_line(pipe, verl))
     busy, every = e2e.machine_cpu_s()
     assert 0 < busy <= every
 
@@ -408,8 +412,9 @@ def test_the_long_task_prints_the_limit_and_each_runs_fraction_of_it(tmp_path, m
     assert "task long; model small (hidden 256, MLP 1024, 4 layers, 1 attention head(s))" in out
     assert "verl-sync seed 0: overlap limit (generation + training) / max(generation, training) = (6.00 + 4.00)" in out
     assert "async-pipeline k=2 seed 0 against verl-sync: 1.50x per step (12.00 s / 8.00 s), 0.90 of the overlap" in out
-    assert "verl-sync seed 0: 50%; same-cores limit 1 / 0.50 = 2.00" in out and "k=2 seed 0: not recorded" in out
-    assert "0.75 of the same-cores limit 2.00" in out
+    assert (f"verl-sync seed 0: 50% of the cores, {0.5 * os.cpu_count() * 12.0:.1f} CPU-s a step; same-cores limit "
+            "1 / 0.50 = 2.00") in out
+    assert "async-pipeline k=2 seed 0: not recorded" in out
     saved = {r["system"]: r for r in json.loads((tmp_path / "out.json").read_text())["rows"]}
     assert saved["verl-sync"]["overlap_limit"] == pytest.approx(10 / 6) and saved["verl-sync"]["compute_share"] == 0.75
     assert saved["async-pipeline k=2"]["overlap_limit"] is None
