@@ -1,6 +1,7 @@
 """Where every second of a training step goes: verl's synchronous trainer and this pipeline, on the demo.
 
-Runs each system on the demo (`--task copy`, or the lookup agent `--task lookup`) for `--steps`
+Runs each system on the demo (`--task copy`, the lookup agent `--task lookup`, or the long-tail task `--task long`
+with `--model-size small`, as bench/e2e.py runs them) for `--steps`
 steps without validation, and measures every step with two instruments at once:
 
 - spans: the start and end of verl's own step timers (`timing_s/*`), of the functions inside them
@@ -17,7 +18,7 @@ in seconds of the phase), the rest of the machine's load, and idle cores. The pi
 step is split the same way into its own phases; its generate stage runs beside it and is reported
 as the same shares over its busy time.
 
-    python bench/step_parts.py [--task copy|lookup] [--systems verl-sync,pipeline-k1,pipeline-k2]
+    python bench/step_parts.py [--task copy|lookup|long] [--model-size tiny|small] [--systems verl-sync,pipeline-k1,pipeline-k2]
         [--steps 25] [--warmup 5] [--json PATH]
 
 Prints, per system, the parts (s per step and share), their sum against the measured step, the
@@ -58,6 +59,8 @@ SYSTEMS = {  # name -> (verl's entry module, overrides on the demo's; `steps` is
     # runs it, and the pipeline on the same servers
     "verl-fully-async": (e2e.FULLY_ASYNC_MAIN, {**e2e.VLLM_ON_CPU, "FULLY_ASYNC": True}),
     "pipeline-k2-vllm": (e2e.VERL_MAIN, {**e2e.VLLM_ON_CPU, "+trainer.generate_ahead_steps": 2}),
+    # the pipeline on 2 train ranks and 1 rollout server (bench/e2e.py --train-ranks 2), the long task's tuned split
+    "pipeline-k2-train2": (e2e.VERL_MAIN, {"+trainer.generate_ahead_steps": 2, **e2e.train_split(2)}),
 }
 # loaded by every Python process of a run: the probe from this checkout, whatever code the run itself uses
 # (as module `step_probe` in every process, so that Ray pickles what refers to it by reference)
@@ -236,7 +239,7 @@ def run_system(name: str, demo_dir: Path, out: Path, steps: int, warmup: int, ta
         system.update(e2e.fully_async_overrides(steps, TRAIN_BATCH_SIZE))
     settings = {"trainer.total_training_steps": steps, "trainer.val_before_train": False, "trainer.test_freq": -1,
                 **system, **extra}
-    overrides = demo_overrides(demo_dir, extra=settings, agent=task == "lookup")
+    overrides = demo_overrides(demo_dir, extra=settings, agent=task == "lookup", long=task == "long")
     if main == e2e.FULLY_ASYNC_MAIN:
         overrides = [o for o in overrides if not o.startswith(e2e.PIPELINE_KEYS)]
     (out / "overrides.json").write_text(json.dumps(overrides))
@@ -691,7 +694,9 @@ def report(name: str, result: dict) -> list[str]:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--task", choices=("copy", "lookup"), default="copy")
+    parser.add_argument("--task", choices=("copy", "lookup", "long"), default="copy")
+    parser.add_argument("--model-size", default="tiny",
+                        help="the demo model's size, a row of async_rl.demo.task.MODEL_SIZES (--task long: small)")
     parser.add_argument("--systems", default="verl-sync,pipeline-k1,pipeline-k2",
                         help=f"of {', '.join(SYSTEMS)}; NAME@REF runs NAME with this repository's code at git REF")
     parser.add_argument("--steps", type=int, default=25)
@@ -706,6 +711,13 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     if args.reuse and not args.raw_dir:
         parser.error("--reuse reads the runs in --raw-dir: give it")
+    from async_rl.demo.task import MODEL_SIZES, covers_long_task
+
+    if args.model_size not in MODEL_SIZES:
+        parser.error(f"--model-size {args.model_size}: one of {', '.join(MODEL_SIZES)}")
+    if args.task == "long" and not covers_long_task(args.model_size):
+        parser.error(f"--task long needs a model whose positions hold its responses: --model-size "
+                     f"{' or '.join(s for s in MODEL_SIZES if covers_long_task(s))}")
     names = [n for n in args.systems.split(",") if n]
     unknown = [n for n in names if n.partition("@")[0] not in SYSTEMS]
     if unknown:
@@ -722,12 +734,12 @@ def main(argv=None) -> dict:
                 if not demo.exists():
                     from async_rl.demo import prepare
 
-                    prepare(demo, seed=0)
+                    prepare(demo, seed=0, model_size=args.model_size)
                 run_system(system, demo, out, args.steps, args.warmup, args.task, args.sample_ms, args.timeout_s,
                            set(filter(None, args.py_spy.split(","))), {}, code_at(ref, raw) if ref else ROOT)
             results[name] = analyze(system, out, args.warmup)
     lines = [f"command: {command}",
-             f"cpus: {CORES}; task {args.task}; {args.steps} steps a run, the first {args.warmup} left out; CPU "
+             f"cpus: {CORES}; task {args.task}; model {args.model_size}; {args.steps} steps a run, the first {args.warmup} left out; CPU "
              f"sampled every {args.sample_ms:g} ms; py-spy on: {args.py_spy or 'none'}"]
     for name in names:
         lines += [""] + report(name, results[name])

@@ -191,3 +191,31 @@ def test_the_probe_keeps_verls_auto_await_returning_the_coroutine_to_an_awaiting
     step_probe._FILE.flush()
     spans = [json.loads(line) for line in next(tmp_path.glob("spans-*.jsonl")).read_text().splitlines()]
     assert [s[0] for s in spans] == ["checkpoint_manager_update_weights"] * 2
+
+
+
+def test_the_long_task_needs_a_model_that_holds_its_responses_and_runs_with_its_overrides(tmp_path, monkeypatch):
+    """`--task long` is refused with the tiny model (256-token responses past its positions); with the small one
+    a run gets the long task's overrides and the system's, as bench/e2e.py's runs do."""
+    with pytest.raises(SystemExit):
+        step_parts.main(["--task", "long", "--model-size", "tiny", "--systems", "verl-sync"])
+    with pytest.raises(SystemExit):
+        step_parts.main(["--model-size", "huge"])
+
+    popen = step_parts.subprocess.Popen
+
+    def no_run(cmd, *args, **kwargs):  # verl's command is not started; git and the like are
+        if step_parts.e2e.VERL_MAIN in cmd:
+            raise RuntimeError("stop before running")
+        return popen(cmd, *args, **kwargs)
+
+    monkeypatch.setattr(step_parts.subprocess, "Popen", no_run)  # run_system has written the run's overrides
+    with pytest.raises(RuntimeError, match="stop before running"):
+        step_parts.main(["--task", "long", "--model-size", "small", "--systems", "pipeline-k2-train2", "--steps", "3",
+                         "--raw-dir", str(tmp_path), "--py-spy", ""])
+    overrides = dict(o.split("=", 1) for o in json.loads((tmp_path / "long_pipeline-k2-train2" / "overrides.json")
+                                                         .read_text()))
+    assert overrides["trainer.experiment_name"] == "long_tail" and overrides["data.max_response_length"] == "256"
+    assert overrides["+trainer.generate_ahead_steps"] == "2" and overrides["trainer.total_training_steps"] == "3"
+    assert overrides["+trainer.use_nodes_ratios"] == str(step_parts.e2e.train_split(2)["+trainer.use_nodes_ratios"])
+    assert json.loads((tmp_path / "demo" / "model" / "config.json").read_text())["hidden_size"] == 256  # small
