@@ -171,12 +171,6 @@ class ProcSampler:
                 "cmdlines": {str(k): v for k, v in self.cmdlines.items()}, "ncpu": os.cpu_count()}
 
 
-def steps_logged(metrics: Path) -> int:
-    if not metrics.exists():
-        return 0
-    return sum('"timing_s/step"' in line for line in metrics.read_text().splitlines())
-
-
 class PySpies:
     """`py-spy record` (raw stacks, 100 Hz, the process not paused) on every process of the given kinds, from
     `start` until `stop` (SIGINT: py-spy writes what it has)."""
@@ -255,7 +249,7 @@ def run_system(name: str, demo_dir: Path, out: Path, steps: int, warmup: int, ta
         start = time.monotonic()
         try:
             while proc.poll() is None and time.monotonic() - start < timeout_s:
-                done = steps_logged(metrics)
+                done = e2e.steps_logged(metrics)
                 if spy_kinds and not spying and done >= warmup:
                     spies.start()
                     spying = True
