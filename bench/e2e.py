@@ -41,7 +41,8 @@ splits the same 2 devices with `use_nodes_ratios=[0.5,0.5,0.5,0.5]`, its demo se
 train rank and 1 rollout server (no ref_logp group: no KL term; no logp group unless
 `proximal_logp_workers=logp`, then 1 logp rank). `--train-ranks 2`: the pipeline on 3 logical
 devices of the same 2 cores, 2 train ranks and 1 rollout server (`train_split`); `--verl-ranks N`:
-verl's trainer on N ranks (on the long task 2 is faster than 4: results/e2e_long_ranks.txt);
+verl's trainer on N ranks (on the long task 2 is faster than 4: results/e2e_long_ranks.txt); `--verl-tp N`: its
+rollout replicas over N ranks each (rollout.tensor_model_parallel_size);
 `--fully-async-train-ranks N`: fully_async_policy's trainer on N ranks beside its one vLLM server.
 
 Per run: wall time per trained sample (s; training steps only, start-up and validation
@@ -687,6 +688,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--verl-ranks", type=int, default=2,
                         help="verl-sync's FSDP2 ranks, each also a rollout replica of its hybrid engine, on logical "
                              "devices of the same cores (2: the demo's)")
+    parser.add_argument("--verl-tp", type=int, default=1,
+                        help="verl's synchronous runs with one rollout replica over this many of their ranks "
+                             "(rollout.tensor_model_parallel_size; 1: a replica per rank, the demo's); named ' tpN'")
     parser.add_argument("--fully-async-train-ranks", type=int, default=1,
                         help="verl-fully-async's trainer ranks (trainer.n_gpus_per_node), beside its one rollout "
                              "server, on logical devices of the same cores (1: fully_async_overrides')")
@@ -735,7 +739,9 @@ def main(argv=None) -> list[dict]:
         "trainer.val_before_train": True,
     }
     flag_off = {"+actor_rollout_ref.async_pipeline": False,
-                **({"trainer.n_gpus_per_node": args.verl_ranks} if args.verl_ranks != 2 else {})}
+                **({"trainer.n_gpus_per_node": args.verl_ranks} if args.verl_ranks != 2 else {}),
+                **({"actor_rollout_ref.rollout.tensor_model_parallel_size": args.verl_tp} if args.verl_tp != 1 else {})}
+    verl_tp = f" tp{args.verl_tp}" if args.verl_tp != 1 else ""  # in the names of verl's synchronous runs
     if args.rollout == "vllm":
         common.update(VLLM_ON_CPU)
         flag_off.update({"trainer.n_gpus_per_node": 1, "actor_rollout_ref.rollout.agent.num_workers": 1})
@@ -760,11 +766,11 @@ def main(argv=None) -> list[dict]:
         systems.insert(0, System(FULLY_ASYNC + ranks_suffix(ranks), FULLY_ASYNC,
                                  overrides=fully_async_overrides(args.steps, TRAIN_BATCH_SIZE, ranks)))
     if grpo_verl and args.verl_v0:
-        systems.insert(0, System(VERL_V0, VERL_V0, overrides={**flag_off, "trainer.use_v1": False}))
+        systems.insert(0, System(VERL_V0 + verl_tp, VERL_V0, overrides={**flag_off, "trainer.use_v1": False}))
     if grpo_verl and not args.skip_verl_sync:
-        systems.insert(0, System(VERL_SYNC, VERL_SYNC, overrides=flag_off))
+        systems.insert(0, System(VERL_SYNC + verl_tp, VERL_SYNC, overrides=flag_off))
     if ppo_ks and not args.skip_verl:
-        systems.append(System(f"{VERL_SYNC} PPO", VERL_SYNC, overrides=flag_off, critic=True))
+        systems.append(System(f"{VERL_SYNC}{verl_tp} PPO", VERL_SYNC, overrides=flag_off, critic=True))
     systems += [pipeline(k, " PPO", {}, critic=True) for k in ppo_ks]
     target = args.target
     stop_at = None if args.no_stop_at_target else target

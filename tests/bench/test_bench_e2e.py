@@ -479,6 +479,12 @@ def test_train_and_verl_ranks_reach_each_systems_keys(tmp_path, monkeypatch):
     assert "trainer.n_gpus_per_node" not in runs["async-pipeline k=2"]
     assert runs["async-pipeline k=2 train x2"]["+trainer.use_nodes_ratios"] == [2 / 3, 2 / 3, 2 / 3, 1 / 3]
     assert runs["async-pipeline k=2 train x2"]["+trainer.generate_ahead_steps"] == 2
+    assert not any("actor_rollout_ref.rollout.tensor_model_parallel_size" in extra for extra in runs.values())
+    runs.clear()  # --verl-tp: one replica over that many of verl's ranks, in verl's runs only, named by it
+    e2e.main(["--ks", "2", "--verl-tp", "2", "--seeds", "0", "--metrics-dir", str(tmp_path / "tp")])
+    assert list(runs) == ["verl-sync tp2", "async-pipeline k=2"]
+    assert runs["verl-sync tp2"]["actor_rollout_ref.rollout.tensor_model_parallel_size"] == 2
+    assert "actor_rollout_ref.rollout.tensor_model_parallel_size" not in runs["async-pipeline k=2"]
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
