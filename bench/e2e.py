@@ -325,7 +325,8 @@ def run_system(name: str, demo_dir: Path, workdir: Path, metrics_path: Path, ext
             while proc.poll() is None:
                 busy_s, all_s = machine_cpu_s()
                 with open(cores_log, "a") as cores:
-                    cores.write(json.dumps({"busy_s": busy_s, "all_s": all_s, "steps": steps_logged(metrics_path)}) + "\n")
+                    sample = {"busy_s": busy_s, "all_s": all_s, "steps": steps_logged(metrics_path)}
+                    cores.write(json.dumps(sample) + "\n")
                 if time.monotonic() - start > timeout_s:
                     print(f"{name}: stopped at --timeout-s {timeout_s:.0f} s, its rows so far kept (log: {log_path})",
                           flush=True)
@@ -828,8 +829,8 @@ def main(argv=None) -> list[dict]:
                    "loaded verl's FSDP engine module, its training workers among them)"
                    if r.get("engine_processes") else "not recorded")
         print(f"{r['system']} seed {r['seed']}: {r['tokens_per_step']:.0f} tokens; {patches}")
-    print(f"\ncores busy while each run took its steps after the first (the machine's {os.cpu_count()}, /proc/stat), its "
-          "CPU seconds a step (that share x the cores x its s a step) and, for verl's synchronous runs, the most a "
+    print(f"\ncores busy while each run took its steps after the first (the machine's {os.cpu_count()}, /proc/stat), "
+          "its CPU seconds a step (that share x the cores x its s a step) and, for verl's synchronous runs, the most a "
           "system doing the same CPU work a step can gain on these cores")
     for r in rows:
         limit = same_cores_limit(r)

@@ -18,8 +18,8 @@ in seconds of the phase), the rest of the machine's load, and idle cores. The pi
 step is split the same way into its own phases; its generate stage runs beside it and is reported
 as the same shares over its busy time.
 
-    python bench/step_parts.py [--task copy|lookup|long] [--model-size tiny|small] [--systems verl-sync,pipeline-k1,pipeline-k2]
-        [--steps 25] [--warmup 5] [--json PATH]
+    python bench/step_parts.py [--task copy|lookup|long] [--model-size tiny|small]
+        [--systems verl-sync,pipeline-k1,pipeline-k2] [--steps 25] [--warmup 5] [--json PATH]
 
 Prints, per system, the parts (s per step and share), their sum against the measured step, the
 command and the commit.
@@ -733,7 +733,8 @@ def main(argv=None) -> dict:
                            set(filter(None, args.py_spy.split(","))), {}, code_at(ref, raw) if ref else ROOT)
             results[name] = analyze(system, out, args.warmup)
     lines = [f"command: {command}",
-             f"cpus: {CORES}; task {args.task}; model {args.model_size}; {args.steps} steps a run, the first {args.warmup} left out; CPU "
+             f"cpus: {CORES}; task {args.task}; model {args.model_size}; {args.steps} steps a run, the first "
+             f"{args.warmup} left out; CPU "
              f"sampled every {args.sample_ms:g} ms; py-spy on: {args.py_spy or 'none'}"]
     for name in names:
         lines += [""] + report(name, results[name])

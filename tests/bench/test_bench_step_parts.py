@@ -193,7 +193,6 @@ def test_the_probe_keeps_verls_auto_await_returning_the_coroutine_to_an_awaiting
     assert [s[0] for s in spans] == ["checkpoint_manager_update_weights"] * 2
 
 
-
 def test_the_long_task_needs_a_model_that_holds_its_responses_and_runs_with_its_overrides(tmp_path, monkeypatch):
     """`--task long` is refused with the tiny model (256-token responses past its positions); with the small one
     a run gets the long task's overrides and the system's, as bench/e2e.py's runs do."""
