@@ -53,12 +53,22 @@ def changed_positions(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.flatnonzero(differ).astype(np.int64, copy=False))
 
 
-def with_bridges(positions: torch.Tensor) -> torch.Tensor:
-    """`positions` (int64, ascending, >= 0) with positions added wherever a gap (from 0 to the first,
-    then between neighbours) exceeds GAP_LIMIT: every GAP_LIMIT-th position after the gap's start."""
-    if not positions.numel() or int(np.diff(positions.numpy(), prepend=0).max()) <= GAP_LIMIT:
-        return positions  # the common case, checked in one pass
-    gaps = torch.diff(positions, prepend=positions.new_zeros(1))
+def wire_positions(changed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The positions a delta sends for `changed` (int64, ascending, >= 0) and INDEX on the wire, their gaps (from 0
+    to the first, then between neighbours) as uint16 in int16 bits. Where a gap exceeds GAP_LIMIT, positions are
+    added inside it (`with_bridges`); the gaps are computed once, and again only then."""
+    gaps = np.diff(changed.numpy(), prepend=0)
+    if gaps.size and int(gaps.max()) > GAP_LIMIT:
+        changed = with_bridges(changed, torch.from_numpy(gaps))
+        gaps = np.diff(changed.numpy(), prepend=0)
+    if not gaps.size:
+        return changed, torch.empty(0, dtype=torch.int16)  # (torch reads an empty numpy array with stride 0)
+    return changed, torch.from_numpy(gaps.astype(np.uint16)).view(torch.int16)
+
+
+def with_bridges(positions: torch.Tensor, gaps: torch.Tensor) -> torch.Tensor:
+    """`positions` (int64, ascending, >= 0; `gaps` their int64 gaps from 0) with positions added wherever a gap
+    exceeds GAP_LIMIT: every GAP_LIMIT-th position after the gap's start."""
     bridges = (gaps - 1).clamp_min(0) // GAP_LIMIT  # positions to add inside each gap
     starts = positions - gaps  # the position each gap starts from
     wide = bridges > 0
@@ -70,13 +80,6 @@ def with_bridges(positions: torch.Tensor) -> torch.Tensor:
     out[torch.arange(positions.numel()) + torch.searchsorted(added, positions)] = positions
     out[torch.arange(added.numel()) + torch.searchsorted(positions, added)] = added
     return out
-
-
-def gaps_of(positions: torch.Tensor) -> torch.Tensor:
-    """INDEX on the wire: the gaps of `positions` (int64, ascending, each gap <= GAP_LIMIT), int16 bits."""
-    if not positions.numel():
-        return torch.empty(0, dtype=torch.int16)  # (torch reads an empty numpy array with stride 0)
-    return torch.from_numpy(np.diff(positions.numpy(), prepend=0).astype(np.uint16)).view(torch.int16)
 
 
 def positions_of(gaps: torch.Tensor) -> torch.Tensor:
@@ -125,11 +128,11 @@ class DeltaEncoder:
             if old is None or old.shape != held.shape or old.dtype != held.dtype:
                 yield name, held
                 continue
-            positions = with_bridges(changed_positions(held, old))
+            positions, gaps = wire_positions(changed_positions(held, old))
             if positions.numel() * (2 + held.element_size()) >= held.nbytes:
                 yield name, held
             else:
-                yield name + INDEX, gaps_of(positions)
+                yield name + INDEX, gaps
                 yield name + VALUE, held.reshape(-1)[positions]
         self.previous, self.version = kept, version
 
