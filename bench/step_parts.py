@@ -150,13 +150,10 @@ class ProcSampler:
             now = time.monotonic()
             if now - refreshed > 1.0:
                 pids, refreshed = self._pids(), now
-            fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-            ticks = [int(v) for v in fields]
-            idle = ticks[3] + ticks[4]
-            busy = sum(ticks[:8]) - idle
+            busy, every = e2e.machine_cpu_s()
             index = len(self.times)
             self.times.append(time.monotonic())
-            self.machine.append((busy / CLK_TCK, idle / CLK_TCK))
+            self.machine.append((busy, every - busy))
             for pid in pids:
                 try:
                     stat = Path(f"/proc/{pid}/stat").read_text()
