@@ -13,6 +13,12 @@ Per size, two spawned processes:
   with `device=` the GPU: one device copy per bucket), then **load** (`copy_into` an HF model on the device).
 Then the trainer compares every tensor the receiver loaded with its own, byte for byte (exit 1 on a mismatch).
 
+Choices (each printed with the run's parts):
+- `--gather tensor` (verl's FSDP2 engine: each parameter's `full_tensor()`) or `module` (each FSDP module
+  unsharded, one all-gather per module);
+- `--load copy` (`copy_into`: the bytes go into the live weights, as into a GPU engine) or `swap` (`swap_into`,
+  the dual buffer: the staged tensors become the weights, zero copy).
+
 Why not verl's engine: `import verl` imports `verl.protocol`, which imports Ray, so verl's FSDP2 engine (and
 the project's worker, async_rl/training/workers.py, built on it) cannot run where Ray is not installed. The
 gather here is what verl's FSDP2 engine does per tensor (`full_tensor()` of each sharded parameter).
@@ -51,6 +57,8 @@ SIZES = {
     "7B": (3584, 18944, 28, 28, 4, 152064, False),
 }
 PARTS = ("gather", "send", "recv", "register", "load")
+GATHERS = ("tensor", "module")
+LOADS = ("copy", "swap")
 
 
 def qwen2(size: str, device: str, seed: int):
@@ -95,7 +103,8 @@ def copy_rates(device: str, nbytes: int) -> dict[str, float]:
     return rates
 
 
-def trainer(size: str, device: str, bucket_bytes: int, port: int, to_recv, to_train, save_dir: str | None) -> None:
+def trainer(size: str, device: str, bucket_bytes: int, port: int, to_recv, to_train, save_dir: str | None,
+            gather: str, load: str) -> None:
     """Train one step under FSDP2, then gather and send the weights in buckets; then check the receiver's."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -108,9 +117,13 @@ def trainer(size: str, device: str, bucket_bytes: int, port: int, to_recv, to_tr
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    full = lambda: ((n, p.full_tensor()) for n, p in model.named_parameters())  # noqa: E731 (verl's per-tensor gather)
+    fsdp_modules = [*model.model.layers, model]
+    if gather == "module":  # one all-gather per module: its parameters are plain full tensors (kept to the end)
+        full = lambda: ((n, p.detach()) for n, p in model.named_parameters())  # noqa: E731
+    else:  # verl's FSDP2 engine's per-tensor gather
+        full = lambda: ((n, p.full_tensor()) for n, p in model.named_parameters())  # noqa: E731
     if save_dir:
-        torch.save({n: t.cpu() for n, t in full()}, os.path.join(save_dir, "before.pt"))
+        torch.save({n: p.full_tensor().cpu() for n, p in model.named_parameters()}, os.path.join(save_dir, "before.pt"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tokens = torch.randint(0, model.config.vocab_size, (2, 128 if device == "cuda" else 16), device=device)
     loss = model(input_ids=tokens, labels=tokens).loss
@@ -127,6 +140,9 @@ def trainer(size: str, device: str, bucket_bytes: int, port: int, to_recv, to_tr
     assert to_train.get(timeout=QUEUE_TIMEOUT_S) == "ready"
     seconds, count, nbytes = {"gather": 0.0, "send": 0.0}, 0, 0
     start = time.perf_counter()
+    if gather == "module":
+        for module in fsdp_modules:
+            module.unshard()
     buckets = pack_buckets(full(), bucket_bytes, version=1, device=None)
     while True:
         t0 = time.perf_counter()
@@ -171,7 +187,7 @@ def trainer(size: str, device: str, bucket_bytes: int, port: int, to_recv, to_tr
     copy_bytes = 1 << (30 if device == "cuda" else 28)
     rates = copy_rates(device, copy_bytes)
     print(f"[{size}] {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {nbytes / 2**20:.2f} MiB "
-          f"in {count} buckets of {bucket_bytes / 2**20:.2f} MiB, {device}", flush=True)
+          f"in {count} buckets of {bucket_bytes / 2**20:.2f} MiB, {device}, gather {gather}, load {load}", flush=True)
     for part in PARTS:
         rate = nbytes / seconds[part] / GB
         against = ", ".join(f"{rate / r:.3f} x {name}" for name, r in rates.items())
@@ -187,7 +203,7 @@ def trainer(size: str, device: str, bucket_bytes: int, port: int, to_recv, to_tr
         raise SystemExit(f"[{size}] loaded weights differ from the trainer's: {(differ + missing + extra)[:5]}")
 
 
-def receiver(size: str, device: str, consume_bytes: int, to_recv, to_train, save_dir: str | None) -> None:
+def receiver(size: str, device: str, consume_bytes: int, to_recv, to_train, save_dir: str | None, load: str) -> None:
     """Stage each bucket into a device buffer, load the version into an HF model, hand the model back."""
     model = qwen2(size, device, seed=2)
     expected, aliases, params = weight_layout(model.state_dict())
@@ -210,7 +226,10 @@ def receiver(size: str, device: str, consume_bytes: int, to_recv, to_train, save
         seconds["register"] += t2 - t1
     stager.check_complete(1, message[1])
     t0 = time.perf_counter()
-    stager.copy_into(params, consume_bytes)
+    if load == "swap":
+        stager.swap_into(params)
+    else:
+        stager.copy_into(params, consume_bytes)
     sync(device)
     seconds["load"] = time.perf_counter() - t0
     if save_dir:
@@ -240,6 +259,10 @@ def main() -> int:
     parser.add_argument("--sizes", default="0.5B,1.5B,7B", help=f"comma-separated, of {','.join(SIZES)}")
     parser.add_argument("--bucket-mb", type=float, default=512, help="gather / send bucket (MiB)")
     parser.add_argument("--consume-mb", type=float, default=128, help="load group (MiB)")
+    parser.add_argument("--gather", choices=GATHERS, default="tensor",
+                        help="tensor: each parameter's full_tensor() (verl's); module: one all-gather per FSDP module")
+    parser.add_argument("--load", choices=LOADS, default="copy",
+                        help="copy into the live weights (copy_into), or swap the staged tensors in (swap_into)")
     parser.add_argument("--save-dir", help="write before.pt / after.pt (trainer) and receiver.pt there")
     args = parser.parse_args()
     sizes = args.sizes.split(",")
@@ -254,9 +277,9 @@ def main() -> int:
     for size in sizes:
         to_recv, to_train = ctx.Queue(), ctx.Queue()
         procs = [ctx.Process(target=trainer, args=(size, args.device, int(args.bucket_mb * 2**20), free_port(),
-                                                   to_recv, to_train, args.save_dir)),
+                                                   to_recv, to_train, args.save_dir, args.gather, args.load)),
                  ctx.Process(target=receiver, args=(size, args.device, int(args.consume_mb * 2**20), to_recv,
-                                                    to_train, args.save_dir))]
+                                                    to_train, args.save_dir, args.load))]
         for p in procs:
             p.start()
         while any(p.is_alive() for p in procs):  # one failing ends the other (no wait for its queue timeout)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from param_update.buckets import tensor_bytes
@@ -15,12 +16,15 @@ from param_update.buckets import tensor_bytes
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_gpu_check_cpu_path_loads_the_trained_weights_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("gather, load", [("tensor", "copy"), ("module", "swap")])
+def test_gpu_check_cpu_path_loads_the_trained_weights_bit_for_bit(tmp_path, gather, load):
     # buckets of 50 KiB: the 64 KiB embedding is split across two, and the load copies 10 KiB groups
     run = subprocess.run([sys.executable, "bench/gpu_check.py", "--device", "cpu", "--sizes", "tiny",
-                          "--bucket-mb", "0.05", "--consume-mb", "0.01", "--save-dir", str(tmp_path)],
+                          "--bucket-mb", "0.05", "--consume-mb", "0.01", "--save-dir", str(tmp_path),
+                          "--gather", gather, "--load", load],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
+    assert f"cpu, gather {gather}, load {load}" in run.stdout
     before, after, loaded = (torch.load(tmp_path / f"{name}.pt") for name in ("before", "after", "receiver"))
     assert set(loaded) == set(after) and len(after) > 20
     assert [n for n in after if not tensor_bytes(loaded[n]).equal(tensor_bytes(after[n]))] == []
