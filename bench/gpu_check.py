@@ -104,8 +104,9 @@ def copy_rates(device: str, nbytes: int) -> dict[str, float]:
 
 
 def trainer(size: str, device: str, bucket_bytes: int, port: int, to_recv, to_train, save_dir: str | None,
-            gather: str, load: str) -> None:
-    """Train one step under FSDP2, then gather and send the weights in buckets; then check the receiver's."""
+            gather: str, load: str, versions: int, ring: int) -> None:
+    """Per version: one AdamW step under FSDP2, then gather and send the weights in buckets, then check the
+    receiver's loaded weights byte for byte; then print each version's total and the last version's parts."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -118,7 +119,7 @@ def trainer(size: str, device: str, bucket_bytes: int, port: int, to_recv, to_tr
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     fsdp_modules = [*model.model.layers, model]
-    if gather == "module":  # one all-gather per module: its parameters are plain full tensors (kept to the end)
+    if gather == "module":  # one all-gather per module: its parameters are plain full tensors until reshard()
         full = lambda: ((n, p.detach()) for n, p in model.named_parameters())  # noqa: E731
     else:  # verl's FSDP2 engine's per-tensor gather
         full = lambda: ((n, p.full_tensor()) for n, p in model.named_parameters())  # noqa: E731
@@ -126,116 +127,139 @@ def trainer(size: str, device: str, bucket_bytes: int, port: int, to_recv, to_tr
         torch.save({n: p.full_tensor().cpu() for n, p in model.named_parameters()}, os.path.join(save_dir, "before.pt"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tokens = torch.randint(0, model.config.vocab_size, (2, 128 if device == "cuda" else 16), device=device)
-    loss = model(input_ids=tokens, labels=tokens).loss
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    del optimizer
-    sync(device)
-    print(f"[{size}] training step: loss {loss.item():.4f}", flush=True)
-
-    buffers = [torch.empty(bucket_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
+    buffers = [torch.empty(bucket_bytes, dtype=torch.uint8, device=device) for _ in range(ring)]
     if device == "cpu":
         buffers = [b.share_memory_() for b in buffers]
     assert to_train.get(timeout=QUEUE_TIMEOUT_S) == "ready"
-    seconds, count, nbytes = {"gather": 0.0, "send": 0.0}, 0, 0
-    start = time.perf_counter()
-    if gather == "module":
-        for module in fsdp_modules:
-            module.unshard()
-    buckets = pack_buckets(full(), bucket_bytes, version=1, device=None)
-    while True:
-        t0 = time.perf_counter()
-        bucket = next(buckets, None)
+    totals, parts = [], {}
+    for version in range(1, versions + 1):
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         sync(device)
-        t1 = time.perf_counter()
-        seconds["gather"] += t1 - t0
-        if bucket is None:
-            break
-        if count >= 2:  # the buffer's previous bucket must be staged before it is overwritten
-            assert to_train.get(timeout=QUEUE_TIMEOUT_S) == ("staged", count - 2)
-        buffer, offsets, at = buffers[count % 2], [], 0
-        for array in bucket.data:
-            n = len(array)
-            buffer[at:at + n].copy_(torch.as_tensor(array))
-            offsets.append((at, n))
-            at += n
-        sync(device)
-        to_recv.put(("bucket", count, buffer, offsets, bucket.slices, time.monotonic()))
-        seconds["send"] += time.perf_counter() - t1
-        nbytes += bucket.nbytes
-        count += 1
-    to_recv.put(("end", count))
-    message = to_train.get(timeout=QUEUE_TIMEOUT_S)
-    while message[0] == "staged":  # acks of the last buckets
+        seconds, count, nbytes = {"gather": 0.0, "send": 0.0}, 0, 0
+        start = time.perf_counter()
+        if gather == "module":
+            for module in fsdp_modules:
+                module.unshard()
+        buckets = pack_buckets(full(), bucket_bytes, version=version, device=None)
+        while True:
+            t0 = time.perf_counter()
+            bucket = next(buckets, None)
+            sync(device)
+            t1 = time.perf_counter()
+            seconds["gather"] += t1 - t0
+            if bucket is None:
+                break
+            if count >= ring:  # the buffer's previous bucket must be staged before it is overwritten
+                assert to_train.get(timeout=QUEUE_TIMEOUT_S) == ("staged", version, count - ring)
+            buffer, offsets, at = buffers[count % ring], [], 0
+            for array in bucket.data:
+                n = len(array)
+                buffer[at:at + n].copy_(torch.as_tensor(array))
+                offsets.append((at, n))
+                at += n
+            sync(device)
+            to_recv.put(("bucket", version, count, buffer, offsets, bucket.slices, time.monotonic()))
+            seconds["send"] += time.perf_counter() - t1
+            nbytes += bucket.nbytes
+            count += 1
+        del bucket, buckets
+        to_recv.put(("end", version, count))
         message = to_train.get(timeout=QUEUE_TIMEOUT_S)
-    _, receiver_seconds, loaded = message
-    total = time.perf_counter() - start
-    differ, missing, after = [], [], {}
-    for n, t in full():  # one gathered tensor at a time
-        if n not in loaded:
-            missing.append(n)
-        elif not tensor_bytes(t).equal(tensor_bytes(loaded[n])):
-            differ.append(n)
-        if save_dir:
-            after[n] = t.cpu()
+        while message[0] == "staged":  # acks of the last buckets
+            message = to_train.get(timeout=QUEUE_TIMEOUT_S)
+        _, receiver_seconds, loaded = message
+        totals.append(time.perf_counter() - start)
+        seconds.update(receiver_seconds)
+        differ, missing, after = [], [], {}
+        for n, t in full():  # one gathered tensor at a time
+            if n not in loaded:
+                missing.append(n)
+            elif not tensor_bytes(t).equal(tensor_bytes(loaded[n])):
+                differ.append(n)
+            if save_dir and version == versions:
+                after[n] = t.to("cpu", copy=True)  # the unsharded tensor is freed at reshard()
+        extra = sorted(set(loaded) - {n for n, _ in model.named_parameters()})
+        compared = len(loaded)
+        del loaded, message
+        to_recv.put("checked")
+        if gather == "module":
+            for module in fsdp_modules:
+                module.reshard()
+        print(f"[{size}] version {version}: loss {loss.item():.4f}, sync {totals[-1]:.3f} s, "
+              + ", ".join(f"{part} {seconds[part]:.3f}" for part in PARTS), flush=True)
+        if differ or missing or extra:
+            print(f"[{size}] bitwise: {len(differ)} of {compared} tensors differ, {len(missing)} never loaded, "
+                  f"{len(extra)} not the trainer's", flush=True)
+            raise SystemExit(f"[{size}] version {version}: loaded weights differ from the trainer's: "
+                             f"{(differ + missing + extra)[:5]}")
+        parts = seconds
+    to_recv.put("done")
     if save_dir:
         torch.save(after, os.path.join(save_dir, "after.pt"))
-    extra = sorted(set(loaded) - {n for n, _ in model.named_parameters()})
-    to_recv.put("done")
-    seconds.update(receiver_seconds)
     copy_bytes = 1 << (30 if device == "cuda" else 28)
     rates = copy_rates(device, copy_bytes)
     print(f"[{size}] {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {nbytes / 2**20:.2f} MiB "
-          f"in {count} buckets of {bucket_bytes / 2**20:.2f} MiB, {device}, gather {gather}, load {load}", flush=True)
+          f"in {count} buckets of {bucket_bytes / 2**20:.2f} MiB through {ring} send buffers, {device}, gather {gather}, "
+          f"load {load}; "
+          f"version {versions} of {versions}:", flush=True)
     for part in PARTS:
-        rate = nbytes / seconds[part] / GB
+        rate = nbytes / parts[part] / GB
         against = ", ".join(f"{rate / r:.3f} x {name}" for name, r in rates.items())
-        print(f"[{size}] {part:9s} {seconds[part]:8.3f} s  {rate:8.2f} GB/s  ({against})", flush=True)
-    print(f"[{size}] total     {total:8.3f} s  {nbytes / total / GB:8.2f} GB/s  (gather start to loaded, parts overlap)")
+        print(f"[{size}] {part:9s} {parts[part]:8.3f} s  {rate:8.2f} GB/s  ({against})", flush=True)
+    rate = nbytes / totals[-1] / GB
+    against = ", ".join(f"{rate / r:.3f} x {name}" for name, r in rates.items())
+    print(f"[{size}] total     {totals[-1]:8.3f} s  {rate:8.2f} GB/s  ({against}; gather start to loaded, parts overlap)",
+          flush=True)
+    if versions > 1:
+        first = nbytes / totals[0] / GB
+        print(f"[{size}] version 1's total {totals[0]:.3f} s, {first:.2f} GB/s ({first / rates['device copy']:.3f} x "
+              f"device copy), {totals[0] / totals[-1]:.1f}x version {versions}'s", flush=True)
     for name, r in rates.items():
         print(f"[{size}] {name}: {r:.2f} GB/s ({copy_bytes / 2**20:.0f} MiB, best of 5)", flush=True)
-    print(f"[{size}] bitwise: {len(differ)} of {len(loaded)} tensors differ, {len(missing)} never loaded, "
-          f"{len(extra)} not the trainer's", flush=True)
+    print(f"[{size}] bitwise: 0 of {compared} tensors differ in each of {versions} versions, 0 never loaded, "
+          f"0 not the trainer's", flush=True)
     dist.destroy_process_group()
     check_no_ray("trainer")
-    if differ or missing or extra:
-        raise SystemExit(f"[{size}] loaded weights differ from the trainer's: {(differ + missing + extra)[:5]}")
 
 
 def receiver(size: str, device: str, consume_bytes: int, to_recv, to_train, save_dir: str | None, load: str) -> None:
-    """Stage each bucket into a device buffer, load the version into an HF model, hand the model back."""
+    """Per version: stage each bucket into a device buffer, load the version into an HF model (copy or swap),
+    hand the loaded tensors back for the check."""
     model = qwen2(size, device, seed=2)
     expected, aliases, params = weight_layout(model.state_dict())
     stager = VersionStager(expected, aliases, device=device)
     to_train.put("ready")
-    seconds = {"recv": 0.0, "register": 0.0, "load": 0.0}
-    while True:
+    while (message := to_recv.get(timeout=QUEUE_TIMEOUT_S)) != "done":
+        seconds = {"recv": 0.0, "register": 0.0, "load": 0.0}
         t0 = time.monotonic()
-        message = to_recv.get(timeout=QUEUE_TIMEOUT_S)
-        if message[0] == "end":
-            break
-        _, index, buffer, offsets, slices, sent_at = message
-        t1 = time.monotonic()
-        stager.stage(1, Bucket(1, index, [buffer[at:at + n] for at, n in offsets], slices))
+        while message[0] == "bucket":
+            _, version, index, buffer, offsets, slices, sent_at = message
+            t1 = time.monotonic()
+            stager.stage(version, Bucket(version, index, [buffer[at:at + n] for at, n in offsets], slices))
+            sync(device)
+            t2 = time.monotonic()
+            del buffer, message
+            to_train.put(("staged", version, index))
+            seconds["recv"] += t1 - max(t0, sent_at)  # from the put (or our get, if later) to the bucket's handle open
+            seconds["register"] += t2 - t1
+            t0 = time.monotonic()
+            message = to_recv.get(timeout=QUEUE_TIMEOUT_S)
+        _, version, count = message
+        stager.check_complete(version, count)
+        t0 = time.perf_counter()
+        if load == "swap":
+            stager.swap_into(params)
+        else:
+            stager.copy_into(params, consume_bytes)
         sync(device)
-        t2 = time.monotonic()
-        del buffer, message
-        to_train.put(("staged", index))
-        seconds["recv"] += t1 - max(t0, sent_at)  # from the put (or our get, if later) to the bucket's handle open
-        seconds["register"] += t2 - t1
-    stager.check_complete(1, message[1])
-    t0 = time.perf_counter()
-    if load == "swap":
-        stager.swap_into(params)
-    else:
-        stager.copy_into(params, consume_bytes)
-    sync(device)
-    seconds["load"] = time.perf_counter() - t0
-    if save_dir:
-        torch.save({n: t.detach().cpu() for n, t in params.items()}, os.path.join(save_dir, "receiver.pt"))
-    to_train.put(("loaded", seconds, {n: t.detach() for n, t in params.items()}))
-    assert to_recv.get(timeout=QUEUE_TIMEOUT_S) == "done"  # the trainer read our tensors
+        seconds["load"] = time.perf_counter() - t0
+        if save_dir:
+            torch.save({n: t.detach().cpu() for n, t in params.items()}, os.path.join(save_dir, "receiver.pt"))
+        to_train.put(("loaded", seconds, {n: t.detach() for n, t in params.items()}))
+        assert to_recv.get(timeout=QUEUE_TIMEOUT_S) == "checked"  # the trainer read our tensors
     check_no_ray("receiver")
 
 
@@ -263,6 +287,10 @@ def main() -> int:
                         help="tensor: each parameter's full_tensor() (verl's); module: one all-gather per FSDP module")
     parser.add_argument("--load", choices=LOADS, default="copy",
                         help="copy into the live weights (copy_into), or swap the staged tensors in (swap_into)")
+    parser.add_argument("--send-buffers", type=int, default=2,
+                        help="the trainer's send buffers (a bucket each), reused once the receiver staged their bucket")
+    parser.add_argument("--versions", type=int, default=3,
+                        help="versions synced per size, a training step before each; the last one's parts are printed")
     parser.add_argument("--save-dir", help="write before.pt / after.pt (trainer) and receiver.pt there")
     args = parser.parse_args()
     sizes = args.sizes.split(",")
@@ -277,7 +305,8 @@ def main() -> int:
     for size in sizes:
         to_recv, to_train = ctx.Queue(), ctx.Queue()
         procs = [ctx.Process(target=trainer, args=(size, args.device, int(args.bucket_mb * 2**20), free_port(),
-                                                   to_recv, to_train, args.save_dir, args.gather, args.load)),
+                                                   to_recv, to_train, args.save_dir, args.gather, args.load,
+                                                   args.versions, args.send_buffers)),
                  ctx.Process(target=receiver, args=(size, args.device, int(args.consume_mb * 2**20), to_recv,
                                                     to_train, args.save_dir, args.load))]
         for p in procs:

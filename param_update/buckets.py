@@ -61,7 +61,7 @@ def pack_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes
     for name, tensor in named_tensors:
         held = tensor.detach() if device is None else tensor.detach().to(device)
         src = tensor_bytes(held)
-        src = src.numpy() if src.device.type == "cpu" else src
+        src = src.numpy() if device is not None and src.device.type == "cpu" else src  # None: tensor views
         if len(src) == 0:  # an empty tensor still has to arrive (shape and dtype)
             data.append(src)
             slices.append(TensorSlice(name, held.dtype, tuple(held.shape), 0, 0))
