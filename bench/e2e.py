@@ -28,6 +28,8 @@ cut at the limit, as with reasoning models).
   receives every version (the default computes it on the train rank before each update).
 - `async-pipeline k=K naive PPO` (`--naive-ks`): the same with AReaL's naive PPO, which
   recomputes no pi_prox at all.
+- `async-pipeline k=K loglinear` (`--loglinear-ks`): decoupled PPO with pi_prox interpolated per token
+  in the loss (`+algorithm.proximal_logp_method=loglinear`), no pi_prox forward.
 - `--ppo-ks K,...`: the PPO pair, verl's PPO with GAE and a critic (the demo's
   `overrides_ppo.txt`): `verl-sync PPO` and `async-pipeline k=K PPO` (the critic on its own
   rank, `use_nodes_ratios` 5th number = the train share).
@@ -117,6 +119,7 @@ VAL_KEYS = tuple(f"val-{kind}/{source}/reward/mean@1"
 # AReaL's naive PPO: pi_old = the behaviour policy, logp recomputes nothing (README "Algorithms")
 NAIVE_PPO = {"+algorithm.decoupled_ppo": False, "algorithm.rollout_correction.bypass_mode": True}
 LOGP_STAGE = {"+algorithm.proximal_logp_workers": "logp"}  # pi_prox on the logp stage's own rank
+LOGLINEAR = {"+algorithm.proximal_logp_method": "loglinear"}  # pi_prox interpolated in the loss, no forward
 STAGES = ("dataloader", "generate", "rollout", "reward", "logp", "ref_logp", "actor_train", "param_update",
           "values", "critic_train")
 # verl's synchronous step runs these one after another on the same processes (timing_s/<name>)
@@ -700,6 +703,8 @@ def main(argv=None) -> list[dict]:
                         help="pipeline runs with AReaL's naive PPO (no pi_prox) at these generate_ahead_steps")
     parser.add_argument("--logp-stage-ks", default="",
                         help="pipeline runs with pi_prox on the logp stage (proximal_logp_workers=logp)")
+    parser.add_argument("--loglinear-ks", default="",
+                        help="pipeline runs (at each --train-ranks) with pi_prox interpolated per token, no forward")
     parser.add_argument("--lora-ks", default="",
                         help="generate_ahead_steps of pipeline runs training a LoRA adapter (overrides_lora.txt)")
     parser.add_argument("--ppo-ks", default="",
@@ -759,6 +764,8 @@ def main(argv=None) -> list[dict]:
                for k in ks(args.ks) for ranks in ks(args.train_ranks)]
     systems += [pipeline(k, " logp stage", LOGP_STAGE) for k in ks(args.logp_stage_ks)]
     systems += [pipeline(k, " naive PPO", NAIVE_PPO) for k in ks(args.naive_ks)]
+    systems += [pipeline(k, " loglinear" + ranks_suffix(ranks), {**LOGLINEAR, **(train_split(ranks) if ranks > 1 else {})})
+                for k in ks(args.loglinear_ks) for ranks in ks(args.train_ranks)]
     systems += [pipeline(k, " LoRA", LORA_OVERRIDES) for k in ks(args.lora_ks)]
     ppo_ks = ks(args.ppo_ks)
     grpo_verl = not args.skip_verl and (systems or not ppo_ks)  # verl's GRPO run: the baseline of the GRPO rows

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from async_rl.core.balance import balance_rows
-from async_rl.core.decoupled_ppo import add_correction, set_behaviour_as_old, uses_behaviour_as_old
+from async_rl.core.decoupled_ppo import add_correction, recomputes_proximal, set_behaviour_as_old
 from async_rl.core.devices import world_size_of
 from async_rl.core.fault_points import hold_at
 from async_rl.core.generation_dumps import GenerationDumps
@@ -242,7 +242,7 @@ class ActorTrainStage(StateMachine):
             batch.batch["values"] = parts["values"].values
         if parts["reward"].baselines is not None:  # ReMax's greedy-sample scores (verl's reward_baselines)
             batch.batch["reward_baselines"] = parts["reward"].baselines
-        set_behaviour_as_old(batch, self.config)
+        set_behaviour_as_old(batch, self.config, self.version)
         kl_metrics = add_token_level_rewards(batch, self.kl_ctrl_in_reward, algo.get("kl_penalty", "kl"))
         batch, correction_metrics = add_correction(batch, self.config)
         return compute_advantage(
@@ -277,7 +277,7 @@ class ActorTrainStage(StateMachine):
 
     def _check_proximal_version(self, logp) -> None:
         """pi_prox must be the trainer's pre-update policy (a scheduling bug otherwise)."""
-        if not uses_behaviour_as_old(self.config) and logp.logp_version != self.version:
+        if recomputes_proximal(self.config) and logp.logp_version != self.version:
             raise RuntimeError(
                 f"step {self.version}: the logp stage computed old_log_probs with version {logp.logp_version}, "
                 f"the trainer is at {self.version}"

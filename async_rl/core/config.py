@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
-from async_rl.core.decoupled_ppo import conflicting_settings
+from async_rl.core.decoupled_ppo import PROXIMAL_LOGP_METHODS, conflicting_settings
 from async_rl.core.errors import AsyncConfigError
 from async_rl.core.stage_graph import STAGES_KEY, parse_user_stages
 
@@ -118,6 +118,10 @@ def _as_proximal_workers(key: str, value) -> str:
     return _as_choice(key, value, PROXIMAL_LOGP_WORKERS)
 
 
+def _as_proximal_method(key: str, value) -> str:
+    return _as_choice(key, value, PROXIMAL_LOGP_METHODS)
+
+
 def _as_optional_count(key: str, value) -> Optional[int]:
     return None if value is None else _as_count(key, value)
 
@@ -208,6 +212,9 @@ KEYS = (
         "`train` or `logp`",
         "where pi_prox (verl's `old_log_probs`) is recomputed: the train ranks before their update, or the "
         "logp stage's workers"),
+    Key("algorithm.proximal_logp_method", "proximal_logp_method", "recompute", _as_proximal_method,
+        "`recompute` or `loglinear`", "pi_prox by a forward pass, or interpolated per token with none (AReaL's; "
+        "[docs](docs/algorithms.md#decoupled-ppo))"),
     Key("actor_rollout_ref.rollout.max_restarts", "replica_max_restarts", None, _as_optional_count, "int >= 0",
         "restarts of each lost rollout (or reward-model) replica over the run; `0` stops the run naming it; "
         "above 0 with `cpu` or `vllm`", "`3` with `rollout.name=cpu`, else `0`"),
@@ -247,6 +254,7 @@ class AsyncPipelineConfig:
     behav_imp_weight_cap: float = _DEFAULTS["behav_imp_weight_cap"]
     partial_rollout: bool = _DEFAULTS["partial_rollout"]
     proximal_logp_workers: str = _DEFAULTS["proximal_logp_workers"]
+    proximal_logp_method: str = _DEFAULTS["proximal_logp_method"]
     replica_max_restarts: Optional[int] = _DEFAULTS["replica_max_restarts"]  # None: the rollout backend's default
     request_timeout_s: float = _DEFAULTS["request_timeout_s"]
     tool_timeout_s: float = _DEFAULTS["tool_timeout_s"]

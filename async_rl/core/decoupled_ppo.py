@@ -23,13 +23,22 @@ Under `async_pipeline=True` this is the default. Keys:
   train ranks, its weights and rejections from the current policy against pi_behav, per token.
 - `+algorithm.behav_imp_weight_cap` (default 5.0, > 1): AReaL's cap.
 - `+algorithm.proximal_logp_workers` (default train): where pi_prox is computed.
+- `+algorithm.proximal_logp_method` (default recompute): `loglinear` runs no pi_prox forward and takes
+  AReaL's log-linear approximation instead, per token, inside the loss (async_rl/training/proximal_loss.py):
+
+      log pi_prox = log pi_behav + alpha * (log pi_theta - log pi_behav),
+      alpha = (j - v) / (j + 1 - v), clamped to [0, 1]
+
+  with j the trainer's version before the update (pi_prox's) and v the version that sampled the token:
+  a token of version j gets pi_behav itself, one of version j - 1 the midpoint.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
-from omegaconf import DictConfig, open_dict
+import torch
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 LOWER_BOUND = "1e-30"  # below exp(-20), verl's clamp: never rejects a token
 
@@ -90,13 +99,51 @@ def apply_bypass_loss(config: DictConfig) -> bool:
     loss from `actor_rollout_ref.actor.policy_loss`). Returns whether it did."""
     if not bypass_loss_settings(config):
         return False
-    from omegaconf import OmegaConf
-
     policy_loss = config.actor_rollout_ref.actor.policy_loss
     with open_dict(policy_loss):
         policy_loss.rollout_correction = OmegaConf.to_container(config.algorithm.rollout_correction, resolve=True)
         policy_loss.loss_mode = BYPASS_LOSS_MODE
     return True
+
+
+RECOMPUTE, LOGLINEAR = "recompute", "loglinear"  # pi_prox by a forward pass of the pre-update weights, or interpolated
+PROXIMAL_LOGP_METHODS = (RECOMPUTE, LOGLINEAR)
+LOGLINEAR_LOSS_MODE = "decoupled_loglinear"  # the policy loss registered by async_rl/training/proximal_loss.py
+
+
+def apply_loglinear_loss(config: DictConfig) -> None:
+    """`proximal_logp_method=loglinear`: the actor's loss becomes `LOGLINEAR_LOSS_MODE`, with decoupled PPO's
+    `algorithm.rollout_correction` settings (its cap) beside it, as verl's bypass mode passes its own (in place,
+    before the workers are built)."""
+    policy_loss = config.actor_rollout_ref.actor.policy_loss
+    with open_dict(policy_loss):
+        policy_loss.rollout_correction = OmegaConf.to_container(config.algorithm.rollout_correction, resolve=True)
+        policy_loss.loss_mode = LOGLINEAR_LOSS_MODE
+
+
+def approximates_proximal(config: DictConfig) -> bool:
+    """pi_prox is AReaL's log-linear approximation, made inside the loss (`apply_loglinear_loss` ran)."""
+    return OmegaConf.select(config, LOSS_MODE) == LOGLINEAR_LOSS_MODE
+
+
+def recomputes_proximal(config: DictConfig) -> bool:
+    """A forward pass of the pre-update weights gives pi_prox (neither bypass mode nor the approximation)."""
+    return not uses_behaviour_as_old(config) and not approximates_proximal(config)
+
+
+def interpolation_weights(token_versions: torch.Tensor, trainer_version: int) -> torch.Tensor:
+    """alpha per token (float32, the shape of `token_versions`): (j - v) / (j + 1 - v) in [0, 1] for a token
+    sampled by version v >= 0 trained at version j; 0 where v < 0 (padding)."""
+    v = token_versions.to(torch.float32)
+    j = float(trainer_version)
+    alpha = ((j - v) / (j + 1 - v).clamp(min=1.0)).clamp(0.0, 1.0)
+    return torch.where(token_versions >= 0, alpha, torch.zeros_like(alpha))
+
+
+def approximate_proximal(behaviour: torch.Tensor, current: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """AReaL's log-linear pi_prox: log pi_behav + alpha * (log pi_theta - log pi_behav), from `current` as given
+    (the loss passes it detached: pi_prox carries no gradient)."""
+    return behaviour + alpha.to(behaviour.dtype) * (current - behaviour)
 
 
 def uses_behaviour_as_old(config: DictConfig) -> bool:
@@ -105,12 +152,19 @@ def uses_behaviour_as_old(config: DictConfig) -> bool:
     return bool(rollout_correction is not None and rollout_correction.get("bypass_mode", False))
 
 
-def set_behaviour_as_old(batch, config: DictConfig) -> None:
+def set_behaviour_as_old(batch, config: DictConfig, trainer_version: Optional[int] = None) -> None:
     """Bypass mode: old_log_probs become the behaviour log-probs, the rollout's own per token (each
     token's from the version that sampled it): the data half of verl's apply_bypass_mode, which verl's
-    trainer runs before the KL penalty and the advantages."""
-    if uses_behaviour_as_old(config) and "rollout_log_probs" in batch.batch.keys():
-        batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
+    trainer runs before the KL penalty and the advantages. The log-linear approximation likewise, and its
+    alpha per token (`interpolation_weights` at `trainer_version`) rides in `rollout_is_weights`, the loss's
+    one per-token input beside them (`LOGLINEAR_LOSS_MODE` turns both into pi_prox and its weights)."""
+    if recomputes_proximal(config) or "rollout_log_probs" not in batch.batch.keys():
+        return
+    batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
+    if approximates_proximal(config):
+        if trainer_version is None:
+            raise ValueError("the log-linear pi_prox needs the trainer's version")
+        batch.batch["rollout_is_weights"] = interpolation_weights(batch.batch["token_versions"], trainer_version)
 
 
 def add_correction(batch, config: DictConfig):
@@ -118,10 +172,10 @@ def add_correction(batch, config: DictConfig):
 
     verl's importance weights (`rollout_is_weights`) and `rollout_corr/*` metrics from the
     proximal (`old_log_probs`) and behaviour (`rollout_log_probs`) log-probs; nothing in
-    bypass mode (`set_behaviour_as_old` is all it needs).
+    bypass mode or under the log-linear approximation (`set_behaviour_as_old` is all they need).
     """
     rollout_correction = config.algorithm.get("rollout_correction")
-    if rollout_correction is None or "rollout_log_probs" not in batch.batch.keys() or uses_behaviour_as_old(config):
+    if rollout_correction is None or "rollout_log_probs" not in batch.batch.keys() or not recomputes_proximal(config):
         return batch, {}
     if not bool(batch.batch["response_mask"].any()):  # verl refuses a batch with no valid token
         return batch, {}

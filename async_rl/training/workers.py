@@ -23,6 +23,7 @@ import torch
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
+from async_rl.training import proximal_loss  # noqa: F401 (registers the log-linear pi_prox loss in verl's table)
 from async_rl.training.checkpoint_writer import CheckpointWriter
 from param_update.buckets import tensor_digest
 from param_update.holder import WEIGHTS_GROUP, RankStagedWeights

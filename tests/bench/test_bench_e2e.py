@@ -485,6 +485,12 @@ def test_train_and_verl_ranks_reach_each_systems_keys(tmp_path, monkeypatch):
     assert list(runs) == ["verl-sync tp2", "async-pipeline k=2"]
     assert runs["verl-sync tp2"]["actor_rollout_ref.rollout.tensor_model_parallel_size"] == 2
     assert "actor_rollout_ref.rollout.tensor_model_parallel_size" not in runs["async-pipeline k=2"]
+    runs.clear()  # --loglinear-ks: pi_prox interpolated, on the same split of train ranks as --ks
+    e2e.main(["--ks", "2", "--loglinear-ks", "2", "--train-ranks", "2", "--seeds", "0", "--metrics-dir",
+              str(tmp_path / "loglinear")])
+    assert list(runs) == ["verl-sync", "async-pipeline k=2 train x2", "async-pipeline k=2 loglinear train x2"]
+    loglinear, recompute = runs["async-pipeline k=2 loglinear train x2"], runs["async-pipeline k=2 train x2"]
+    assert loglinear == {**recompute, "+algorithm.proximal_logp_method": "loglinear"}
 
 
 @pytest.mark.parametrize("ranks", [1, 2])

@@ -27,6 +27,7 @@ DECOUPLED = "algorithm.decoupled_ppo"
 CAP = "algorithm.behav_imp_weight_cap"
 PARTIAL = "actor_rollout_ref.rollout.partial_rollout"
 PROXIMAL = "algorithm.proximal_logp_workers"
+PROXIMAL_METHOD = "algorithm.proximal_logp_method"
 STAGE_PROCESSES = "trainer.stage_processes"
 REQUEST_TIMEOUT = "actor_rollout_ref.rollout.request_timeout_s"
 TOOL_TIMEOUT = "actor_rollout_ref.rollout.multi_turn.tool_timeout_s"
@@ -99,11 +100,12 @@ def test_the_key_table_is_the_one_source_of_defaults_and_of_the_readme():
 
 
 def test_config_keys_listed():
-    assert set(CONFIG_KEYS) == set(BOOL_KEYS + POSITIVE_KEYS + (RATIOS, AHEAD, CAP, PROXIMAL, "reward.on_error",
+    assert set(CONFIG_KEYS) == set(BOOL_KEYS + POSITIVE_KEYS + (RATIOS, AHEAD, CAP, PROXIMAL, PROXIMAL_METHOD,
+                                                                "reward.on_error",
                                                                 "trainer.max_restarts", "trainer.async_stages",
                                                                 REPLICA_RESTARTS, TOOL_POOL_SIZE, TRACE_PATH,
                                                                 STAGE_PROCESSES))
-    assert len(CONFIG_KEYS) == 23
+    assert len(CONFIG_KEYS) == 24
 
 
 def test_every_key_is_read():
@@ -123,6 +125,7 @@ def test_every_key_is_read():
                 CAP: 2,
                 PARTIAL: False,
                 PROXIMAL: "logp",
+                PROXIMAL_METHOD: "loglinear",
                 TOOL_TIMEOUT: 7,
                 TOOL_POOL_SIZE: 3,
                 STAGE_PROCESSES: "per_stage",
@@ -131,6 +134,7 @@ def test_every_key_is_read():
     )
     assert c.stage_processes == "per_stage" and read_async_config(cfg({})).stage_processes == "per_node"
     assert c.decoupled_ppo is False and c.partial_rollout is False and c.proximal_logp_workers == "logp"
+    assert c.proximal_logp_method == "loglinear" and read_async_config(cfg({})).proximal_logp_method == "recompute"
     assert c.behav_imp_weight_cap == 2.0 and isinstance(c.behav_imp_weight_cap, float)
     assert c.enabled is True and c.enable_dual_buffer is False
     assert c.use_nodes_ratios == (1.0, 0.25, 0.75, 1.0)

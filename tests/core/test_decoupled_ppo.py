@@ -194,3 +194,91 @@ def test_settings_survive_verls_config_and_dataclass():
     assert rollout_correction_settings(2)["rollout_is_threshold"] == "1e-30_2.0"
     user = compose_ppo(["algorithm.rollout_correction.rollout_is=sequence"])
     assert conflicting_settings(user.algorithm.rollout_correction) == {"rollout_is": "sequence"}
+
+
+# ---- pi_prox by AReaL's log-linear approximation (+algorithm.proximal_logp_method=loglinear)
+
+
+def test_the_interpolation_weight_is_0_for_the_trainers_own_version_and_half_one_version_back():
+    from async_rl.core.decoupled_ppo import interpolation_weights
+
+    versions = torch.tensor([[7, 6, 5, 3, -1], [7, 7, -1, -1, -1]])
+    alpha = interpolation_weights(versions, trainer_version=7)
+    want = torch.tensor([[0.0, 1 / 2, 2 / 3, 4 / 5, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0]])
+    torch.testing.assert_close(alpha, want)
+
+
+def loglinear_actor_config(cap=CAP):
+    from verl.workers.config.actor import FSDPActorConfig, PolicyLossConfig
+
+    from async_rl.core.decoupled_ppo import LOGLINEAR_LOSS_MODE
+
+    return FSDPActorConfig(
+        strategy="fsdp2", ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=1, rollout_n=1,
+        clip_ratio_low=EPS_LOW, clip_ratio_high=EPS_HIGH, clip_ratio_c=1e9, loss_agg_mode="token-mean",
+        policy_loss=PolicyLossConfig(loss_mode=LOGLINEAR_LOSS_MODE,
+                                     rollout_correction=verl_config(cap).algorithm.rollout_correction),
+    )
+
+
+def loglinear_loss(logp, behav, alpha, adv, mask):
+    """The registered loss, looked up as verl's ppo_loss looks it up."""
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+
+    import async_rl.training.proximal_loss  # noqa: F401 (registers it)
+    from async_rl.core.decoupled_ppo import LOGLINEAR_LOSS_MODE
+
+    loss, metrics = get_policy_loss_fn(LOGLINEAR_LOSS_MODE)(
+        old_log_prob=behav, log_prob=logp, advantages=adv, response_mask=mask.bool(), loss_agg_mode="token-mean",
+        config=loglinear_actor_config(), rollout_is_weights=alpha)
+    assert 0 <= metrics["actor/proximal_interpolation"] <= 1
+    return loss
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_loglinear_loss_is_the_papers_equation_against_the_interpolated_proximal_policy(seed):
+    """Loss and gradient equal AReaL's eq. 5 with pi_prox = pi_behav + alpha (pi_theta - pi_behav) in log space,
+    pi_prox taken as a constant (no gradient through it), and the cap applied to pi_prox / pi_behav."""
+    from async_rl.core.decoupled_ppo import interpolation_weights
+
+    logp, _, behav, adv, mask = random_batch(seed, behav_spread=1.5)
+    versions = torch.randint(0, 4, mask.shape, generator=torch.Generator().manual_seed(seed)) + 3
+    alpha = interpolation_weights(versions, trainer_version=6)
+    assert 0 < alpha.mean() < 1
+    prox = behav + alpha.double() * (logp - behav)
+    over = (torch.exp(prox - behav) > CAP) & mask.bool()
+    assert over.any()  # the cap is exercised
+    want, want_grad = loss_and_grad(lambda x: areal_loss(x, prox, behav, adv, mask), logp)
+    got, got_grad = loss_and_grad(lambda x: loglinear_loss(x, behav, alpha, adv, mask), logp)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-12, atol=1e-12)
+
+
+def test_the_loglinear_loss_is_ppo_against_the_behaviour_policy_for_fresh_tokens():
+    logp, _, behav, adv, mask = random_batch(9)
+    got = loglinear_loss(logp, behav, torch.zeros_like(mask, dtype=torch.float32), adv, mask)
+    torch.testing.assert_close(got, plain_ppo_loss(logp, behav, adv, mask), rtol=1e-12, atol=1e-12)
+
+
+def test_under_loglinear_the_batch_carries_behaviour_and_alpha_and_verls_weights_stay_out():
+    from verl import DataProto
+
+    from async_rl.core.decoupled_ppo import apply_loglinear_loss, interpolation_weights, recomputes_proximal
+
+    _, prox, behav, _, mask = random_batch(10)
+    versions = torch.full(mask.shape, 4, dtype=torch.long).masked_fill(~mask.bool(), -1)
+    config = OmegaConf.create({"algorithm": verl_config().algorithm,
+                               "actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": "vanilla"}}}})
+    assert recomputes_proximal(config)
+    apply_loglinear_loss(config)
+    assert not recomputes_proximal(config)
+    assert config.actor_rollout_ref.actor.policy_loss.rollout_correction.rollout_is_threshold == f"1e-30_{CAP!r}"
+    batch = DataProto.from_dict(tensors={"old_log_probs": prox, "rollout_log_probs": behav, "response_mask": mask,
+                                         "token_versions": versions})
+    with pytest.raises(ValueError, match="trainer's version"):
+        set_behaviour_as_old(batch, config)
+    set_behaviour_as_old(batch, config, trainer_version=5)
+    assert torch.equal(batch.batch["old_log_probs"], behav)
+    torch.testing.assert_close(batch.batch["rollout_is_weights"], interpolation_weights(versions, 5))
+    batch, metrics = add_correction(batch, config)
+    assert metrics == {} and torch.equal(batch.batch["rollout_is_weights"], interpolation_weights(versions, 5))

@@ -197,6 +197,37 @@ def test_bypass_mode_alone_is_naive_ppo_with_no_recomputed_log_probs(demo_dir):
     assert run.async_cfg.decoupled_ppo is False and run.proximal_logp_workers is None
 
 
+LOGLINEAR = {"+algorithm.proximal_logp_method": "loglinear"}
+
+
+def test_the_loglinear_proximal_policy_runs_no_pi_prox_forward_and_trains_with_its_own_loss(demo_dir):
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config.actor import PolicyLossConfig
+
+    from async_rl.core.decoupled_ppo import LOGLINEAR_LOSS_MODE
+
+    run = read_run_config(compose_ppo(demo_overrides(demo_dir, extra=LOGLINEAR)))
+    assert run.async_cfg.decoupled_ppo is True and run.proximal_logp_workers is None  # no logp role, no forward
+    policy_loss = omega_conf_to_dataclass(run.config.actor_rollout_ref.actor.policy_loss, PolicyLossConfig)
+    assert policy_loss.loss_mode == LOGLINEAR_LOSS_MODE  # as verl's workers read it
+    assert policy_loss.rollout_correction.rollout_is_threshold == "1e-30_5.0"
+    assert read_run_config(compose_ppo(demo_overrides(demo_dir))).proximal_logp_workers == "train"
+
+
+@pytest.mark.parametrize("extra,named,why", [
+    ({"+algorithm.decoupled_ppo": False}, "proximal_logp_method='loglinear'", "recompute without decoupled PPO"),
+    ({"algorithm.rollout_correction.bypass_mode": True}, "proximal_logp_method='loglinear'",
+     "recompute without decoupled PPO"),
+    ({"actor_rollout_ref.actor.policy_loss.loss_mode": "gspo"}, "loss_mode='gspo'", "vanilla with"),
+    ({"+algorithm.proximal_logp_workers": "logp"}, "proximal_logp_workers='logp'", "no pi_prox forward runs"),
+    ({"+algorithm.proximal_logp_method": "exact"}, "proximal_logp_method='exact'", "recompute or loglinear"),
+])
+def test_the_loglinear_proximal_policy_beside_what_it_cannot_go_with_is_refused(demo_dir, extra, named, why):
+    with pytest.raises(AsyncConfigError, match="invalid config") as refused:
+        read_run_config(compose_ppo(demo_overrides(demo_dir, extra={**LOGLINEAR, **extra})))
+    assert named in str(refused.value) and why in str(refused.value)
+
+
 def test_dataloader_workers_left_at_verls_default_are_sized_to_the_work_and_a_named_value_stands(demo_dir,
                                                                                                  monkeypatch):
     from async_rl import run_config

@@ -41,6 +41,8 @@ STAGES = "dataloader, generate, rollout, reward, logp, ref_logp, param_update, a
 KL_LOSS = {"actor_rollout_ref.actor.use_kl_loss": True}  # verl's KL loss against the ref_logp stage's log-probs
 # ReMax (verl 0.9.1's own trainer fails at step 1: no baseline)
 REMAX = {"algorithm.adv_estimator": "remax"}
+# pi_prox by AReaL's log-linear approximation inside the loss: no pi_prox forward
+LOGLINEAR = {"+algorithm.proximal_logp_method": "loglinear"}
 # verl's DAPO dynamic sampling key: training batches of groups whose rewards differ (a dynamic_sampling stage)
 DYNAMIC_SAMPLING = {"algorithm.filter_groups.enable": True, "algorithm.filter_groups.max_num_gen_batches": 10}
 def profiled(save_path) -> dict:
@@ -74,8 +76,9 @@ ROLLOUT_CORRECTION_EXAMPLE = {
 # training batches carry the dynamic_sampling stage's metrics instead of the reward stage's), Ray's timeline and
 # verl's torch profiler.
 @pytest.mark.parametrize("k,steps,extra", [(1, 4, {**ROLLOUT_CORRECTION_EXAMPLE, **DYNAMIC_SAMPLING}),
-                                           (3, 6, {**KL_LOSS, **REMAX}), (3, 4, NAIVE_PPO_KL)],
-                         ids=["k1-own-rollout-correction-dynamic-sampling", "k3-kl-loss-remax", "k3-naive-kl"])
+                                           (3, 6, {**KL_LOSS, **REMAX}), (3, 4, NAIVE_PPO_KL), (2, 4, LOGLINEAR)],
+                         ids=["k1-own-rollout-correction-dynamic-sampling", "k3-kl-loss-remax", "k3-naive-kl",
+                              "k2-loglinear-proximal"])
 def test_pipeline_trains_with_bounded_staleness(demo_dir, tmp_path, ray_address, k, steps, extra):
     """Every step trains on samples at most k - 1 versions old (k = 1: on-policy), pi_prox the pre-update
     version under decoupled PPO, the behaviour policy under naive PPO; and, in the same runs:
@@ -96,6 +99,7 @@ def test_pipeline_trains_with_bounded_staleness(demo_dir, tmp_path, ray_address,
     kl_loss = KL_LOSS.items() <= extra.items()
     dynamic = DYNAMIC_SAMPLING.items() <= extra.items()
     own_correction = ROLLOUT_CORRECTION_EXAMPLE.items() <= extra.items()
+    loglinear = extra is LOGLINEAR
     assert code == 0, out[-4000:]
     stages = STAGES.replace("reward, ", "reward, dynamic_sampling, ") if dynamic else STAGES
     processes = f"8 (per_stage): {stages}" if naive else f"1 (per_node): {stages.replace(', ', '+')} on node"
@@ -124,6 +128,10 @@ def test_pipeline_trains_with_bounded_staleness(demo_dir, tmp_path, ray_address,
             assert metrics["actor/reward_kl_penalty_coeff"] == 0.001
             assert abs(metrics["actor/reward_kl_penalty"]) < 10
             assert not any(key.startswith("actor/rollout_corr/") for key in metrics)
+        elif loglinear:  # pi_prox interpolated in the loss, per token: no forward, its weights from verl's helper there
+            assert metrics["async/logp_version"] == -1 and "timing_s/old_log_prob" not in metrics
+            assert 0.0 <= metrics["actor/proximal_interpolation"] < 1.0
+            assert "actor/rollout_corr/rollout_is_mean" in metrics and "rollout_corr/rollout_is_mean" not in metrics
         elif not own_correction:  # decoupled PPO: pi_prox is the trainer's pre-update version, token weights from verl
             assert "actor/reward_kl_penalty" not in metrics
             assert metrics["async/logp_version"] == step - 1
@@ -148,6 +156,8 @@ def test_pipeline_trains_with_bounded_staleness(demo_dir, tmp_path, ray_address,
         assert all(m["actor/rollout_corr/log_ppl_abs_diff"] < 1e-4 for m in by_step.values()), by_step
     else:  # generation really ran ahead: some step trained on data older than the trainer
         assert max(m["async/staleness/max"] for m in by_step.values()) >= 1
+    if loglinear:  # tokens one version old sit halfway between pi_behav and the current policy
+        assert max(m["actor/proximal_interpolation"] for m in by_step.values()) > 0
     if remax:  # Ray's timeline of the run's tasks, written once it trained, as verl's run_ppo writes it
         events = json.loads(timeline.read_text())
         assert isinstance(events, list) and any(e.get("cat") == "task" or "name" in e for e in events)
