@@ -4,14 +4,15 @@ device parts between two processes, at Qwen2-shaped sizes built locally (random 
     python bench/gpu_check.py --device cuda --sizes 0.5B,1.5B,7B
     python bench/gpu_check.py --device cpu --sizes tiny          # what CI runs (tests/param_update/test_gpu_check.py)
 
-Per size, two spawned processes:
+Per size, two spawned processes, and per version (`--versions`, 3):
 - trainer: a Qwen2ForCausalLM wrapped in `fully_shard` (one rank), one AdamW step on random tokens, then
-  **gather** (each parameter's `full_tensor()`, packed by `param_update.buckets.pack_buckets` on the device)
-  and **send** (each bucket copied into one of two transport buffers, handed over a torch.multiprocessing
-  queue: CUDA IPC on a GPU, shared memory on the CPU; a buffer is reused once the receiver has staged it).
+  **gather** (packed by `param_update.buckets.pack_buckets` on the device) and **send** (each bucket copied
+  into one of `--send-buffers` (2) transport buffers, handed over a torch.multiprocessing queue: CUDA IPC on
+  a GPU, shared memory on the CPU; a buffer is reused once the receiver has staged its bucket).
 - receiver: **recv** (open the handle) and **register-buffer** (`param_update.staging.VersionStager`
-  with `device=` the GPU: one device copy per bucket), then **load** (`copy_into` an HF model on the device).
-Then the trainer compares every tensor the receiver loaded with its own, byte for byte (exit 1 on a mismatch).
+  with `device=` the GPU: one device copy per bucket), then **load** into an HF model on the device.
+Then the trainer compares every tensor the receiver loaded with its own, byte for byte (exit 1 on a mismatch),
+and prints each version's sync, the last version's parts and the first version's sync against the last.
 
 Choices (each printed with the run's parts):
 - `--gather tensor` (verl's FSDP2 engine: each parameter's `full_tensor()`) or `module` (each FSDP module
