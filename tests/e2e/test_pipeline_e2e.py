@@ -81,7 +81,8 @@ ROLLOUT_CORRECTION_EXAMPLE = {
                               "k2-loglinear-proximal"])
 def test_pipeline_trains_with_bounded_staleness(demo_dir, tmp_path, ray_address, k, steps, extra):
     """Every step trains on samples at most k - 1 versions old (k = 1: on-policy), pi_prox the pre-update
-    version under decoupled PPO, the behaviour policy under naive PPO; and, in the same runs:
+    version under decoupled PPO (interpolated in the loss, with no forward, under
+    `+algorithm.proximal_logp_method=loglinear`), the behaviour policy under naive PPO; and, in the same runs:
     `algorithm.filter_groups.enable=True` fills every training batch with groups whose rewards differ, drawn
     from as many generated batches as it takes; the user's own `algorithm.rollout_correction` trains as set
     (verl's bypass-mode loss, its IS weights from the train ranks' policy against the rollout's log-probs);
