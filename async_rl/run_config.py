@@ -20,8 +20,8 @@ from async_rl.checkpoints import CheckpointConfig, read_checkpoint_config
 from async_rl.core.config import (DELTA_SYNC_KEY, AsyncPipelineConfig, critic_enabled, read_async_config, runs_on_cpu,
                                    select_value, strip_async_keys)
 from async_rl.core.data_checks import agent_names_in, check_rl_files
-from async_rl.core.decoupled_ppo import (LOGLINEAR, LOSS_MODE, apply_bypass_loss, apply_loglinear_loss, apply_to_config,
-                                        recomputes_proximal)
+from async_rl.core.decoupled_ppo import (LOGLINEAR, apply_bypass_loss, apply_loglinear_loss, apply_to_config,
+                                        check_proximal_method, recomputes_proximal)
 from async_rl.core.errors import AsyncConfigError
 from async_rl.core.legacy_reward_keys import migrate_legacy_reward_keys
 from async_rl.core.placement import Placement, plan_placement
@@ -113,7 +113,7 @@ def read_run_config(config: DictConfig) -> RunConfig:
             "them instead needs a backend that can: cpu, vllm)",
         )
     _check_delta_sync(config, async_cfg, backend)
-    _check_proximal_method(config, async_cfg)
+    check_proximal_method(config, async_cfg.proximal_logp_method, async_cfg.decoupled_ppo)
     check_files(config)
     check_agent_loops(config, agent_names_in(config.data.train_files) | agent_names_in(config.data.get("val_files") or []))
     check_trace_backend(config)
@@ -190,25 +190,6 @@ def _check_delta_sync(config: DictConfig, async_cfg: AsyncPipelineConfig, backen
         why.append("algorithm.proximal_logp_workers=logp (its ranks load into FSDP shards and keep no base)")
     if why:
         raise AsyncConfigError(DELTA_SYNC_KEY, True, "False with " + "; ".join(why))
-
-
-def _check_proximal_method(config: DictConfig, async_cfg: AsyncPipelineConfig) -> None:
-    """The log-linear pi_prox is decoupled PPO's, taken in its own loss, with no forward to place."""
-    if async_cfg.proximal_logp_method != LOGLINEAR:
-        return
-    key = "algorithm.proximal_logp_method"
-    if not async_cfg.decoupled_ppo:
-        raise AsyncConfigError(key, LOGLINEAR, "recompute without decoupled PPO (algorithm.decoupled_ppo is off, or "
-                                               "algorithm.rollout_correction is set by the command): the approximation "
-                                               "is decoupled PPO's pi_prox")
-    loss_mode = select_value(config, LOSS_MODE, "vanilla")
-    if loss_mode != "vanilla":
-        raise AsyncConfigError(LOSS_MODE, loss_mode, f"vanilla with +{key}=loglinear (its loss is decoupled PPO's "
-                                                     "against the approximated pi_prox)")
-    workers = select_value(config, "algorithm.proximal_logp_workers", None)
-    if workers is not None:
-        raise AsyncConfigError("algorithm.proximal_logp_workers", workers,
-                               f"unset with +{key}=loglinear (no pi_prox forward runs to place)")
 
 
 def _replica_restarts(async_cfg: AsyncPipelineConfig, backend: RolloutBackend) -> int:

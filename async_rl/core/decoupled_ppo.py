@@ -40,6 +40,8 @@ from typing import Optional
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from async_rl.core.errors import AsyncConfigError
+
 LOWER_BOUND = "1e-30"  # below exp(-20), verl's clamp: never rejects a token
 
 
@@ -119,6 +121,27 @@ def apply_loglinear_loss(config: DictConfig) -> None:
     with open_dict(policy_loss):
         policy_loss.rollout_correction = OmegaConf.to_container(config.algorithm.rollout_correction, resolve=True)
         policy_loss.loss_mode = LOGLINEAR_LOSS_MODE
+
+
+def check_proximal_method(config: DictConfig, method: str, decoupled_ppo: bool) -> None:
+    """`algorithm.proximal_logp_method` against the rest of `config` (before `apply_loglinear_loss`): the
+    log-linear pi_prox is decoupled PPO's, taken in its own loss, with no forward to place; AsyncConfigError
+    names the key that cannot go with it."""
+    if method != LOGLINEAR:
+        return
+    key = "algorithm.proximal_logp_method"
+    if not decoupled_ppo:
+        raise AsyncConfigError(key, LOGLINEAR, "recompute without decoupled PPO (algorithm.decoupled_ppo is off, or "
+                                               "algorithm.rollout_correction is set by the command): the approximation "
+                                               "is decoupled PPO's pi_prox")
+    loss_mode = OmegaConf.select(config, LOSS_MODE, default="vanilla")
+    if loss_mode != "vanilla":
+        raise AsyncConfigError(LOSS_MODE, loss_mode, f"vanilla with +{key}=loglinear (its loss is decoupled PPO's "
+                                                     "against the approximated pi_prox)")
+    workers = OmegaConf.select(config, "algorithm.proximal_logp_workers")
+    if workers is not None:
+        raise AsyncConfigError("algorithm.proximal_logp_workers", workers,
+                               f"unset with +{key}=loglinear (no pi_prox forward runs to place)")
 
 
 def approximates_proximal(config: DictConfig) -> bool:
