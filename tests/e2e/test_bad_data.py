@@ -66,7 +66,7 @@ def test_an_empty_prompt_is_named(demo_dir, tmp_path):
 def test_multimodal_rows_a_run_cannot_serve_are_refused_at_start_naming_the_column(demo_dir, tmp_path):
     from omegaconf import OmegaConf
 
-    from async_rl.run_config import refused_media
+    from async_rl.file_checks import refused_media
 
     rows = demo_rows(demo_dir, 8)
     rows["images"] = [[b"png"]] * len(rows)
@@ -89,7 +89,7 @@ def test_image_rows_on_cpu_need_use_remove_padding_off_naming_the_key():
     from omegaconf import OmegaConf
 
     from async_rl.core.errors import AsyncConfigError
-    from async_rl.run_config import check_image_rows
+    from async_rl.file_checks import check_image_rows
 
     def config(device, remove_padding):
         return OmegaConf.create({"data": {"image_key": "images"}, "trainer": {"device": device},
