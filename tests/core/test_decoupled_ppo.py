@@ -39,12 +39,13 @@ def plain_ppo_loss(logp, old, adv, mask):
     return loss.masked_fill(~mask.bool(), 0.0).sum() / mask.sum().clamp(min=1)
 
 
-def actor_config(clip_ratio_c=1e9):
+def actor_config(clip_ratio_c=1e9, **fields):
     from verl.workers.config.actor import FSDPActorConfig
 
     return FSDPActorConfig(
         strategy="fsdp2", ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=1, rollout_n=1,
         clip_ratio_low=EPS_LOW, clip_ratio_high=EPS_HIGH, clip_ratio_c=clip_ratio_c, loss_agg_mode="token-mean",
+        **fields,
     )
 
 
@@ -209,16 +210,12 @@ def test_the_interpolation_weight_is_0_for_the_trainers_own_version_and_half_one
 
 
 def loglinear_actor_config(cap=CAP):
-    from verl.workers.config.actor import FSDPActorConfig, PolicyLossConfig
+    from verl.workers.config.actor import PolicyLossConfig
 
     from async_rl.core.decoupled_ppo import LOGLINEAR_LOSS_MODE
 
-    return FSDPActorConfig(
-        strategy="fsdp2", ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=1, rollout_n=1,
-        clip_ratio_low=EPS_LOW, clip_ratio_high=EPS_HIGH, clip_ratio_c=1e9, loss_agg_mode="token-mean",
-        policy_loss=PolicyLossConfig(loss_mode=LOGLINEAR_LOSS_MODE,
-                                     rollout_correction=verl_config(cap).algorithm.rollout_correction),
-    )
+    return actor_config(policy_loss=PolicyLossConfig(loss_mode=LOGLINEAR_LOSS_MODE,
+                                                     rollout_correction=verl_config(cap).algorithm.rollout_correction))
 
 
 def loglinear_loss(logp, behav, alpha, adv, mask):
