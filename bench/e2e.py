@@ -268,10 +268,20 @@ def same_cores_limit(row: dict) -> float | None:
 
 
 def reached_target(path: Path, target: float) -> bool:
-    """Whether the run logging to ``path`` has had a validation at or above ``target``."""
+    """Whether the run logging to ``path`` has had a validation at or above ``target``. Only validation lines are
+    parsed (a poll reads the file every `POLL_S`), and a line the run is still writing is left to the next poll."""
     if not path.exists():
         return False
-    return any(row["data"].get(key, -1.0) >= target for row in read_metrics(path) for key in VAL_KEYS)
+    for line in path.read_text().splitlines():
+        if '"val-' not in line:
+            continue
+        try:
+            data = json.loads(line)["data"]
+        except json.JSONDecodeError:
+            continue
+        if any(data.get(key, -1.0) >= target for key in VAL_KEYS):
+            return True
+    return False
 
 
 POLL_S = 2.0  # how often `run_system` looks at a run: its target, its bound, the machine's CPU

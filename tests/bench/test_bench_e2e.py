@@ -186,7 +186,10 @@ def test_a_run_stops_at_its_first_validation_at_the_target_with_its_whole_proces
     metrics.write_text('{"step": 0, "data": {"%s": 0.5}}\n' % e2e.VAL_KEYS[0])
     assert not e2e.reached_target(metrics, 0.9)
     with metrics.open("a") as f:
-        f.write('{"step": 10, "data": {"%s": 0.92}}\n' % e2e.VAL_KEYS[1])
+        f.write('{"step": 10, "data": {"%s": 0.9' % e2e.VAL_KEYS[1])  # a line the run is still writing
+    assert not e2e.reached_target(metrics, 0.9)
+    with metrics.open("a") as f:
+        f.write('2}}\n')
     assert e2e.reached_target(metrics, 0.9)
     child_pid = tmp_path / "child"
     proc = subprocess.Popen(["bash", "-c", f"sleep 300 & echo $! > {child_pid}; wait"], start_new_session=True)
