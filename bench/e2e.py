@@ -961,8 +961,9 @@ def main(argv=None) -> list[dict]:
              if b["trainer"] != PIPELINE and b["critic"] == r["critic"]]
     if len(seeds) > 1 and pairs:
         print(f"\nacross seeds: mean time to {target} (training s) over the seeds the pipeline run reached it (where "
-              f"verl's run did not, its whole training time); against {FULLY_ASYNC}, the goal: at least "
-              f"{GOAL_FULLY_ASYNC:g}x sooner, and reached on every seed")
+              "verl's run did not, its whole training time)"
+              + (f"; against {FULLY_ASYNC}, the goal: at least {GOAL_FULLY_ASYNC:g}x sooner, and reached on every seed"
+                 if any(trainer == FULLY_ASYNC for _, _, trainer in pairs) else ""))
         for system, peer, trainer in dict.fromkeys(pairs):
             got = across_seeds(rows, system, peer)
             if got:
