@@ -52,7 +52,8 @@ excluded, the same for every system), time to `TARGET` (training seconds until a
 at or above it), final validation reward, busy ratio per stage and the bubble ratio (step
 time / the busiest stage's time per step; 1.0 is bubble-free), and where a step's time goes
 (`step_breakdown`: generation, log-prob passes, update, weight sync, waiting, and the rest as
-fixed per-step overhead; for the pipeline, the train ranks' step, with what runs beside it).
+fixed per-step overhead; for the pipeline, the train ranks' step, with what runs beside it), the
+cores busy and the slowest step (`slowest_step`).
 Prints the tables, one line per pipeline run explaining its speed-up over verl's trainer
 part by part, the goal (time to `TARGET` >= 3x sooner) and, where it is missed, what bounds
 it; with several seeds, each pipeline run's mean time to `TARGET` against each of verl's trainers
