@@ -53,7 +53,8 @@ at or above it), final validation reward, busy ratio per stage and the bubble ra
 time / the busiest stage's time per step; 1.0 is bubble-free), and where a step's time goes
 (`step_breakdown`: generation, log-prob passes, update, weight sync, waiting, and the rest as
 fixed per-step overhead; for the pipeline, the train ranks' step, with what runs beside it), the
-cores busy and the slowest step (`slowest_step`).
+cores busy, the slowest step (`slowest_step`) and how much slower the update is right after a validation
+(`update_after_validation`).
 Prints the tables, one line per pipeline run explaining its speed-up over verl's trainer
 part by part, the goal (time to `TARGET` >= 3x sooner) and, where it is missed, what bounds
 it; with several seeds, each pipeline run's mean time to `TARGET` against each of verl's trainers
@@ -278,6 +279,24 @@ def slowest_step(step_s: dict[int, float], samples: list[dict]) -> dict | None:
     busy = ((end["busy_s"] - start["busy_s"]) / (end["all_s"] - start["all_s"])
             if start and end and end["all_s"] > start["all_s"] else None)
     return {"step": n, "s": later[n], "median_s": statistics.median(later.values()), "cores_busy": busy}
+
+
+def update_after_validation(metrics: list[dict], test_freq: int) -> dict | None:
+    """The update's s per token of a step's mean sample (prompt + response), on the steps right after a validation
+    (s - 1 a multiple of `test_freq`) against the other steps after the first: how much a validation slows the update
+    that runs beside or after it. None without validation or without steps of both kinds."""
+    if test_freq <= 0:
+        return None
+    per_token = {r["step"]: r["data"]["timing_s/update_actor"] / (r["data"].get("prompt_length/mean", 0.0)
+                                                                 + r["data"]["response_length/mean"])
+                 for r in metrics if r["step"] > 1 and "timing_s/update_actor" in r["data"]
+                 and r["data"].get("response_length/mean")}
+    after = [v for n, v in per_token.items() if (n - 1) % test_freq == 0]
+    others = [v for n, v in per_token.items() if (n - 1) % test_freq != 0]
+    if not after or not others:
+        return None
+    return {"after_s": statistics.mean(after), "others_s": statistics.mean(others),
+            "ratio": statistics.mean(after) / statistics.mean(others)}
 
 
 def slowest_words(slowest: dict | None) -> str:
@@ -883,7 +902,8 @@ def main(argv=None) -> list[dict]:
                 row.update(seed=seed, trainer=system.trainer, critic=system.critic, **engine_patches(path),
                            **cpu_use(read_cores(path), row["mean_step_s"]),
                            slowest_step=slowest_step({r["step"]: r["data"]["timing_s/step"] for r in metrics
-                                                      if "timing_s/step" in r["data"]}, read_cores(path)))
+                                                      if "timing_s/step" in r["data"]}, read_cores(path)),
+                           update_after_validation=update_after_validation(metrics, args.test_freq))
                 if gives_overlap_limit(row):
                     row["overlap_limit"], row["compute_share"] = overlap_limit(row["breakdown"]), compute_share(row)
                 rows.append(row)
@@ -927,6 +947,14 @@ def main(argv=None) -> list[dict]:
               f"{r['cores_busy']:.0%} of the cores, {r['cpu_s_per_step']:.1f} CPU-s a step"
               + (f"; same-cores limit 1 / {r['cores_busy']:.2f} = {limit:.2f}" if gives_overlap_limit(r) else "")
               + slowest_words(r.get("slowest_step"))))
+    dragged = [r for r in rows if r.get("update_after_validation")]
+    if dragged:
+        print(f"\nthe update right after a validation (steps s with s - 1 a multiple of {args.test_freq}) against the "
+              "other steps, ms per token of a step's mean sample")
+    for r in dragged:
+        got = r["update_after_validation"]
+        print(f"{r['system']} seed {r['seed']}: {got['after_s'] * 1e3:.0f} against {got['others_s'] * 1e3:.0f} "
+              f"({got['ratio']:.2f}x)")
     bases = [r for r in rows if gives_overlap_limit(r)]
     if bases:
         print("\noverlap limit from verl's own parts (mean s per step), the share of verl's step that is model compute, "
@@ -980,7 +1008,7 @@ def main(argv=None) -> list[dict]:
                 "final_val_reward", "bubble_ratio", "busiest_stage", "busy_ratio", "train_chain_busy", "mean_step_s",
                 "breakdown", "beside", "tokens_per_step", "cpu_patches", "engine_processes", "target_step",
                 "min_val_after_target", "min_val_step", "held", "vals_below_after_target", "settled_step",
-                "overlap_limit", "compute_share", "slowest_step")
+                "overlap_limit", "compute_share", "slowest_step", "update_after_validation")
         with open(args.json, "w") as f:
             json.dump({"command": command, "rows": [{k: r.get(k) for k in keys} for r in rows]}, f, indent=1)
     return rows

@@ -215,6 +215,21 @@ def test_the_slowest_step_is_timed_against_the_median_with_the_cores_busy_while_
     assert e2e.slowest_step({1: 5.0, 2: 6.0}, samples) is None and e2e.slowest_words(None) == ""
 
 
+def test_the_update_right_after_a_validation_is_timed_per_token_against_the_other_steps():
+    def step(n, update_s, response):
+        return {"step": n, "data": {"timing_s/update_actor": update_s, "prompt_length/mean": 10.0,
+                                    "response_length/mean": response}}
+    # validation every 2 steps: steps 3 and 5 follow one; step 1 (warm-up) and a validation-only row do not count
+    metrics = [step(1, 99.0, 10.0), step(2, 2.0, 10.0), step(3, 6.0, 20.0), step(4, 4.0, 30.0), step(5, 3.0, 10.0),
+               {"step": 4, "data": {"val-core/x": 0.5}}]
+    got = e2e.update_after_validation(metrics, 2)
+    assert got["after_s"] == pytest.approx((6.0 / 30 + 3.0 / 20) / 2)
+    assert got["others_s"] == pytest.approx((2.0 / 20 + 4.0 / 40) / 2)
+    assert got["ratio"] == pytest.approx(got["after_s"] / got["others_s"])
+    assert e2e.update_after_validation(metrics, -1) is None  # no validation during training
+    assert e2e.update_after_validation(metrics[:2], 2) is None  # no step of one kind
+
+
 def test_a_run_stops_at_its_first_validation_at_the_target_with_its_whole_process_group(tmp_path):
     import os
     import subprocess
