@@ -246,16 +246,22 @@ def read_cores(metrics_path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def cores_busy(samples: list[dict]) -> float | None:
-    """The share of the machine's cores that were busy while a run took its steps after the first: from the first
-    poll that saw step 1 logged to the first that saw its last step (validation between them included; each end
-    late by up to a poll, `POLL_S`). None with fewer than 2 steps or no such window."""
-    last = max((s["steps"] for s in samples), default=0)
-    start = next((s for s in samples if s["steps"] >= 1), None)
-    end = next((s for s in samples if s["steps"] >= last), None)
-    if last < 2 or start is None or end is None or end["all_s"] <= start["all_s"]:
+def busy_between(samples: list[dict], from_step: int, to_step: int) -> float | None:
+    """The share of the machine's cores busy from the first poll that saw `from_step` logged to the first that saw
+    `to_step` (each end late by up to a poll, `POLL_S`); None without both polls or time between them."""
+    start = next((s for s in samples if s["steps"] >= from_step), None)
+    end = next((s for s in samples if s["steps"] >= to_step), None)
+    if start is None or end is None or end["all_s"] <= start["all_s"]:
         return None
     return (end["busy_s"] - start["busy_s"]) / (end["all_s"] - start["all_s"])
+
+
+def cores_busy(samples: list[dict]) -> float | None:
+    """The share of the machine's cores that were busy while a run took its steps after the first: from step 1
+    logged to its last step (`busy_between`, validation between them included). None with fewer than 2 steps or
+    no such window."""
+    last = max((s["steps"] for s in samples), default=0)
+    return busy_between(samples, 1, last) if last >= 2 else None
 
 
 def cpu_use(samples: list[dict], step_s: float, cores: int | None = None) -> dict:
@@ -268,17 +274,14 @@ def cpu_use(samples: list[dict], step_s: float, cores: int | None = None) -> dic
 
 def slowest_step(step_s: dict[int, float], samples: list[dict]) -> dict | None:
     """A run's slowest step after the first (`step_s`: step -> its s), the median step's s, and the share of the
-    machine's cores busy while it ran: from the first poll that saw the step before it logged to the first that
-    saw it logged (each end late by up to a poll, `POLL_S`; None without both polls). None with fewer than 3 steps."""
+    machine's cores busy while it ran: from the step before it logged to it logged (`busy_between`; None without
+    both polls). None with fewer than 3 steps."""
     later = {n: t for n, t in step_s.items() if n > 1}
     if len(later) < 2:
         return None
     n = max(later, key=later.get)
-    start = next((x for x in samples if x["steps"] >= n - 1), None)
-    end = next((x for x in samples if x["steps"] >= n), None)
-    busy = ((end["busy_s"] - start["busy_s"]) / (end["all_s"] - start["all_s"])
-            if start and end and end["all_s"] > start["all_s"] else None)
-    return {"step": n, "s": later[n], "median_s": statistics.median(later.values()), "cores_busy": busy}
+    return {"step": n, "s": later[n], "median_s": statistics.median(later.values()),
+            "cores_busy": busy_between(samples, n - 1, n)}
 
 
 def update_after_validation(metrics: list[dict], test_freq: int) -> dict | None:
@@ -295,8 +298,8 @@ def update_after_validation(metrics: list[dict], test_freq: int) -> dict | None:
     others = [v for n, v in per_token.items() if (n - 1) % test_freq != 0]
     if not after or not others:
         return None
-    return {"after_s": statistics.mean(after), "others_s": statistics.mean(others),
-            "ratio": statistics.mean(after) / statistics.mean(others)}
+    after_s, others_s = statistics.mean(after), statistics.mean(others)
+    return {"after_s": after_s, "others_s": others_s, "ratio": after_s / others_s}
 
 
 def slowest_words(slowest: dict | None) -> str:
@@ -899,10 +902,11 @@ def main(argv=None) -> list[dict]:
                     metrics = run_system(system.name, demo_dir, Path(tmp), path, {**common, **system.overrides},
                                          args.timeout_s, system.critic, stop_at, system.entry, task=args.task)
                 row, curve = summarize(system.name, system.k, metrics, TRAIN_BATCH_SIZE * GROUP_SIZE, target)
+                cores = read_cores(path)
                 row.update(seed=seed, trainer=system.trainer, critic=system.critic, **engine_patches(path),
-                           **cpu_use(read_cores(path), row["mean_step_s"]),
+                           **cpu_use(cores, row["mean_step_s"]),
                            slowest_step=slowest_step({r["step"]: r["data"]["timing_s/step"] for r in metrics
-                                                      if "timing_s/step" in r["data"]}, read_cores(path)),
+                                                      if "timing_s/step" in r["data"]}, cores),
                            update_after_validation=update_after_validation(metrics, args.test_freq))
                 if gives_overlap_limit(row):
                     row["overlap_limit"], row["compute_share"] = overlap_limit(row["breakdown"]), compute_share(row)
