@@ -23,7 +23,6 @@ from async_rl.core.data_checks import agent_names_in
 from async_rl.core.decoupled_ppo import (LOGLINEAR, apply_bypass_loss, apply_loglinear_loss, apply_to_config,
                                         check_proximal_method, recomputes_proximal)
 from async_rl.core.errors import AsyncConfigError
-from async_rl.file_checks import check_files
 from async_rl.core.legacy_reward_keys import migrate_legacy_reward_keys
 from async_rl.core.placement import Placement, plan_placement
 from async_rl.core.scoring import overlong_shaping
@@ -31,6 +30,7 @@ from async_rl.core.stage_graph import STAGES_KEY, UserStageSpec, build_edges
 from async_rl.core.verl_async_keys import job_nodes, standalone_rollout, versions_spanned_bound
 from async_rl.core.verl_keys import refuse_unsupported, replaced_settings
 from async_rl.core.verl_reads import refuse_unread_keys
+from async_rl.file_checks import check_files
 from async_rl.rollout.agent_loop_files import absolute_agent_files, check_agent_loops, check_trace_backend
 from async_rl.rollout.reward_models import prepare_reward_model_config, reward_model_backend, reward_model_devices
 from async_rl.rollout.rollout_dumps import RolloutDumps

@@ -101,11 +101,17 @@ def apply_bypass_loss(config: DictConfig) -> bool:
     loss from `actor_rollout_ref.actor.policy_loss`). Returns whether it did."""
     if not bypass_loss_settings(config):
         return False
+    _use_policy_loss(config, BYPASS_LOSS_MODE)
+    return True
+
+
+def _use_policy_loss(config: DictConfig, loss_mode: str) -> None:
+    """The actor's loss becomes `loss_mode`, with `algorithm.rollout_correction` copied beside it as its settings
+    (in place, before the workers are built: they read their loss from `actor_rollout_ref.actor.policy_loss`)."""
     policy_loss = config.actor_rollout_ref.actor.policy_loss
     with open_dict(policy_loss):
         policy_loss.rollout_correction = OmegaConf.to_container(config.algorithm.rollout_correction, resolve=True)
-        policy_loss.loss_mode = BYPASS_LOSS_MODE
-    return True
+        policy_loss.loss_mode = loss_mode
 
 
 RECOMPUTE, LOGLINEAR = "recompute", "loglinear"  # pi_prox by a forward pass of the pre-update weights, or interpolated
@@ -117,10 +123,7 @@ def apply_loglinear_loss(config: DictConfig) -> None:
     """`proximal_logp_method=loglinear`: the actor's loss becomes `LOGLINEAR_LOSS_MODE`, with decoupled PPO's
     `algorithm.rollout_correction` settings (its cap) beside it, as verl's bypass mode passes its own (in place,
     before the workers are built)."""
-    policy_loss = config.actor_rollout_ref.actor.policy_loss
-    with open_dict(policy_loss):
-        policy_loss.rollout_correction = OmegaConf.to_container(config.algorithm.rollout_correction, resolve=True)
-        policy_loss.loss_mode = LOGLINEAR_LOSS_MODE
+    _use_policy_loss(config, LOGLINEAR_LOSS_MODE)
 
 
 def check_proximal_method(config: DictConfig, method: str, decoupled_ppo: bool) -> None:
