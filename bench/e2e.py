@@ -645,10 +645,23 @@ def time_to_target_ratio(row: dict, base: dict) -> tuple[float | None, str]:
     return ratio, f"{fmt(mine)} s against {fmt(theirs)} s ({'-' if ratio is None else f'{ratio:.2f}x'})"
 
 
-# the clocks a run's time to the target is read on: its row's (time to the target, whole run) keys
+@dataclass(frozen=True)
+class Clock:
+    """A clock a run's time to the target is read on: its row's keys of the time to the target and of the whole
+    run, and how many of the run's steps were over before the clock started."""
+    to_target: str
+    whole: str
+    steps_before: int
+
+    def step_s(self, row: dict) -> float | None:
+        """The run's mean s a step on this clock: its whole run over the steps it covers."""
+        steps = row["steps"] - self.steps_before
+        return row[self.whole] / steps if steps > 0 and row.get(self.whole) is not None else None
+
+
 CLOCKS = {
-    "training s": ("time_to_target_s", "trained_s"),  # the sum of the run's own step timers
-    "wall s": ("wall_to_target_s", "wall_trained_s"),  # the bench's polls from step 1 logged (`wall_to_target`)
+    "training s": Clock("time_to_target_s", "trained_s", 0),  # the sum of the run's own step timers
+    "wall s": Clock("wall_to_target_s", "wall_trained_s", 1),  # the bench's polls from step 1 logged (`wall_to_target`)
 }
 
 
@@ -656,8 +669,10 @@ def across_seeds(rows: list[dict], system: str, peer: str, clock: str = "trainin
     """`system` against `peer` over the seeds both ran, on `clock` (a key of `CLOCKS`). The means of time to the target
     are over the seeds `system` reached it (`counted`; those it did not are `unreached`); where `peer` did not, its
     whole run counts (`peer_unreached`: its mean, so the ratio peer / system, is then a lower bound). `sooner`: the
-    counted seeds where `system` got there first. None when no seed ran both or a run has no time on `clock`."""
-    to_target, whole = CLOCKS[clock]
+    counted seeds where `system` got there first. `step_s`, `peer_step_s`: the mean s a step over the counted seeds
+    (`Clock.step_s`), whose ratio is the part of `ratio` a step's speed gives (the rest: the steps each took). None
+    when no seed ran both or a run has no time on `clock`."""
+    to_target, whole = CLOCKS[clock].to_target, CLOCKS[clock].whole
     mine = {r["seed"]: r for r in rows if r["system"] == system}
     theirs = {r["seed"]: r for r in rows if r["system"] == peer}
     seeds = sorted(set(mine) & set(theirs))
@@ -670,7 +685,15 @@ def across_seeds(rows: list[dict], system: str, peer: str, clock: str = "trainin
     return {"seeds": seeds, "counted": counted, "unreached": [s for s in seeds if s not in counted],
             "peer_unreached": [s for s in counted if theirs[s][to_target] is None],
             "mean_s": mine_s, "peer_mean_s": theirs_s, "ratio": theirs_s / mine_s if counted else None,
-            "sooner": sum(mine[s][to_target] < peer_s[s] for s in counted)}
+            "sooner": sum(mine[s][to_target] < peer_s[s] for s in counted),
+            "step_s": mean_over(counted, lambda s: CLOCKS[clock].step_s(mine[s])),
+            "peer_step_s": mean_over(counted, lambda s: CLOCKS[clock].step_s(theirs[s]))}
+
+
+def mean_over(seeds: list[int], value) -> float | None:
+    """The mean of `value(seed)` over `seeds`; None without seeds or where a value is None."""
+    values = [value(s) for s in seeds]
+    return sum(values) / len(values) if values and None not in values else None
 
 
 def across_seeds_line(got: dict, system: str, peer: str, goal: float | None) -> str:
@@ -681,6 +704,10 @@ def across_seeds_line(got: dict, system: str, peer: str, goal: float | None) -> 
     ratio = got["ratio"]
     line = (f"  {system} against {peer}, {len(got['seeds'])} seeds: {got['mean_s']:.0f} s against "
             f"{got['peer_mean_s']:.0f} s ({ratio:.2f}x); sooner on {got['sooner']} of {len(got['counted'])}")
+    if got["step_s"] and got["peer_step_s"]:
+        per_step = got["peer_step_s"] / got["step_s"]
+        line += (f"; a step {got['step_s']:.1f} s against {got['peer_step_s']:.1f} ({per_step:.2f}x), the steps each "
+                 f"took to it {ratio / per_step:.2f}x")
     if got["peer_unreached"]:
         line += f"; {peer} did not reach it on seeds {got['peer_unreached']}: its whole training time counted there"
     if got["unreached"]:

@@ -179,7 +179,7 @@ def test_a_baseline_that_never_reaches_the_target_gives_a_lower_bound():
 
 def test_across_seeds_means_the_seeds_reached_and_misses_the_goal_where_one_was_not():
     def run(system, seed, to_target, trained=400.0):
-        return {"system": system, "seed": seed, "time_to_target_s": to_target, "trained_s": trained}
+        return {"system": system, "seed": seed, "time_to_target_s": to_target, "trained_s": trained, "steps": 20}
     rows = [run("pipe", 0, 100.0), run("fa", 0, 200.0), run("pipe", 1, 300.0), run("fa", 1, None, 350.0),
             run("pipe", 2, None), run("fa", 2, 90.0), run("fa", 3, 90.0)]
     got = e2e.across_seeds(rows, "pipe", "fa")
@@ -195,7 +195,9 @@ def test_across_seeds_means_the_seeds_reached_and_misses_the_goal_where_one_was_
     assert line.endswith("1.38x >= 1.3x, not reached on seeds [2]: goal missed")
     reached = e2e.across_seeds([run("pipe", 0, 100.0), run("fa", 0, 140.0), run("pipe", 1, 100.0),
                                 run("fa", 1, 110.0)], "pipe", "fa")
-    assert e2e.across_seeds_line(reached, "pipe", "fa", 1.3).endswith("(1.25x); sooner on 2 of 2; 1.25x < 1.3x: goal missed")
+    assert e2e.across_seeds_line(reached, "pipe", "fa", 1.3).endswith(
+        "(1.25x); sooner on 2 of 2; a step 20.0 s against 20.0 (1.00x), the steps each took to it 1.25x; "
+        "1.25x < 1.3x: goal missed")
     faster = e2e.across_seeds([run("pipe", 0, 100.0), run("fa", 0, 140.0)], "pipe", "fa")
     assert e2e.across_seeds_line(faster, "pipe", "fa", 1.3).endswith("1.40x >= 1.3x: goal met")
     assert "goal" not in e2e.across_seeds_line(faster, "pipe", "fa", None)
@@ -203,9 +205,9 @@ def test_across_seeds_means_the_seeds_reached_and_misses_the_goal_where_one_was_
 
 
 def test_across_seeds_on_the_wall_clock_reads_the_wall_times_and_needs_them_for_every_run():
-    def run(system, seed, to_target, wall_to_target, wall_trained=500.0):
+    def run(system, seed, to_target, wall_to_target, wall_trained=500.0, steps=11):
         return {"system": system, "seed": seed, "time_to_target_s": to_target, "trained_s": 400.0,
-                "wall_to_target_s": wall_to_target, "wall_trained_s": wall_trained}
+                "wall_to_target_s": wall_to_target, "wall_trained_s": wall_trained, "steps": steps}
     rows = [run("pipe", 0, 100.0, 150.0), run("fa", 0, 130.0, 240.0), run("pipe", 1, 100.0, 150.0),
             run("fa", 1, None, None, 330.0)]
     training = e2e.across_seeds(rows, "pipe", "fa")
@@ -213,6 +215,11 @@ def test_across_seeds_on_the_wall_clock_reads_the_wall_times_and_needs_them_for_
     wall = e2e.across_seeds(rows, "pipe", "fa", "wall s")  # fa's whole wall run where it did not reach it
     assert wall["mean_s"] == pytest.approx(150.0) and wall["peer_mean_s"] == pytest.approx(285.0)
     assert wall["peer_unreached"] == [1] and wall["sooner"] == 2
+    # a step on the wall clock: the whole run over the steps after the first (50 s); on the step timers, over all
+    assert wall["step_s"] == pytest.approx(50.0) and training["step_s"] == pytest.approx(400.0 / 11)
+    rows[1]["wall_trained_s"], rows[3]["steps"] = 600.0, 7  # fa: 60 and 55 s a step
+    line = e2e.across_seeds_line(e2e.across_seeds(rows, "pipe", "fa", "wall s"), "pipe", "fa", None)
+    assert "a step 50.0 s against 57.5 (1.15x), the steps each took to it 1.65x" in line
     rows[3]["wall_trained_s"] = None  # a run without a cores log has no wall time: no wall comparison
     assert e2e.across_seeds(rows, "pipe", "fa", "wall s") is None
     assert e2e.across_seeds(rows, "pipe", "fa")["ratio"] == pytest.approx(training["ratio"])
@@ -647,7 +654,7 @@ def test_several_seeds_print_the_mean_against_fully_async_with_the_goals_verdict
     e2e.main(["--rollout", "vllm", "--ks", "2", "--skip-verl-sync", "--seeds", "0,1", "--metrics-dir", str(tmp_path)])
     out = capsys.readouterr().out
     line = next(line for line in out.splitlines() if "async-pipeline k=2 against verl-fully-async, 2 seeds" in line)
-    assert "(2.00x); sooner on 2 of 2; 2.00x >= 1.3x: goal met" in line
+    assert "(2.00x); sooner on 2 of 2; a step 2.0 s against 4.0 (2.00x), the steps each took to it 1.00x; 2.00x >= 1.3x: goal met" in line
     assert "in wall s" not in out  # no cores log: no wall clock
     e2e.main(["--rollout", "vllm", "--ks", "2", "--skip-verl-sync", "--seeds", "0", "--metrics-dir", str(tmp_path)])
     assert "across seeds" not in capsys.readouterr().out  # one seed: the per-seed line says it all
@@ -666,7 +673,7 @@ def test_several_seeds_print_the_wall_clock_where_validation_outside_a_step_time
         wall_s = 30.0 if fully_async else 20.0  # a step, on the bench's clock
         e2e.cores_log_of(path).write_text("".join(
             json.dumps({"busy_s": 1.0, "all_s": 2 * wall_s * n, "steps": n, "reached": n >= 4}) + "\n"
-            for n in range(6)))
+            for n in range(5)))
         return rows_for(4.0 if fully_async else 5.0, e2e.VAL_KEYS[0], {0: 0.0, 4: 0.95},
                         **{"timing_s/gen": 1.0, "async/actor_train/busy_ratio": 1.0})
 
@@ -680,7 +687,8 @@ def test_several_seeds_print_the_wall_clock_where_validation_outside_a_step_time
     training = next(line for line in out[0].splitlines() if "k=2 against verl-fully-async, 2 seeds" in line)
     wall = next(line for line in out[1].splitlines() if "k=2 against verl-fully-async, 2 seeds" in line)
     assert "(0.80x)" in training and training.endswith("goal missed")
-    assert "60 s against 90 s (1.50x); sooner on 2 of 2; 1.50x >= 1.3x: goal met" in wall
+    assert ("60 s against 90 s (1.50x); sooner on 2 of 2; a step 20.0 s against 30.0 (1.50x), the steps each took "
+            "to it 1.00x; 1.50x >= 1.3x: goal met") in wall
 
 
 def test_each_system_has_its_trainer_and_the_ppo_runs_are_compared_with_verls_ppo_run(tmp_path, monkeypatch, capsys):
