@@ -532,7 +532,25 @@ def summarize(name: str, k, rows: list[dict], samples_per_step: int, target: flo
     row["tokens_per_step"] = sum(samples_per_step * (m.get("prompt_length/mean", 0.0) + m.get("response_length/mean", 0.0))
                                  for m in later) / len(later)
     row.update(held_target(vals, target))
+    row["val_by_update"] = val_by_update(steps, vals)
     return row, curve
+
+
+def val_by_update(steps: dict[int, dict], vals: dict[int, float]) -> dict[int, float]:
+    """A run's validations keyed by the updates its trainer had made when it validated (`vals`: logged step ->
+    reward; `steps`: logged step -> that step's metrics). A trainer that logs a step under another number than its
+    `training/global_step` (verl's fully_async_policy logs update n at step n + 1, the version it syncs) has its
+    validations shifted by the same amount; one before training (step 0) is at 0 updates."""
+    shift = next((s - int(m["training/global_step"]) for s, m in sorted(steps.items()) if "training/global_step" in m), 0)
+    return {step - shift if step > 0 else 0: v for step, v in vals.items()}  # step 0: before any update
+
+
+def mean_val_by_update(rows: list[dict], system: str) -> dict[int, float]:
+    """`system`'s mean validation after each number of updates at which every one of its runs validated (runs
+    stopped at the target validate no further)."""
+    runs = [r["val_by_update"] for r in rows if r["system"] == system and r.get("val_by_update")]
+    common = set.intersection(*(set(v) for v in runs)) if runs else set()
+    return {u: sum(v[u] for v in runs) / len(runs) for u in sorted(common)}
 
 
 def held_target(vals: dict[int, float], target: float) -> dict:
@@ -1064,6 +1082,12 @@ def main(argv=None) -> list[dict]:
             got = got_all[system, peer]
             if got:
                 print(across_seeds_line(got, system, peer, GOAL_FULLY_ASYNC if trainer == FULLY_ASYNC else None))
+    if len(seeds) > 1 and pairs:
+        print("\nvalidation after the same number of updates: each system's mean over its seeds, at the update counts "
+              "where all its runs validated")
+        for system in dict.fromkeys(r["system"] for r in rows):
+            means = mean_val_by_update(rows, system)
+            print(f"  {system}: " + (", ".join(f"{u}: {v:.3f}" for u, v in means.items()) or "none in common"))
     if args.png and importlib.util.find_spec("matplotlib") is None:
         print("plot: not drawn (matplotlib is not installed in this venv)")
     elif args.png:
@@ -1076,7 +1100,7 @@ def main(argv=None) -> list[dict]:
                 "breakdown", "beside", "tokens_per_step", "cpu_patches", "engine_processes", "target_step",
                 "min_val_after_target", "min_val_step", "held", "vals_below_after_target", "settled_step",
                 "overlap_limit", "compute_share", "slowest_step", "update_after_validation", "trained_s",
-                "wall_to_target_s", "wall_trained_s")
+                "wall_to_target_s", "wall_trained_s", "val_by_update")
         with open(args.json, "w") as f:
             json.dump({"command": command, "rows": [{k: r.get(k) for k in keys} for r in rows]}, f, indent=1)
     return rows

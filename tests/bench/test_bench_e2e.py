@@ -225,6 +225,21 @@ def test_across_seeds_on_the_wall_clock_reads_the_wall_times_and_needs_them_for_
     assert e2e.across_seeds(rows, "pipe", "fa")["ratio"] == pytest.approx(training["ratio"])
 
 
+def test_validations_are_keyed_by_the_updates_made_before_them_and_averaged_where_every_run_has_one():
+    pipeline = {n: {"timing_s/step": 1.0, "training/global_step": n} for n in range(1, 7)}
+    fully_async = {n + 1: {"timing_s/step": 1.0, "training/global_step": n} for n in range(1, 7)}  # update n at n + 1
+    vals = {0: 0.0, 2: 0.2, 4: 0.4, 6: 0.6}
+    assert e2e.val_by_update(pipeline, vals) == {0: 0.0, 2: 0.2, 4: 0.4, 6: 0.6}
+    assert e2e.val_by_update(fully_async, vals) == {0: 0.0, 1: 0.2, 3: 0.4, 5: 0.6}
+    assert e2e.val_by_update({1: {"timing_s/step": 1.0}}, {0: 0.1, 2: 0.3}) == {0: 0.1, 2: 0.3}  # no global step
+    rows = [{"system": "fa", "val_by_update": {0: 0.0, 1: 0.2, 3: 0.4}},
+            {"system": "fa", "val_by_update": {0: 0.1, 1: 0.3}},  # stopped at its target after 1 update
+            {"system": "pipe", "val_by_update": {0: 0.0, 2: 0.5}}]
+    assert e2e.mean_val_by_update(rows, "fa") == {0: pytest.approx(0.05), 1: pytest.approx(0.25)}
+    assert e2e.mean_val_by_update(rows, "pipe") == {0: 0.0, 2: 0.5}
+    assert e2e.mean_val_by_update(rows, "verl-sync") == {}
+
+
 def test_wall_to_target_runs_from_step_1_logged_to_the_poll_that_saw_the_target():
     def poll(all_s, steps, reached=None):
         return {"busy_s": all_s / 2, "all_s": all_s, "steps": steps,
@@ -656,6 +671,8 @@ def test_several_seeds_print_the_mean_against_fully_async_with_the_goals_verdict
     line = next(line for line in out.splitlines() if "async-pipeline k=2 against verl-fully-async, 2 seeds" in line)
     assert "(2.00x); sooner on 2 of 2; a step 2.0 s against 4.0 (2.00x), the steps each took to it 1.00x; 2.00x >= 1.3x: goal met" in line
     assert "in wall s" not in out  # no cores log: no wall clock
+    # both validated after 0 and 4 updates on both seeds (rows_for: updates 1-4 without a global step logged)
+    assert "  async-pipeline k=2: 0: 0.000, 4: 0.950" in out
     e2e.main(["--rollout", "vllm", "--ks", "2", "--skip-verl-sync", "--seeds", "0", "--metrics-dir", str(tmp_path)])
     assert "across seeds" not in capsys.readouterr().out  # one seed: the per-seed line says it all
 
