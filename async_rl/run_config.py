@@ -20,7 +20,7 @@ from async_rl.checkpoints import CheckpointConfig, read_checkpoint_config
 from async_rl.core.config import (DELTA_SYNC_KEY, AsyncPipelineConfig, critic_enabled, read_async_config, runs_on_cpu,
                                    select_value, strip_async_keys)
 from async_rl.core.data_checks import agent_names_in
-from async_rl.core.decoupled_ppo import (LOGLINEAR, apply_bypass_loss, apply_loglinear_loss, apply_to_config,
+from async_rl.core.decoupled_ppo import (PROXIMAL_IN_LOSS, apply_bypass_loss, apply_proximal_loss, apply_to_config,
                                         check_proximal_method, recomputes_proximal)
 from async_rl.core.errors import AsyncConfigError
 from async_rl.core.legacy_reward_keys import migrate_legacy_reward_keys
@@ -134,8 +134,8 @@ def read_run_config(config: DictConfig) -> RunConfig:
     if apply_bypass_loss(config):
         logger.warning("algorithm.rollout_correction.bypass_mode=True: the actor's loss is verl's bypass-mode loss "
                        "(%s), against the rollout's own log-probs", dict(config.algorithm.rollout_correction))
-    if async_cfg.proximal_logp_method == LOGLINEAR:
-        apply_loglinear_loss(config)
+    if async_cfg.proximal_logp_method in PROXIMAL_IN_LOSS:
+        apply_proximal_loss(config, async_cfg.proximal_logp_method)
     backend.prepare_config(config, async_cfg.consume_bucket_size_mb, async_cfg.enable_dual_buffer)
     prepare_reward_model_config(config)
     proximal = async_cfg.proximal_logp_workers if recomputes_proximal(config) else None

@@ -124,6 +124,7 @@ VAL_KEYS = tuple(f"val-{kind}/{source}/reward/mean@1"
 NAIVE_PPO = {"+algorithm.decoupled_ppo": False, "algorithm.rollout_correction.bypass_mode": True}
 LOGP_STAGE = {"+algorithm.proximal_logp_workers": "logp"}  # pi_prox on the logp stage's own rank
 LOGLINEAR = {"+algorithm.proximal_logp_method": "loglinear"}  # pi_prox interpolated in the loss, no forward
+UPDATE_FORWARD = {"+algorithm.proximal_logp_method": "update_forward"}  # pi_prox the update's own forward
 STAGES = ("dataloader", "generate", "rollout", "reward", "logp", "ref_logp", "actor_train", "param_update",
           "values", "critic_train")
 # verl's synchronous step runs these one after another on the same processes (timing_s/<name>)
@@ -880,6 +881,9 @@ def main(argv=None) -> list[dict]:
                         help="pipeline runs with pi_prox on the logp stage (proximal_logp_workers=logp)")
     parser.add_argument("--loglinear-ks", default="",
                         help="pipeline runs (at each --train-ranks) with pi_prox interpolated per token, no forward")
+    parser.add_argument("--update-forward-ks", default="",
+                        help="pipeline runs (at each --train-ranks) with pi_prox the update's own forward, no forward "
+                             "of its own")
     parser.add_argument("--lora-ks", default="",
                         help="generate_ahead_steps of pipeline runs training a LoRA adapter (overrides_lora.txt)")
     parser.add_argument("--ppo-ks", default="",
@@ -941,6 +945,9 @@ def main(argv=None) -> list[dict]:
     systems += [pipeline(k, " naive PPO", NAIVE_PPO) for k in ks(args.naive_ks)]
     systems += [pipeline(k, " loglinear" + ranks_suffix(ranks), {**LOGLINEAR, **(train_split(ranks) if ranks > 1 else {})})
                 for k in ks(args.loglinear_ks) for ranks in ks(args.train_ranks)]
+    systems += [pipeline(k, " update forward" + ranks_suffix(ranks),
+                         {**UPDATE_FORWARD, **(train_split(ranks) if ranks > 1 else {})})
+                for k in ks(args.update_forward_ks) for ranks in ks(args.train_ranks)]
     systems += [pipeline(k, " LoRA", LORA_OVERRIDES) for k in ks(args.lora_ks)]
     ppo_ks = ks(args.ppo_ks)
     grpo_verl = not args.skip_verl and (systems or not ppo_ks)  # verl's GRPO run: the baseline of the GRPO rows

@@ -23,14 +23,16 @@ Under `async_pipeline=True` this is the default. Keys:
   train ranks, its weights and rejections from the current policy against pi_behav, per token.
 - `+algorithm.behav_imp_weight_cap` (default 5.0, > 1): AReaL's cap.
 - `+algorithm.proximal_logp_workers` (default train): where pi_prox is computed.
-- `+algorithm.proximal_logp_method` (default recompute): `loglinear` runs no pi_prox forward and takes
-  AReaL's log-linear approximation instead, per token, inside the loss (async_rl/training/proximal_loss.py):
+- `+algorithm.proximal_logp_method` (default recompute): the other two run no pi_prox forward and make pi_prox
+  per token inside the loss (async_rl/training/proximal_loss.py). `loglinear`: AReaL's log-linear approximation,
 
       log pi_prox = log pi_behav + alpha * (log pi_theta - log pi_behav),
       alpha = (j - v) / (j + 1 - v), clamped to [0, 1]
 
   with j the trainer's version before the update (pi_prox's) and v the version that sampled the token:
-  a token of version j gets pi_behav itself, one of version j - 1 the midpoint.
+  a token of version j gets pi_behav itself, one of version j - 1 the midpoint. `update_forward`: pi_prox is
+  the update's own forward (log pi_theta, detached), which is exactly the pre-update policy where the actor
+  takes one optimizer step per training step (one PPO epoch, one mini-batch): the recomputed value, free.
 """
 
 from __future__ import annotations
@@ -114,47 +116,71 @@ def _use_policy_loss(config: DictConfig, loss_mode: str) -> None:
         policy_loss.loss_mode = loss_mode
 
 
-RECOMPUTE, LOGLINEAR = "recompute", "loglinear"  # pi_prox by a forward pass of the pre-update weights, or interpolated
-PROXIMAL_LOGP_METHODS = (RECOMPUTE, LOGLINEAR)
-LOGLINEAR_LOSS_MODE = "decoupled_loglinear"  # the policy loss registered by async_rl/training/proximal_loss.py
+# pi_prox by a forward pass of the pre-update weights, interpolated, or the update's own forward
+RECOMPUTE, LOGLINEAR, UPDATE_FORWARD = "recompute", "loglinear", "update_forward"
+PROXIMAL_LOGP_METHODS = (RECOMPUTE, LOGLINEAR, UPDATE_FORWARD)
+LOGLINEAR_LOSS_MODE = "decoupled_loglinear"
+UPDATE_FORWARD_LOSS_MODE = "decoupled_update_forward"
+# the methods that make pi_prox inside the loss, and the policy loss async_rl/training/proximal_loss.py registers for each
+PROXIMAL_IN_LOSS = {LOGLINEAR: LOGLINEAR_LOSS_MODE, UPDATE_FORWARD: UPDATE_FORWARD_LOSS_MODE}
+PROXIMAL_METHOD_KEY = "algorithm.proximal_logp_method"
 
 
-def apply_loglinear_loss(config: DictConfig) -> None:
-    """`proximal_logp_method=loglinear`: the actor's loss becomes `LOGLINEAR_LOSS_MODE`, with decoupled PPO's
+def apply_proximal_loss(config: DictConfig, method: str) -> None:
+    """A `method` of `PROXIMAL_IN_LOSS`: the actor's loss becomes its loss mode, with decoupled PPO's
     `algorithm.rollout_correction` settings (its cap) beside it, as verl's bypass mode passes its own (in place,
     before the workers are built)."""
-    _use_policy_loss(config, LOGLINEAR_LOSS_MODE)
+    _use_policy_loss(config, PROXIMAL_IN_LOSS[method])
 
 
 def check_proximal_method(config: DictConfig, method: str, decoupled_ppo: bool) -> None:
-    """`algorithm.proximal_logp_method` against the rest of `config` (before `apply_loglinear_loss`): the
-    log-linear pi_prox is decoupled PPO's, taken in its own loss, with no forward to place; AsyncConfigError
-    names the key that cannot go with it."""
-    if method != LOGLINEAR:
+    """`algorithm.proximal_logp_method` against the rest of `config` (before `apply_proximal_loss`): a pi_prox made
+    in the loss is decoupled PPO's, taken in its own loss, with no forward to place; `update_forward`'s is exact
+    only while the update's forward runs on the pre-update weights (one optimizer step per training step).
+    AsyncConfigError names the key that cannot go with it."""
+    if method not in PROXIMAL_IN_LOSS:
         return
-    key = "algorithm.proximal_logp_method"
+    key = PROXIMAL_METHOD_KEY
     if not decoupled_ppo:
-        raise AsyncConfigError(key, LOGLINEAR, "recompute without decoupled PPO (algorithm.decoupled_ppo is off, or "
-                                               "algorithm.rollout_correction is set by the command): the approximation "
-                                               "is decoupled PPO's pi_prox")
+        raise AsyncConfigError(key, method, "recompute without decoupled PPO (algorithm.decoupled_ppo is off, or "
+                                            "algorithm.rollout_correction is set by the command): it makes "
+                                            "decoupled PPO's pi_prox")
     loss_mode = OmegaConf.select(config, LOSS_MODE, default="vanilla")
     if loss_mode != "vanilla":
-        raise AsyncConfigError(LOSS_MODE, loss_mode, f"vanilla with +{key}=loglinear (its loss is decoupled PPO's "
-                                                     "against the approximated pi_prox)")
+        raise AsyncConfigError(LOSS_MODE, loss_mode, f"vanilla with +{key}={method} (its loss is decoupled PPO's "
+                                                     "against the pi_prox it makes)")
     workers = OmegaConf.select(config, "algorithm.proximal_logp_workers")
     if workers is not None:
         raise AsyncConfigError("algorithm.proximal_logp_workers", workers,
-                               f"unset with +{key}=loglinear (no pi_prox forward runs to place)")
+                               f"unset with +{key}={method} (no pi_prox forward runs to place)")
+    if method == UPDATE_FORWARD:
+        check_one_optimizer_step(config)
 
 
-def approximates_proximal(config: DictConfig) -> bool:
-    """pi_prox is AReaL's log-linear approximation, made inside the loss (`apply_loglinear_loss` ran)."""
-    return OmegaConf.select(config, LOSS_MODE) == LOGLINEAR_LOSS_MODE
+def check_one_optimizer_step(config: DictConfig) -> None:
+    """The actor takes one optimizer step per training step: one PPO epoch over one mini-batch (its
+    `ppo_mini_batch_size` at least `data.train_batch_size`, both in prompts), so every micro-batch's forward runs
+    on the pre-update weights; AsyncConfigError names the key otherwise."""
+    why = f"with +{PROXIMAL_METHOD_KEY}={UPDATE_FORWARD}: its pi_prox is the update's forward, the pre-update policy " \
+          "only until the first optimizer step"
+    epochs = OmegaConf.select(config, "actor_rollout_ref.actor.ppo_epochs", default=1)
+    if int(epochs) != 1:
+        raise AsyncConfigError("actor_rollout_ref.actor.ppo_epochs", epochs, f"1 {why}")
+    mini = OmegaConf.select(config, "actor_rollout_ref.actor.ppo_mini_batch_size")
+    batch = OmegaConf.select(config, "data.train_batch_size")
+    if mini is not None and batch is not None and int(mini) < int(batch):
+        raise AsyncConfigError("actor_rollout_ref.actor.ppo_mini_batch_size", mini,
+                               f"at least data.train_batch_size ({batch}) {why}")
+
+
+def proximal_in_loss(config: DictConfig) -> bool:
+    """pi_prox is made inside the loss, with no forward of its own (`apply_proximal_loss` ran)."""
+    return OmegaConf.select(config, LOSS_MODE) in PROXIMAL_IN_LOSS.values()
 
 
 def recomputes_proximal(config: DictConfig) -> bool:
-    """A forward pass of the pre-update weights gives pi_prox (neither bypass mode nor the approximation)."""
-    return not uses_behaviour_as_old(config) and not approximates_proximal(config)
+    """A forward pass of the pre-update weights gives pi_prox (neither bypass mode nor a pi_prox made in the loss)."""
+    return not uses_behaviour_as_old(config) and not proximal_in_loss(config)
 
 
 def interpolation_weights(token_versions: torch.Tensor, trainer_version: int) -> torch.Tensor:
@@ -181,13 +207,13 @@ def uses_behaviour_as_old(config: DictConfig) -> bool:
 def set_behaviour_as_old(batch, config: DictConfig, trainer_version: Optional[int] = None) -> None:
     """Bypass mode: old_log_probs become the behaviour log-probs, the rollout's own per token (each
     token's from the version that sampled it): the data half of verl's apply_bypass_mode, which verl's
-    trainer runs before the KL penalty and the advantages. The log-linear approximation likewise, and its
-    alpha per token (`interpolation_weights` at `trainer_version`) rides in `rollout_is_weights`, the loss's
-    one per-token input beside them (`LOGLINEAR_LOSS_MODE` turns both into pi_prox and its weights)."""
+    trainer runs before the KL penalty and the advantages. A pi_prox made in the loss likewise; the log-linear
+    approximation's alpha per token (`interpolation_weights` at `trainer_version`) rides in `rollout_is_weights`,
+    the loss's one per-token input beside them (`LOGLINEAR_LOSS_MODE` turns both into pi_prox and its weights)."""
     if recomputes_proximal(config) or "rollout_log_probs" not in batch.batch.keys():
         return
     batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
-    if approximates_proximal(config):
+    if OmegaConf.select(config, LOSS_MODE) == LOGLINEAR_LOSS_MODE:
         if trainer_version is None:
             raise ValueError("the log-linear pi_prox needs the trainer's version")
         batch.batch["rollout_is_weights"] = interpolation_weights(batch.batch["token_versions"], trainer_version)
@@ -198,7 +224,7 @@ def add_correction(batch, config: DictConfig):
 
     verl's importance weights (`rollout_is_weights`) and `rollout_corr/*` metrics from the
     proximal (`old_log_probs`) and behaviour (`rollout_log_probs`) log-probs; nothing in
-    bypass mode or under the log-linear approximation (`set_behaviour_as_old` is all they need).
+    bypass mode or with pi_prox made in the loss (`set_behaviour_as_old` is all they need).
     """
     rollout_correction = config.algorithm.get("rollout_correction")
     if rollout_correction is None or "rollout_log_probs" not in batch.batch.keys() or not recomputes_proximal(config):

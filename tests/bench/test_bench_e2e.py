@@ -629,6 +629,12 @@ def test_train_and_verl_ranks_reach_each_systems_keys(tmp_path, monkeypatch):
     assert list(runs) == ["verl-sync", "async-pipeline k=2 train x2", "async-pipeline k=2 loglinear train x2"]
     loglinear, recompute = runs["async-pipeline k=2 loglinear train x2"], runs["async-pipeline k=2 train x2"]
     assert loglinear == {**recompute, "+algorithm.proximal_logp_method": "loglinear"}
+    runs.clear()  # --update-forward-ks: pi_prox the update's forward, likewise
+    e2e.main(["--ks", "", "--update-forward-ks", "2", "--train-ranks", "2", "--seeds", "0", "--metrics-dir",
+              str(tmp_path / "update_forward")])
+    assert list(runs) == ["verl-sync", "async-pipeline k=2 update forward train x2"]
+    assert runs["async-pipeline k=2 update forward train x2"] == {**recompute,
+                                                                  "+algorithm.proximal_logp_method": "update_forward"}
 
 
 @pytest.mark.parametrize("ranks", [1, 2])

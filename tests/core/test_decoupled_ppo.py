@@ -260,14 +260,14 @@ def test_the_loglinear_loss_is_ppo_against_the_behaviour_policy_for_fresh_tokens
 def test_under_loglinear_the_batch_carries_behaviour_and_alpha_and_verls_weights_stay_out():
     from verl import DataProto
 
-    from async_rl.core.decoupled_ppo import apply_loglinear_loss, interpolation_weights, recomputes_proximal
+    from async_rl.core.decoupled_ppo import LOGLINEAR, apply_proximal_loss, interpolation_weights, recomputes_proximal
 
     _, prox, behav, _, mask = random_batch(10)
     versions = torch.full(mask.shape, 4, dtype=torch.long).masked_fill(~mask.bool(), -1)
     config = OmegaConf.create({"algorithm": verl_config().algorithm,
                                "actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": "vanilla"}}}})
     assert recomputes_proximal(config)
-    apply_loglinear_loss(config)
+    apply_proximal_loss(config, LOGLINEAR)
     assert not recomputes_proximal(config)
     assert config.actor_rollout_ref.actor.policy_loss.rollout_correction.rollout_is_threshold == f"1e-30_{CAP!r}"
     batch = DataProto.from_dict(tensors={"old_log_probs": prox, "rollout_log_probs": behav, "response_mask": mask,
@@ -279,3 +279,54 @@ def test_under_loglinear_the_batch_carries_behaviour_and_alpha_and_verls_weights
     torch.testing.assert_close(batch.batch["rollout_is_weights"], interpolation_weights(versions, 5))
     batch, metrics = add_correction(batch, config)
     assert metrics == {} and torch.equal(batch.batch["rollout_is_weights"], interpolation_weights(versions, 5))
+
+
+# ---- pi_prox the update's own forward (+algorithm.proximal_logp_method=update_forward)
+
+
+def update_forward_loss(logp, behav, adv, mask):
+    """The registered loss, looked up as verl's ppo_loss looks it up (no alpha: it takes none)."""
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+    from verl.workers.config.actor import PolicyLossConfig
+
+    import async_rl.training.proximal_loss  # noqa: F401 (registers it)
+    from async_rl.core.decoupled_ppo import UPDATE_FORWARD_LOSS_MODE
+
+    config = actor_config(policy_loss=PolicyLossConfig(loss_mode=UPDATE_FORWARD_LOSS_MODE,
+                                                       rollout_correction=verl_config().algorithm.rollout_correction))
+    loss, _ = get_policy_loss_fn(UPDATE_FORWARD_LOSS_MODE)(
+        old_log_prob=behav, log_prob=logp, advantages=adv, response_mask=mask.bool(), loss_agg_mode="token-mean",
+        config=config)
+    return loss
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_update_forward_loss_is_the_papers_equation_with_the_pre_update_policy_as_pi_prox(seed):
+    """With pi_prox the forward's own log-probs (the pre-update policy, as a constant), loss and gradient equal
+    AReaL's eq. 5 against a recomputed pi_prox of the same values: u = 1, w = pi_prox / pi_behav under the cap."""
+    logp, _, behav, adv, mask = random_batch(seed, behav_spread=1.5)
+    prox = logp.detach().clone()  # what a recompute with the same weights gives
+    assert ((torch.exp(prox - behav) > CAP) & mask.bool()).any()  # the cap is exercised
+    want, want_grad = loss_and_grad(lambda x: areal_loss(x, prox, behav, adv, mask), logp)
+    got, got_grad = loss_and_grad(lambda x: update_forward_loss(x, behav, adv, mask), logp)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-12, atol=1e-12)
+    # not plain PPO against the behaviour policy: the weights pi_prox / pi_behav are in it
+    assert not torch.allclose(got, plain_ppo_loss(logp, behav, adv, mask))
+
+
+def test_under_update_forward_the_batch_carries_the_behaviour_policy_and_no_interpolation_weights():
+    from verl import DataProto
+
+    from async_rl.core.decoupled_ppo import UPDATE_FORWARD, apply_proximal_loss, recomputes_proximal
+
+    _, prox, behav, _, mask = random_batch(11)
+    config = OmegaConf.create({"algorithm": verl_config().algorithm,
+                               "actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": "vanilla"}}}})
+    apply_proximal_loss(config, UPDATE_FORWARD)
+    assert not recomputes_proximal(config)
+    batch = DataProto.from_dict(tensors={"old_log_probs": prox, "rollout_log_probs": behav, "response_mask": mask})
+    set_behaviour_as_old(batch, config)  # no trainer version needed: no alpha
+    assert torch.equal(batch.batch["old_log_probs"], behav) and "rollout_is_weights" not in batch.batch.keys()
+    batch, metrics = add_correction(batch, config)
+    assert metrics == {} and "rollout_is_weights" not in batch.batch.keys()

@@ -214,13 +214,43 @@ def test_the_loglinear_proximal_policy_runs_no_pi_prox_forward_and_trains_with_i
     assert read_run_config(compose_ppo(demo_overrides(demo_dir))).proximal_logp_workers == "train"
 
 
+UPDATE_FORWARD = {"+algorithm.proximal_logp_method": "update_forward"}
+
+
+def test_the_update_forward_proximal_policy_runs_no_pi_prox_forward_and_trains_with_its_own_loss(demo_dir):
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config.actor import PolicyLossConfig
+
+    from async_rl.core.decoupled_ppo import UPDATE_FORWARD_LOSS_MODE
+
+    run = read_run_config(compose_ppo(demo_overrides(demo_dir, extra=UPDATE_FORWARD)))
+    assert run.async_cfg.decoupled_ppo is True and run.proximal_logp_workers is None  # no logp role, no forward
+    policy_loss = omega_conf_to_dataclass(run.config.actor_rollout_ref.actor.policy_loss, PolicyLossConfig)
+    assert policy_loss.loss_mode == UPDATE_FORWARD_LOSS_MODE  # as verl's workers read it
+    assert policy_loss.rollout_correction.rollout_is_threshold == "1e-30_5.0"
+
+
+@pytest.mark.parametrize("extra,named,why", [
+    ({"actor_rollout_ref.actor.ppo_epochs": 2}, "ppo_epochs=2", "1 with +algorithm.proximal_logp_method=update_forward"),
+    ({"actor_rollout_ref.actor.ppo_mini_batch_size": 16}, "ppo_mini_batch_size=16", "at least data.train_batch_size"),
+    ({"+algorithm.proximal_logp_workers": "logp"}, "proximal_logp_workers='logp'", "no pi_prox forward runs"),
+    ({"+algorithm.decoupled_ppo": False}, "proximal_logp_method='update_forward'", "recompute without decoupled PPO"),
+])
+def test_the_update_forward_proximal_policy_where_the_weights_move_within_a_step_is_refused(demo_dir, extra, named,
+                                                                                            why):
+    with pytest.raises(AsyncConfigError, match="invalid config") as refused:
+        read_run_config(compose_ppo(demo_overrides(demo_dir, extra={**UPDATE_FORWARD, **extra})))
+    assert named in str(refused.value) and why in str(refused.value)
+
+
 @pytest.mark.parametrize("extra,named,why", [
     ({"+algorithm.decoupled_ppo": False}, "proximal_logp_method='loglinear'", "recompute without decoupled PPO"),
     ({"algorithm.rollout_correction.bypass_mode": True}, "proximal_logp_method='loglinear'",
      "recompute without decoupled PPO"),
     ({"actor_rollout_ref.actor.policy_loss.loss_mode": "gspo"}, "loss_mode='gspo'", "vanilla with"),
     ({"+algorithm.proximal_logp_workers": "logp"}, "proximal_logp_workers='logp'", "no pi_prox forward runs"),
-    ({"+algorithm.proximal_logp_method": "exact"}, "proximal_logp_method='exact'", "recompute or loglinear"),
+    ({"+algorithm.proximal_logp_method": "exact"}, "proximal_logp_method='exact'",
+     "recompute or loglinear or update_forward"),
 ])
 def test_the_loglinear_proximal_policy_beside_what_it_cannot_go_with_is_refused(demo_dir, extra, named, why):
     with pytest.raises(AsyncConfigError, match="invalid config") as refused:

@@ -43,6 +43,8 @@ KL_LOSS = {"actor_rollout_ref.actor.use_kl_loss": True}  # verl's KL loss agains
 REMAX = {"algorithm.adv_estimator": "remax"}
 # pi_prox by AReaL's log-linear approximation inside the loss: no pi_prox forward
 LOGLINEAR = {"+algorithm.proximal_logp_method": "loglinear"}
+# pi_prox the update's own forward (the demo's actor takes one optimizer step a training step): no pi_prox forward
+UPDATE_FORWARD = {"+algorithm.proximal_logp_method": "update_forward"}
 # verl's DAPO dynamic sampling key: training batches of groups whose rewards differ (a dynamic_sampling stage)
 DYNAMIC_SAMPLING = {"algorithm.filter_groups.enable": True, "algorithm.filter_groups.max_num_gen_batches": 10}
 def profiled(save_path) -> dict:
@@ -76,13 +78,15 @@ ROLLOUT_CORRECTION_EXAMPLE = {
 # training batches carry the dynamic_sampling stage's metrics instead of the reward stage's), Ray's timeline and
 # verl's torch profiler.
 @pytest.mark.parametrize("k,steps,extra", [(1, 4, {**ROLLOUT_CORRECTION_EXAMPLE, **DYNAMIC_SAMPLING}),
-                                           (3, 6, {**KL_LOSS, **REMAX}), (3, 4, NAIVE_PPO_KL), (2, 4, LOGLINEAR)],
+                                           (3, 6, {**KL_LOSS, **REMAX}), (3, 4, NAIVE_PPO_KL), (2, 4, LOGLINEAR),
+                                           (2, 3, UPDATE_FORWARD)],
                          ids=["k1-own-rollout-correction-dynamic-sampling", "k3-kl-loss-remax", "k3-naive-kl",
-                              "k2-loglinear-proximal"])
+                              "k2-loglinear-proximal", "k2-update-forward-proximal"])
 def test_pipeline_trains_with_bounded_staleness(demo_dir, tmp_path, ray_address, k, steps, extra):
     """Every step trains on samples at most k - 1 versions old (k = 1: on-policy), pi_prox the pre-update
     version under decoupled PPO (interpolated in the loss, with no forward, under
-    `+algorithm.proximal_logp_method=loglinear`), the behaviour policy under naive PPO; and, in the same runs:
+    `+algorithm.proximal_logp_method=loglinear`; the update's own forward under `update_forward`), the behaviour
+    policy under naive PPO; and, in the same runs:
     `algorithm.filter_groups.enable=True` fills every training batch with groups whose rewards differ, drawn
     from as many generated batches as it takes; the user's own `algorithm.rollout_correction` trains as set
     (verl's bypass-mode loss, its IS weights from the train ranks' policy against the rollout's log-probs);
@@ -101,6 +105,7 @@ def test_pipeline_trains_with_bounded_staleness(demo_dir, tmp_path, ray_address,
     dynamic = DYNAMIC_SAMPLING.items() <= extra.items()
     own_correction = ROLLOUT_CORRECTION_EXAMPLE.items() <= extra.items()
     loglinear = extra is LOGLINEAR
+    update_forward = extra is UPDATE_FORWARD
     assert code == 0, out[-4000:]
     stages = STAGES.replace("reward, ", "reward, dynamic_sampling, ") if dynamic else STAGES
     processes = f"8 (per_stage): {stages}" if naive else f"1 (per_node): {stages.replace(', ', '+')} on node"
@@ -132,6 +137,10 @@ def test_pipeline_trains_with_bounded_staleness(demo_dir, tmp_path, ray_address,
         elif loglinear:  # pi_prox interpolated in the loss, per token: no forward, its weights from verl's helper there
             assert metrics["async/logp_version"] == -1 and "timing_s/old_log_prob" not in metrics
             assert 0.0 <= metrics["actor/proximal_interpolation"] < 1.0
+            assert "actor/rollout_corr/rollout_is_mean" in metrics and "rollout_corr/rollout_is_mean" not in metrics
+        elif update_forward:  # pi_prox the update's forward: u = pi_theta / pi_prox is 1, PPO's clip never binds
+            assert metrics["async/logp_version"] == -1 and "timing_s/old_log_prob" not in metrics
+            assert "actor/proximal_interpolation" not in metrics and metrics["actor/pg_clipfrac"] == 0.0
             assert "actor/rollout_corr/rollout_is_mean" in metrics and "rollout_corr/rollout_is_mean" not in metrics
         elif not own_correction:  # decoupled PPO: pi_prox is the trainer's pre-update version, token weights from verl
             assert "actor/reward_kl_penalty" not in metrics
