@@ -210,11 +210,10 @@ KEYS = (
         "them (cpu, vllm)"),
     Key("algorithm.proximal_logp_workers", "proximal_logp_workers", "train", _as_proximal_workers,
         "`train` or `logp`",
-        "where pi_prox (verl's `old_log_probs`) is recomputed: the train ranks before their update, or the "
-        "logp stage's workers"),
+        "where pi_prox (verl's `old_log_probs`) is recomputed: the train ranks, or the logp stage's"),
     Key("algorithm.proximal_logp_method", "proximal_logp_method", "recompute", _as_proximal_method,
-        "`recompute` or `loglinear`", "pi_prox by a forward pass, or interpolated per token with none (AReaL's; "
-        "[docs](docs/algorithms.md#decoupled-ppo))"),
+        "`recompute`, `loglinear`, `update_forward`", "pi_prox by its own forward pass, interpolated (AReaL's) or "
+        "the update's forward (exact with one optimizer step; [docs](docs/algorithms.md#decoupled-ppo))"),
     Key("actor_rollout_ref.rollout.max_restarts", "replica_max_restarts", None, _as_optional_count, "int >= 0",
         "restarts of each lost rollout (or reward-model) replica over the run; `0` stops the run naming it; "
         "above 0 with `cpu` or `vllm`", "`3` with `rollout.name=cpu`, else `0`"),
@@ -224,7 +223,7 @@ KEYS = (
         "an agent loop's tool call unanswered this long ends in an error the model reads, naming this key",
         "`120`"),
     Key("actor_rollout_ref.rollout.multi_turn.tool_pool_size", "tool_pool_size", None, _as_optional_pool_size,
-        "int >= 1", "each tool's environments in use at once, across trajectories; a wait past "
+        "int >= 1", "each tool's environments in use at once; a wait past "
         "`tool_timeout_s` fails the call ([docs](docs/agent_loops.md#environment-pool))", "none"),
 )
 CONFIG_KEYS = tuple(k.key for k in KEYS)
