@@ -14,6 +14,7 @@ PPO loss against pi_prox with those weights.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -51,44 +52,43 @@ def decoupled_ppo_loss(proximal: torch.Tensor, behaviour: torch.Tensor, log_prob
     return loss, pg_metrics
 
 
-@register_policy_loss(LOGLINEAR_LOSS_MODE)
-def loglinear_decoupled_ppo_loss(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    config: Optional[Any] = None,
-    rollout_is_weights: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, dict[str, Any]]:
-    """Decoupled PPO against the log-linear pi_prox; `(loss, metrics)` as verl's policy losses return them."""
-    if rollout_is_weights is None or config is None:
-        raise ValueError(f"policy loss {LOGLINEAR_LOSS_MODE!r} needs alpha per token in rollout_is_weights and the "
-                         "actor config (+algorithm.proximal_logp_method=loglinear sets both)")
-    behaviour, alpha = old_log_prob, rollout_is_weights
-    with torch.no_grad():
-        proximal = approximate_proximal(behaviour, log_prob.detach(), alpha)
-    loss, pg_metrics = decoupled_ppo_loss(proximal, behaviour, log_prob, advantages, response_mask, loss_agg_mode,
-                                          config)
+def register_proximal_loss(loss_mode: str, proximal_of: Callable) -> Callable:
+    """Register in verl's policy-loss table, as `loss_mode`, decoupled PPO against the pi_prox that
+    `proximal_of(behaviour, current, rollout_is_weights, response_mask)` makes per micro-batch (`current`: the
+    policy's log-probs, detached); it returns `(log pi_prox, metrics)`."""
+
+    @register_policy_loss(loss_mode)
+    def loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
+             response_mask: torch.Tensor, loss_agg_mode: str = "token-mean", config: Optional[Any] = None,
+             rollout_is_weights: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, Any]]:
+        if config is None:
+            raise ValueError(f"policy loss {loss_mode!r} needs the actor config (+algorithm.proximal_logp_method "
+                             "sets it)")
+        with torch.no_grad():
+            proximal, metrics = proximal_of(old_log_prob, log_prob.detach(), rollout_is_weights, response_mask)
+        pg_loss, pg_metrics = decoupled_ppo_loss(proximal, old_log_prob, log_prob, advantages, response_mask,
+                                                 loss_agg_mode, config)
+        pg_metrics.update(metrics)
+        return pg_loss, pg_metrics
+
+    return loss
+
+
+def loglinear_proximal(behaviour, current, alpha, response_mask) -> tuple[torch.Tensor, dict[str, float]]:
+    """AReaL's log-linear pi_prox from alpha per token (in `rollout_is_weights`), and alpha's mean."""
+    if alpha is None:
+        raise ValueError(f"policy loss {LOGLINEAR_LOSS_MODE!r} needs alpha per token in rollout_is_weights "
+                         "(+algorithm.proximal_logp_method=loglinear puts it there)")
     masked = response_mask.bool()
-    pg_metrics["actor/proximal_interpolation"] = float(alpha[masked].mean()) if masked.any() else 0.0
-    return loss, pg_metrics
+    return approximate_proximal(behaviour, current, alpha), {
+        "actor/proximal_interpolation": float(alpha[masked].mean()) if masked.any() else 0.0}
 
 
-@register_policy_loss(UPDATE_FORWARD_LOSS_MODE)
-def update_forward_decoupled_ppo_loss(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    config: Optional[Any] = None,
-    rollout_is_weights: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, dict[str, Any]]:
-    """Decoupled PPO with pi_prox the update's own forward (`log_prob`, detached): the pre-update policy while the
-    actor takes one optimizer step per training step; `(loss, metrics)` as verl's policy losses return them."""
-    if config is None:
-        raise ValueError(f"policy loss {UPDATE_FORWARD_LOSS_MODE!r} needs the actor config "
-                         "(+algorithm.proximal_logp_method=update_forward sets it)")
-    return decoupled_ppo_loss(log_prob.detach(), old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
-                              config)
+def update_forward_proximal(behaviour, current, alpha, response_mask) -> tuple[torch.Tensor, dict[str, float]]:
+    """pi_prox the update's own forward: the pre-update policy while the actor takes one optimizer step per
+    training step."""
+    return current, {}
+
+
+loglinear_decoupled_ppo_loss = register_proximal_loss(LOGLINEAR_LOSS_MODE, loglinear_proximal)
+update_forward_decoupled_ppo_loss = register_proximal_loss(UPDATE_FORWARD_LOSS_MODE, update_forward_proximal)

@@ -198,36 +198,22 @@ def test_bypass_mode_alone_is_naive_ppo_with_no_recomputed_log_probs(demo_dir):
 
 
 LOGLINEAR = {"+algorithm.proximal_logp_method": "loglinear"}
-
-
-def test_the_loglinear_proximal_policy_runs_no_pi_prox_forward_and_trains_with_its_own_loss(demo_dir):
-    from verl.utils.config import omega_conf_to_dataclass
-    from verl.workers.config.actor import PolicyLossConfig
-
-    from async_rl.core.decoupled_ppo import LOGLINEAR_LOSS_MODE
-
-    run = read_run_config(compose_ppo(demo_overrides(demo_dir, extra=LOGLINEAR)))
-    assert run.async_cfg.decoupled_ppo is True and run.proximal_logp_workers is None  # no logp role, no forward
-    policy_loss = omega_conf_to_dataclass(run.config.actor_rollout_ref.actor.policy_loss, PolicyLossConfig)
-    assert policy_loss.loss_mode == LOGLINEAR_LOSS_MODE  # as verl's workers read it
-    assert policy_loss.rollout_correction.rollout_is_threshold == "1e-30_5.0"
-    assert read_run_config(compose_ppo(demo_overrides(demo_dir))).proximal_logp_workers == "train"
-
-
 UPDATE_FORWARD = {"+algorithm.proximal_logp_method": "update_forward"}
 
 
-def test_the_update_forward_proximal_policy_runs_no_pi_prox_forward_and_trains_with_its_own_loss(demo_dir):
+@pytest.mark.parametrize("method", [LOGLINEAR, UPDATE_FORWARD], ids=["loglinear", "update_forward"])
+def test_a_proximal_policy_made_in_the_loss_runs_no_pi_prox_forward_and_trains_with_its_own_loss(demo_dir, method):
     from verl.utils.config import omega_conf_to_dataclass
     from verl.workers.config.actor import PolicyLossConfig
 
-    from async_rl.core.decoupled_ppo import UPDATE_FORWARD_LOSS_MODE
+    from async_rl.core.decoupled_ppo import PROXIMAL_IN_LOSS
 
-    run = read_run_config(compose_ppo(demo_overrides(demo_dir, extra=UPDATE_FORWARD)))
+    run = read_run_config(compose_ppo(demo_overrides(demo_dir, extra=method)))
     assert run.async_cfg.decoupled_ppo is True and run.proximal_logp_workers is None  # no logp role, no forward
     policy_loss = omega_conf_to_dataclass(run.config.actor_rollout_ref.actor.policy_loss, PolicyLossConfig)
-    assert policy_loss.loss_mode == UPDATE_FORWARD_LOSS_MODE  # as verl's workers read it
+    assert policy_loss.loss_mode == PROXIMAL_IN_LOSS[method["+algorithm.proximal_logp_method"]]  # as verl reads it
     assert policy_loss.rollout_correction.rollout_is_threshold == "1e-30_5.0"
+    assert read_run_config(compose_ppo(demo_overrides(demo_dir))).proximal_logp_workers == "train"
 
 
 @pytest.mark.parametrize("extra,named,why", [
