@@ -49,7 +49,8 @@ rollout replicas over N ranks each (rollout.tensor_model_parallel_size);
 
 Per run: wall time per trained sample (s; training steps only, start-up and validation
 excluded, the same for every system), time to `TARGET` (training seconds until a validation
-at or above it; and on the bench's wall clock, validation included: `wall_to_target`), final
+at or above it; on the bench's wall clock, validation included, until seen: `wall_to_target`, and until the
+version that reached it was trained: `version_to_target`), final
 validation reward, busy ratio per stage and the bubble ratio (step time / the busiest stage's
 time per step; 1.0 is bubble-free), and where a step's time goes
 (`step_breakdown`: generation, log-prob passes, update, weight sync, waiting, and the rest as
@@ -266,18 +267,78 @@ def cores_busy(samples: list[dict]) -> float | None:
     return busy_between(samples, 1, last) if last >= 2 else None
 
 
-def wall_to_target(samples: list[dict], stopped_at_target: bool, cores: int | None = None) -> dict:
+def poll_reached(sample: dict, target: float) -> bool:
+    """Whether a poll of the cores log had seen a validation at or above `target`: its `best_val` (the best
+    validation logged by then; None before the first). A poll recorded without it has only `reached`, recorded
+    against the run's own target."""
+    if "best_val" in sample:
+        return sample["best_val"] is not None and sample["best_val"] >= target
+    return bool(sample.get("reached"))
+
+
+def wall_to_target(samples: list[dict], stopped_at_target: bool, target: float, cores: int | None = None) -> dict:
     """A run's wall seconds on one clock for every system, validation and all else included: from the first poll
-    that saw step 1 logged to the first that saw the target reached (`wall_to_target_s`; None: not reached) and to
-    its last poll (`wall_trained_s`). Wall s = the machine's CPU seconds (busy and idle) over its `cores`, each end
-    late by up to a poll (`POLL_S`). A run the bench stopped at its target (`stopped_at_target`) stopped at the
-    poll that saw it: its last."""
+    that saw step 1 logged to the first that saw `target` reached (`poll_reached`; `wall_to_target_s`, None: not
+    reached) and to its last poll (`wall_trained_s`). Wall s = the machine's CPU seconds (busy and idle) over its
+    `cores`, each end late by up to a poll (`POLL_S`). A run the bench stopped at its target (`stopped_at_target`)
+    stopped at the poll that saw it: its last."""
     start = next((s for s in samples if s["steps"] >= 1), None)
     if start is None:
         return {"wall_to_target_s": None, "wall_trained_s": None}
-    reached = next((s for s in samples if s.get("reached")), samples[-1] if stopped_at_target else None)
+    reached = next((s for s in samples if poll_reached(s, target)), samples[-1] if stopped_at_target else None)
     wall = lambda s: max(0.0, s["all_s"] - start["all_s"]) / (cores or os.cpu_count())  # noqa: E731
     return {"wall_to_target_s": wall(reached) if reached else None, "wall_trained_s": wall(samples[-1])}
+
+
+def first_validation_at(rows: list[dict], target: float) -> int | None:
+    """The index in `rows` of the first validation at or above `target`; None: none."""
+    return next((i for i, r in enumerate(rows) if any(r["data"].get(k, -1.0) >= target for k in VAL_KEYS)), None)
+
+
+def pipeline_version_trained(rows: list[dict], i: int, samples: list[dict], wall_seen_s: float, wall) -> float | None:
+    """The pipeline validates beside training and names the version it validated (`val-aux/param_version`): the
+    version was trained when its step was logged, at the first poll that saw that many steps logged."""
+    version = rows[i]["data"]["val-aux/param_version"]
+    ordinal = sum(1 for r in rows if "timing_s/step" in r["data"]
+                  and r["data"].get("training/global_step", r["step"]) <= version)
+    poll = next((s for s in samples if s["steps"] >= ordinal), None)
+    return wall(poll) if poll else None
+
+
+def validation_timed_by(key: str):
+    """verl's trainers validate the version they have just trained, before logging the step that trained it, and
+    time the validation (`key`, s): the version was trained that long before the poll that saw the validation."""
+    def trained(rows: list[dict], i: int, samples: list[dict], wall_seen_s: float, wall) -> float | None:
+        return wall_seen_s - rows[i]["data"][key]
+    return trained
+
+
+# where a run's validation row says when the version it validated was trained, by a key only that trainer's
+# validation rows carry: the pipeline's, fully_async_policy's rollouter's and the synchronous trainer's
+VERSION_TRAINED = {
+    "val-aux/param_version": pipeline_version_trained,
+    "rollouter/validate_time": validation_timed_by("rollouter/validate_time"),
+    "timing_s/testing": validation_timed_by("timing_s/testing"),
+}
+
+
+def version_to_target(rows: list[dict], samples: list[dict], stopped_at_target: bool, target: float,
+                      cores: int | None = None) -> dict:
+    """A run's wall seconds from step 1 logged to the moment the first version validated at or above `target` was
+    trained (`version_to_target_s`; `VERSION_TRAINED`): `wall_to_target` less the time its validation took to
+    be seen; None where the run did not reach it. No time on this clock ({}) where its validation row does not
+    say when its version was trained (no key of the table)."""
+    seen = wall_to_target(samples, stopped_at_target, target, cores)["wall_to_target_s"]
+    i = first_validation_at(rows, target)
+    if seen is None or i is None:
+        return {"version_to_target_s": None}
+    trained = next((f for key, f in VERSION_TRAINED.items() if key in rows[i]["data"]), None)
+    if trained is None:
+        return {}
+    start = next(s for s in samples if s["steps"] >= 1)
+    wall = lambda s: max(0.0, s["all_s"] - start["all_s"]) / (cores or os.cpu_count())  # noqa: E731
+    at = trained(rows, i, samples, seen, wall)
+    return {"version_to_target_s": None if at is None else min(max(at, 0.0), seen)}
 
 
 def cpu_use(samples: list[dict], step_s: float, cores: int | None = None) -> dict:
@@ -334,11 +395,12 @@ def same_cores_limit(row: dict) -> float | None:
     return 1.0 / busy if busy else None
 
 
-def reached_target(path: Path, target: float) -> bool:
-    """Whether the run logging to ``path`` has had a validation at or above ``target``. Only validation lines are
-    parsed (a poll reads the file every `POLL_S`), and a line the run is still writing is left to the next poll."""
+def best_validation(path: Path) -> float | None:
+    """The best validation the run logging to ``path`` has logged (None before its first). Only validation lines
+    are parsed (a poll reads the file every `POLL_S`), and a line the run is still writing is left to the next poll."""
     if not path.exists():
-        return False
+        return None
+    best = None
     for line in path.read_text().splitlines():
         if '"val-' not in line:
             continue
@@ -346,9 +408,9 @@ def reached_target(path: Path, target: float) -> bool:
             data = json.loads(line)["data"]
         except json.JSONDecodeError:
             continue
-        if any(data.get(key, -1.0) >= target for key in VAL_KEYS):
-            return True
-    return False
+        for value in (data[key] for key in VAL_KEYS if key in data):
+            best = value if best is None else max(best, value)
+    return best
 
 
 POLL_S = 2.0  # how often `run_system` looks at a run: its target, its bound, the machine's CPU
@@ -373,21 +435,17 @@ def stop_like_a_scheduler(proc: subprocess.Popen, kill_wait_s: float = KILL_WAIT
 
 def run_system(name: str, demo_dir: Path, workdir: Path, metrics_path: Path, extra: dict, timeout_s: float,
                critic: bool = False, stop_at: float | None = None, main: str = VERL_MAIN,
-               task: str = "copy", target: float | None = None) -> list[dict]:
+               task: str = "copy") -> list[dict]:
     """One training run by the plain verl command (`critic`: the demo's PPO with GAE; `task`: the demo's
     copy task, "lookup" (`overrides_agent.txt`) or "long" (`overrides_long.txt`)); returns its JSONL rows.
 
-    ``stop_at``: end the run at its first validation reward >= this (the rows up to it are kept).
-    ``target``: each poll of the cores log records whether a validation has reached it (``reached``); default
-    ``stop_at``, the only value it may take beside one (ValueError otherwise).
+    ``stop_at``: end the run at the first poll that saw a validation reward >= this (the rows up to it are kept).
+    Each poll of the cores log records the best validation logged by then (``best_val``).
     ``timeout_s``: end the run after this many seconds (wall, start included); its rows so far are kept
     and summarized as a run that did not reach the target (a lower bound for the ratios against it).
     ``main``: verl's entry module (FULLY_ASYNC_MAIN: without the pipeline's keys).
     Raises RuntimeError when the run fails on its own.
     """
-    target = stop_at if target is None else target
-    if stop_at is not None and stop_at != target:
-        raise ValueError(f"stop_at {stop_at} and target {target}: a run stops at the target its polls record")
     from async_rl.demo import demo_overrides
 
     patch_log = patch_log_of(metrics_path)
@@ -410,16 +468,15 @@ def run_system(name: str, demo_dir: Path, workdir: Path, metrics_path: Path, ext
             while proc.poll() is None:
                 busy_s, all_s = machine_cpu_s()
                 with open(cores_log, "a") as cores:
-                    sample = {"busy_s": busy_s, "all_s": all_s, "steps": steps_logged(metrics_path)}
-                    if target is not None:
-                        sample["reached"] = reached_target(metrics_path, target)
+                    sample = {"busy_s": busy_s, "all_s": all_s, "steps": steps_logged(metrics_path),
+                              "best_val": best_validation(metrics_path)}
                     cores.write(json.dumps(sample) + "\n")
                 if time.monotonic() - start > timeout_s:
                     print(f"{name}: stopped at --timeout-s {timeout_s:.0f} s, its rows so far kept (log: {log_path})",
                           flush=True)
                     stopped = True
                     break
-                if stop_at is not None and sample["reached"]:
+                if stop_at is not None and poll_reached(sample, stop_at):
                     stopped = True
                     break
                 time.sleep(POLL_S)
@@ -669,10 +726,11 @@ def time_to_target_ratio(row: dict, base: dict) -> tuple[float | None, str]:
 @dataclass(frozen=True)
 class Clock:
     """A clock a run's time to the target is read on: its row's keys of the time to the target and of the whole
-    run, and how many of the run's steps were over before the clock started."""
+    run, how many of the run's steps were over before the clock started, and what it counts (printed)."""
     to_target: str
     whole: str
     steps_before: int
+    counts: str
 
     def step_s(self, row: dict) -> float | None:
         """The run's mean s a step on this clock: its whole run over the steps it covers."""
@@ -681,8 +739,13 @@ class Clock:
 
 
 CLOCKS = {
-    "training s": Clock("time_to_target_s", "trained_s", 0),  # the sum of the run's own step timers
-    "wall s": Clock("wall_to_target_s", "wall_trained_s", 1),  # the bench's polls from step 1 logged (`wall_to_target`)
+    "training s": Clock("time_to_target_s", "trained_s", 0, "the sum of each run's step timers (verl's "
+                        "fully_async_policy times its step without the validation after it)"),
+    "wall s": Clock("wall_to_target_s", "wall_trained_s", 1, "the bench's clock from step 1 logged to the target "
+                    "seen, validation and all else included (`wall_to_target`)"),
+    "version wall s": Clock("version_to_target_s", "wall_trained_s", 1, "the bench's clock from step 1 logged to "
+                            "the moment the version first validated at the target was trained, validation's pauses "
+                            "in training included (`version_to_target`)"),
 }
 
 
@@ -692,13 +755,14 @@ def across_seeds(rows: list[dict], system: str, peer: str, clock: str = "trainin
     whole run counts (`peer_unreached`: its mean, so the ratio peer / system, is then a lower bound). `sooner`: the
     counted seeds where `system` got there first. `step_s`, `peer_step_s`: the mean s a step over the counted seeds
     (`Clock.step_s`), whose ratio is the part of `ratio` a step's speed gives (the rest: the steps each took). None
-    when no seed ran both or a run has no time on `clock`."""
+    when no seed ran both or a run has no time on `clock` (its row lacks the clock's keys or has no whole run)."""
     on = CLOCKS[clock]
     to_target, whole = on.to_target, on.whole
     mine = {r["seed"]: r for r in rows if r["system"] == system}
     theirs = {r["seed"]: r for r in rows if r["system"] == peer}
     seeds = sorted(set(mine) & set(theirs))
-    if not seeds or any(r.get(whole) is None for r in [*(mine[s] for s in seeds), *(theirs[s] for s in seeds)]):
+    runs = [*(mine[s] for s in seeds), *(theirs[s] for s in seeds)]
+    if not seeds or any(r.get(whole) is None or to_target not in r for r in runs):
         return None
     counted = [s for s in seeds if mine[s][to_target] is not None]
     peer_s = {s: theirs[s][to_target] if theirs[s][to_target] is not None else theirs[s][whole] for s in counted}
@@ -983,13 +1047,14 @@ def main(argv=None) -> list[dict]:
 
                         prepare(demo_dir, seed=seed, model_size=args.model_size)
                     metrics = run_system(system.name, demo_dir, Path(tmp), path, {**common, **system.overrides},
-                                         args.timeout_s, system.critic, stop_at, system.entry, task=args.task,
-                                         target=target)
+                                         args.timeout_s, system.critic, stop_at, system.entry, task=args.task)
                 row, curve = summarize(system.name, system.k, metrics, TRAIN_BATCH_SIZE * GROUP_SIZE, target)
                 cores = read_cores(path)
+                stopped_at_target = stop_at is not None and row["time_to_target_s"] is not None
                 row.update(seed=seed, trainer=system.trainer, critic=system.critic, **engine_patches(path),
                            **cpu_use(cores, row["mean_step_s"]),
-                           **wall_to_target(cores, stop_at is not None and row["time_to_target_s"] is not None),
+                           **wall_to_target(cores, stopped_at_target, target),
+                           **version_to_target(metrics, cores, stopped_at_target, target),
                            slowest_step=slowest_step({r["step"]: r["data"]["timing_s/step"] for r in metrics
                                                       if "timing_s/step" in r["data"]}, cores),
                            update_after_validation=update_after_validation(metrics, args.test_freq))
@@ -1077,14 +1142,11 @@ def main(argv=None) -> list[dict]:
             print(f"  against {peer['system']}: time to {target} {time_to_target_ratio(r, peer)[1]}")
     pairs = [(r["system"], b["system"], b["trainer"]) for r in rows if r.get("generate_ahead_steps") for b in rows
              if b["trainer"] != PIPELINE and b["critic"] == r["critic"]]
-    clock_words = {"training s": "the sum of each run's step timers (verl's fully_async_policy times its step without "
-                                 "the validation after it)",
-                   "wall s": "the bench's clock from step 1 logged to the target seen, validation and all else included"}
     for clock in CLOCKS if len(seeds) > 1 and pairs else ():
         got_all = {(system, peer): across_seeds(rows, system, peer, clock) for system, peer, _ in pairs}
         if not any(got_all.values()):
             continue
-        print(f"\nacross seeds: mean time to {target} in {clock}, {clock_words[clock]}, over the seeds the pipeline run "
+        print(f"\nacross seeds: mean time to {target} in {clock}, {CLOCKS[clock].counts}, over the seeds the pipeline run "
               "reached it (where verl's run did not, its whole run)"
               + (f"; against {FULLY_ASYNC}, the goal: at least {GOAL_FULLY_ASYNC:g}x sooner, and reached on every seed"
                  if any(trainer == FULLY_ASYNC for _, _, trainer in pairs) else ""))
@@ -1110,7 +1172,7 @@ def main(argv=None) -> list[dict]:
                 "breakdown", "beside", "tokens_per_step", "cpu_patches", "engine_processes", "target_step",
                 "min_val_after_target", "min_val_step", "held", "vals_below_after_target", "settled_step",
                 "overlap_limit", "compute_share", "slowest_step", "update_after_validation", "trained_s",
-                "wall_to_target_s", "wall_trained_s", "val_by_update")
+                "wall_to_target_s", "version_to_target_s", "wall_trained_s", "val_by_update")
         with open(args.json, "w") as f:
             json.dump({"command": command, "rows": [{k: r.get(k) for k in keys} for r in rows]}, f, indent=1)
     return rows

@@ -241,21 +241,50 @@ def test_validations_are_keyed_by_the_updates_made_before_them_and_averaged_wher
 
 
 def test_wall_to_target_runs_from_step_1_logged_to_the_poll_that_saw_the_target():
-    def poll(all_s, steps, reached=None):
-        return {"busy_s": all_s / 2, "all_s": all_s, "steps": steps,
-                **({} if reached is None else {"reached": reached})}
-    samples = [poll(0.0, 0, False), poll(20.0, 1, False), poll(60.0, 3, False), poll(100.0, 4, True),
-               poll(140.0, 6, True)]
-    got = e2e.wall_to_target(samples, stopped_at_target=False, cores=2)
+    def poll(all_s, steps, best_val=None, **flag):
+        return {"busy_s": all_s / 2, "all_s": all_s, "steps": steps, "best_val": best_val, **flag}
+    samples = [poll(0.0, 0), poll(20.0, 1, 0.1), poll(60.0, 3, 0.2), poll(100.0, 4, 0.3), poll(140.0, 6, 0.5)]
+    got = e2e.wall_to_target(samples, stopped_at_target=False, target=0.25, cores=2)
     assert got == {"wall_to_target_s": pytest.approx(40.0), "wall_trained_s": pytest.approx(60.0)}
-    assert e2e.wall_to_target(samples, False, cores=4)["wall_to_target_s"] == pytest.approx(20.0)
-    never = [{**s, "reached": False} for s in samples]
-    assert e2e.wall_to_target(never, False, cores=2) == {"wall_to_target_s": None, "wall_trained_s": pytest.approx(60.0)}
+    assert e2e.wall_to_target(samples, False, 0.25, cores=4)["wall_to_target_s"] == pytest.approx(20.0)
+    # any target the polls' best validation reaches, read after the run
+    assert e2e.wall_to_target(samples, False, 0.2, cores=2)["wall_to_target_s"] == pytest.approx(20.0)
+    assert e2e.wall_to_target(samples, False, 0.4, cores=2)["wall_to_target_s"] == pytest.approx(60.0)
+    assert e2e.wall_to_target(samples, False, 0.6, cores=2) == {"wall_to_target_s": None,
+                                                               "wall_trained_s": pytest.approx(60.0)}
+    # a poll recorded with only `reached` (against the run's own target) is read by that flag
+    flagged = [{k: v for k, v in s.items() if k != "best_val"} | {"reached": s["best_val"] == 0.5} for s in samples]
+    assert e2e.wall_to_target(flagged, False, 0.25, cores=2)["wall_to_target_s"] == pytest.approx(60.0)
     # a run stopped at the target stopped at the poll that saw it: its last
-    unflagged = [poll(0.0, 0), poll(20.0, 1), poll(60.0, 3)]
-    assert e2e.wall_to_target(unflagged, True, cores=2)["wall_to_target_s"] == pytest.approx(20.0)
-    assert e2e.wall_to_target(unflagged, False, cores=2)["wall_to_target_s"] is None
-    assert e2e.wall_to_target([poll(0.0, 0)], True, cores=2) == {"wall_to_target_s": None, "wall_trained_s": None}
+    unflagged = [{k: v for k, v in s.items() if k != "best_val"} for s in samples[:3]]
+    assert e2e.wall_to_target(unflagged, True, 0.25, cores=2)["wall_to_target_s"] == pytest.approx(20.0)
+    assert e2e.wall_to_target(unflagged, False, 0.25, cores=2)["wall_to_target_s"] is None
+    assert e2e.wall_to_target([poll(0.0, 0)], True, 0.25, cores=2) == {"wall_to_target_s": None,
+                                                                      "wall_trained_s": None}
+
+
+def test_the_version_clock_ends_when_the_version_that_reached_the_target_was_trained():
+    """Polls 10 wall s apart (2 cores), step n logged at poll n; the first validation at 0.3 is seen at the poll of
+    wall 40 s. The pipeline names the version it validated (3: trained when step 3 was logged, wall 20 s);
+    fully_async_policy's rollouter and the synchronous trainer time their validation of the version just trained."""
+    samples = [{"busy_s": 0.0, "all_s": 20.0 * n, "steps": n, "best_val": 0.3 if n >= 5 else 0.1} for n in range(7)]
+    steps = [{"step": n, "data": {"timing_s/step": 1.0, "training/global_step": n}} for n in range(1, 5)]
+    val = e2e.VAL_KEYS[0]
+    pipeline = [*steps, {"step": 4, "data": {val: 0.3, "val-aux/param_version": 3.0}}]
+    got = e2e.version_to_target(pipeline, samples, stopped_at_target=False, target=0.25, cores=2)
+    assert got == {"version_to_target_s": pytest.approx(20.0)}
+    assert e2e.wall_to_target(samples, False, 0.25, cores=2)["wall_to_target_s"] == pytest.approx(40.0)
+    fully_async = [*steps, {"step": 5, "data": {val: 0.3, "rollouter/validate_time": 6.0}}]
+    assert e2e.version_to_target(fully_async, samples, False, 0.25, cores=2) == {"version_to_target_s": 34.0}
+    sync = [*steps[:3], {"step": 4, "data": {**steps[3]["data"], val: 0.3, "timing_s/testing": 15.0}}]
+    assert e2e.version_to_target(sync, samples, False, 0.25, cores=2) == {"version_to_target_s": 25.0}
+    # no key that says when its version was trained, or the target not reached: no time on this clock
+    unnamed = [*steps, {"step": 4, "data": {val: 0.3}}]
+    assert e2e.version_to_target(unnamed, samples, False, 0.25, cores=2) == {}
+    assert e2e.version_to_target(pipeline, samples, False, 0.5, cores=2) == {"version_to_target_s": None}
+    # a validation that took longer than the clock had run counts from step 1 logged, never before it
+    slow = [*steps, {"step": 5, "data": {val: 0.3, "rollouter/validate_time": 60.0}}]
+    assert e2e.version_to_target(slow, samples, False, 0.25, cores=2) == {"version_to_target_s": 0.0}
 
 
 TARGET_TRAINER = '''
@@ -270,29 +299,21 @@ with open(os.environ["VERL_FILE_LOGGER_PATH"], "a") as f:
 '''
 
 
-def test_a_run_cannot_stop_at_another_target_than_its_polls_record(tmp_path):
-    with pytest.raises(ValueError, match="stop_at 0.5 and target 0.8"):
-        e2e.run_system("two targets", tmp_path, tmp_path, tmp_path / "m.jsonl", {}, timeout_s=5, stop_at=0.5,
-                       target=0.8)
-    assert not e2e.cores_log_of(tmp_path / "m.jsonl").exists()  # refused before it started
-
-
-def test_each_poll_records_whether_the_target_was_reached_without_stopping_the_run(tmp_path, monkeypatch):
+def test_each_poll_records_the_best_validation_so_far_without_stopping_the_run(tmp_path, monkeypatch):
     (tmp_path / "target_trainer.py").write_text(TARGET_TRAINER)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     metrics = tmp_path / "metrics.jsonl"
-    rows = e2e.run_system("runs on", tmp_path, tmp_path, metrics, {}, timeout_s=60, main="target_trainer",
-                          target=0.8)
+    rows = e2e.run_system("runs on", tmp_path, tmp_path, metrics, {}, timeout_s=60, main="target_trainer")
     assert any("val-core/async_rl/copy_digits/reward/mean@1" in r["data"] for r in rows)
-    reached = [s["reached"] for s in e2e.read_cores(metrics)]
-    assert reached[0] is False and reached[-1] is True  # seen at a poll, the run going on to its end
-    assert reached == sorted(reached) and reached.count(True) >= 2
-    got = e2e.wall_to_target(e2e.read_cores(metrics), stopped_at_target=False)
+    best = [s["best_val"] for s in e2e.read_cores(metrics)]
+    assert best[0] is None and best[-1] == 0.9  # seen at a poll, the run going on to its end
+    assert best.count(0.9) >= 2 and set(best) == {None, 0.9}
+    got = e2e.wall_to_target(e2e.read_cores(metrics), stopped_at_target=False, target=0.8)
     assert 3.0 <= got["wall_to_target_s"] <= got["wall_trained_s"]
     # stopping at the target: the run ends at the first poll that recorded it
     e2e.run_system("stops", tmp_path, tmp_path, metrics, {}, timeout_s=60, main="target_trainer", stop_at=0.8)
-    reached = [s["reached"] for s in e2e.read_cores(metrics)]
-    assert reached[-1] is True and reached.count(True) == 1
+    best = [s["best_val"] for s in e2e.read_cores(metrics)]
+    assert best[-1] == 0.9 and best.count(0.9) == 1
 
 
 def test_the_slowest_step_is_timed_against_the_median_with_the_cores_busy_while_it_ran():
@@ -328,15 +349,15 @@ def test_a_run_stops_at_its_first_validation_at_the_target_with_its_whole_proces
     import subprocess
 
     metrics = tmp_path / "m.jsonl"
-    assert not e2e.reached_target(metrics, 0.9)
+    assert e2e.best_validation(metrics) is None
     metrics.write_text('{"step": 0, "data": {"%s": 0.5}}\n' % e2e.VAL_KEYS[0])
-    assert not e2e.reached_target(metrics, 0.9)
+    assert e2e.best_validation(metrics) == 0.5
     with metrics.open("a") as f:
         f.write('{"step": 10, "data": {"%s": 0.9' % e2e.VAL_KEYS[1])  # a line the run is still writing
-    assert not e2e.reached_target(metrics, 0.9)
+    assert e2e.best_validation(metrics) == 0.5
     with metrics.open("a") as f:
-        f.write('2}}\n')
-    assert e2e.reached_target(metrics, 0.9)
+        f.write('2}}\n{"step": 12, "data": {"%s": 0.7}}\n' % e2e.VAL_KEYS[0])
+    assert e2e.best_validation(metrics) == 0.92  # the best so far, not the last
     child_pid = tmp_path / "child"
     proc = subprocess.Popen(["bash", "-c", f"sleep 300 & echo $! > {child_pid}; wait"], start_new_session=True)
     for _ in range(100):
@@ -708,8 +729,11 @@ def test_several_seeds_print_the_wall_clock_where_validation_outside_a_step_time
         e2e.cores_log_of(path).write_text("".join(
             json.dumps({"busy_s": 1.0, "all_s": 2 * wall_s * n, "steps": n, "reached": n >= 4}) + "\n"
             for n in range(5)))
-        return rows_for(4.0 if fully_async else 5.0, e2e.VAL_KEYS[0], {0: 0.0, 4: 0.95},
+        rows = rows_for(4.0 if fully_async else 5.0, e2e.VAL_KEYS[0], {0: 0.0, 4: 0.95},
                         **{"timing_s/gen": 1.0, "async/actor_train/busy_ratio": 1.0})
+        # fully_async's rollouter validated for 10 s before logging the step; the pipeline names the version
+        rows[4]["data"].update({"rollouter/validate_time": 10.0} if fully_async else {"val-aux/param_version": 4.0})
+        return rows
 
     monkeypatch.setattr(e2e, "run_system", run_system)
     monkeypatch.setattr(e2e.os, "cpu_count", lambda: 2)
@@ -723,6 +747,9 @@ def test_several_seeds_print_the_wall_clock_where_validation_outside_a_step_time
     assert "(0.80x)" in training and training.endswith("goal missed")
     assert ("60 s against 90 s (1.50x); sooner on 2 of 2; a step 20.0 s against 30.0 (1.50x), the steps each took "
             "to it 1.00x; 1.50x >= 1.3x: goal met") in wall
+    version = out[1].split("in version wall s")[1]
+    assert ("60 s against 80 s (1.33x); sooner on 2 of 2; a step 20.0 s against 30.0 (1.50x), the steps each took "
+            "to it 0.89x; 1.33x >= 1.3x: goal met") in version
 
 
 def test_each_system_has_its_trainer_and_the_ppo_runs_are_compared_with_verls_ppo_run(tmp_path, monkeypatch, capsys):
