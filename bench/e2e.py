@@ -1039,6 +1039,9 @@ def main(argv=None) -> list[dict]:
             demo_dir = Path(tmp) / f"demo_seed{seed}"
             for system in systems:
                 path = metrics_file(metrics_dir, system.name, seed)
+                if args.summarize_only and not path.exists():
+                    parser.error(f"--summarize-only: no metrics of {system.name} seed {seed} in --metrics-dir "
+                                 f"({path.name}); run it with --reuse")
                 if args.summarize_only or (args.reuse and path.exists()):
                     metrics = read_metrics(path)
                 else:

@@ -782,3 +782,10 @@ def test_each_system_has_its_trainer_and_the_ppo_runs_are_compared_with_verls_pp
     saved = {r["system"]: r for r in json.loads((tmp_path / "out.json").read_text())["rows"]}
     assert saved["verl-sync PPO"]["trainer"] == "verl-sync" and saved["verl-sync PPO"]["critic"] is True
     assert saved["verl-sync"]["overlap_limit"] is not None and saved["verl-sync PPO"]["overlap_limit"] is None
+
+
+def test_summarize_only_names_the_run_missing_from_the_metrics_dir(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        e2e.main(["--ks", "2", "--skip-verl-sync", "--seeds", "0", "--metrics-dir", str(tmp_path), "--summarize-only"])
+    err = capsys.readouterr().err
+    assert "no metrics of async-pipeline k=2 seed 0 in --metrics-dir" in err and "run it with --reuse" in err
