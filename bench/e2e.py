@@ -276,17 +276,25 @@ def poll_reached(sample: dict, target: float) -> bool:
     return bool(sample.get("reached"))
 
 
+def wall_clock(samples: list[dict], cores: int | None = None):
+    """The bench's wall clock of a run: a poll's wall seconds since the first poll that saw step 1 logged (the
+    machine's CPU seconds, busy and idle, over its `cores`); None without such a poll."""
+    start = next((s for s in samples if s["steps"] >= 1), None)
+    if start is None:
+        return None
+    return lambda s: max(0.0, s["all_s"] - start["all_s"]) / (cores or os.cpu_count())
+
+
 def wall_to_target(samples: list[dict], stopped_at_target: bool, target: float, cores: int | None = None) -> dict:
     """A run's wall seconds on one clock for every system, validation and all else included: from the first poll
     that saw step 1 logged to the first that saw `target` reached (`poll_reached`; `wall_to_target_s`, None: not
     reached) and to its last poll (`wall_trained_s`). Wall s = the machine's CPU seconds (busy and idle) over its
     `cores`, each end late by up to a poll (`POLL_S`). A run the bench stopped at its target (`stopped_at_target`)
     stopped at the poll that saw it: its last."""
-    start = next((s for s in samples if s["steps"] >= 1), None)
-    if start is None:
+    wall = wall_clock(samples, cores)
+    if wall is None:
         return {"wall_to_target_s": None, "wall_trained_s": None}
     reached = next((s for s in samples if poll_reached(s, target)), samples[-1] if stopped_at_target else None)
-    wall = lambda s: max(0.0, s["all_s"] - start["all_s"]) / (cores or os.cpu_count())  # noqa: E731
     return {"wall_to_target_s": wall(reached) if reached else None, "wall_trained_s": wall(samples[-1])}
 
 
@@ -335,9 +343,7 @@ def version_to_target(rows: list[dict], samples: list[dict], stopped_at_target: 
     trained = next((f for key, f in VERSION_TRAINED.items() if key in rows[i]["data"]), None)
     if trained is None:
         return {}
-    start = next(s for s in samples if s["steps"] >= 1)
-    wall = lambda s: max(0.0, s["all_s"] - start["all_s"]) / (cores or os.cpu_count())  # noqa: E731
-    at = trained(rows, i, samples, seen, wall)
+    at = trained(rows, i, samples, seen, wall_clock(samples, cores))
     return {"version_to_target_s": None if at is None else min(max(at, 0.0), seen)}
 
 
