@@ -21,6 +21,7 @@ from async_rl.checkpoints import (
 )
 from async_rl.core.errors import AsyncConfigError
 from async_rl.core.fault_points import HOLD_AT_ENV, HOLD_DIR_ENV
+from helpers.engine_workers import run_on_workers
 
 
 def trainer_config(tmp_path, **trainer):
@@ -305,24 +306,11 @@ def test_stage_checkpointer_commits_after_the_ranks_and_names_a_failed_write(tmp
 
 
 SNAPSHOT_SCRIPT = """
-import json, os, sys
-import numpy as np, ray, torch, verl
-from hydra import compose, initialize_config_dir
-from async_rl.training import engine_calls
 from async_rl.core.config import strip_async_keys
-from async_rl.demo import demo_overrides
-from async_rl.training.worker_groups import make_worker_group
-from async_rl.run_config import ray_init_kwargs
-sys.path.insert(0, sys.argv[3])
-from test_balance import skewed_batch
-demo_dir, out_dir = sys.argv[1], sys.argv[2]
-with initialize_config_dir(config_dir=os.path.join(os.path.dirname(verl.__file__), "trainer", "config"), version_base=None):
-    config = compose("ppo_trainer", overrides=demo_overrides(demo_dir, extra={"actor_rollout_ref.rollout.n": 1,
-                                                                               "actor_rollout_ref.actor.ppo_mini_batch_size": 16}))
+config = demo_config(**{"actor_rollout_ref.rollout.n": 1, "actor_rollout_ref.actor.ppo_mini_batch_size": 16})
 strip_async_keys(config)
 ray.init(**ray_init_kwargs(config))
-from transformers import AutoConfig
-batch = skewed_batch(vocab=AutoConfig.from_pretrained(os.path.join(demo_dir, "model")).vocab_size)
+batch = demo_batch()
 batch.batch["advantages"] = torch.randn(batch.batch["response_mask"].shape, generator=torch.Generator().manual_seed(1))
 group = make_worker_group(config, "actor", 2, "snap")
 
@@ -349,10 +337,8 @@ after = group.weight_digests()[0]
 written = group.wait_checkpoint_written(60.0)
 fresh = make_worker_group(config, "actor", 2, "fresh")
 fresh.load_checkpoint(os.path.join(out_dir, "deferred", "actor"), None, False)
-json.dump({"before": before, "after": after, "loaded": fresh.weight_digests()[0], "snapshot": snap, "written": written,
-           "held": held},
-          open(os.path.join(out_dir, "result.json"), "w"))
-ray.shutdown()
+done({"before": before, "after": after, "loaded": fresh.weight_digests()[0], "snapshot": snap, "written": written,
+      "held": held})
 """
 
 
@@ -377,15 +363,8 @@ def test_deferred_write_holds_the_snapshot_and_verl_loads_it(demo_dir, tmp_path)
     """Two real FSDP2 ranks: the next training step's optimizer step waits for the snapshot's copy,
     the files written after it hold the state at the snapshot, equal to verl's own synchronous save,
     and verl's load_checkpoint restores it."""
-    import subprocess
-    import sys
-
-    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "training")  # test_balance.py
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", HOLD_AT_ENV: "checkpoint_copy@1", HOLD_DIR_ENV: str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-c", SNAPSHOT_SCRIPT, str(demo_dir), str(tmp_path), here], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    result = json.loads((tmp_path / "result.json").read_text())
+    result = run_on_workers(SNAPSHOT_SCRIPT, demo_dir, tmp_path,
+                            env={HOLD_AT_ENV: "checkpoint_copy@1", HOLD_DIR_ENV: str(tmp_path)})
     assert result["held"]  # the optimizer step waited for the copy
     assert result["before"] != result["after"]  # the step after the snapshot changed the weights
     assert result["loaded"] == result["before"]  # the deferred files hold the snapshot

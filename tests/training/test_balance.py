@@ -4,30 +4,12 @@ gradient of the same batch in one piece on one rank (verl's real FSDP2 engine wo
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
-
 import numpy as np
 import pytest
 import torch
 
 from async_rl.core.balance import balance_rows
-from async_rl.core.messages import Sample, build_batch
-
-
-def skewed_batch(rows: int = 16, seed: int = 0, vocab: int = 20):
-    rng = np.random.default_rng(seed)
-    lengths = [int(x) for x in rng.integers(1, 6, rows)]
-    lengths[: rows // 4] = [30] * (rows // 4)  # the long tail sits in the first rank's contiguous chunk
-    samples = [
-        Sample(uid=f"row{i}", prompt_ids=[1, 2, 3][: vocab - 1], response_ids=[int(t) for t in rng.integers(1, vocab, n)],
-               rollout_log_probs=[-1.0] * n, token_versions=[0] * n)
-        for i, n in enumerate(lengths)
-    ]
-    return build_batch(samples, max_prompt_length=4, max_response_length=32, pad_token_id=0)
+from helpers.engine_workers import run_on_workers, skewed_batch
 
 
 def rank_tokens(batch, dp: int) -> list[int]:
@@ -79,61 +61,36 @@ def test_balance_leaves_a_batch_it_cannot_split_evenly():
     assert balance_rows(batch, 1) == {}
 
 
-GRADIENT_SCRIPT = textwrap.dedent(
-    """
-    import json, os, sys
-    import numpy as np, ray, torch, verl
-    from hydra import compose, initialize_config_dir
-    from omegaconf import open_dict
-    from async_rl.training import engine_calls
-    from async_rl.core.balance import balance_rows
-    from async_rl.demo import demo_overrides
-    from async_rl.training.worker_groups import make_worker_group
-    from async_rl.run_config import ray_init_kwargs
-    sys.path.insert(0, sys.argv[3])
-    from test_balance import skewed_batch
+GRADIENT_SCRIPT = """
+from async_rl.core.balance import balance_rows
+from omegaconf import open_dict
 
-    demo_dir, out_path = sys.argv[1], sys.argv[2]
-    with initialize_config_dir(config_dir=os.path.join(os.path.dirname(verl.__file__), "trainer", "config"),
-                               version_base=None):
-        config = compose("ppo_trainer", overrides=demo_overrides(demo_dir, extra={
-            "actor_rollout_ref.actor.ppo_mini_batch_size": 16, "actor_rollout_ref.rollout.n": 1,
-            "actor_rollout_ref.actor.optim.lr": 0.0}))
-    ray.init(**ray_init_kwargs(config))
-    from transformers import AutoConfig
-    batch = skewed_batch(vocab=AutoConfig.from_pretrained(os.path.join(demo_dir, "model")).vocab_size)
-    batch.batch["advantages"] = torch.randn(batch.batch["response_mask"].shape, generator=torch.Generator().manual_seed(1))
+config = demo_config(**{"actor_rollout_ref.actor.ppo_mini_batch_size": 16, "actor_rollout_ref.rollout.n": 1,
+                        "actor_rollout_ref.actor.optim.lr": 0.0})
+ray.init(**ray_init_kwargs(config))
+batch = demo_batch()
+batch.batch["advantages"] = torch.randn(batch.batch["response_mask"].shape, generator=torch.Generator().manual_seed(1))
 
-    def grad_norm(world_size, budget, balance):
-        cfg = config.copy()
-        with open_dict(cfg):
-            cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu = budget
-            cfg.actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu = budget
-        group = make_worker_group(cfg, "actor", world_size, f"grad{world_size}_{budget}")
-        data = batch.select_idxs(np.arange(len(batch)))
-        data.batch["old_log_probs"] = engine_calls.compute_log_prob(group, data, 1.0)
-        data.batch["rollout_log_probs"] = data.batch["old_log_probs"]
-        balance = balance_rows(data, world_size) if balance else {}
-        metrics = engine_calls.update_actor(group, data, cfg.actor_rollout_ref)
-        return {"grad_norm": metrics["actor/grad_norm"], **balance}
+def grad_norm(world_size, budget, balance):
+    cfg = config.copy()
+    with open_dict(cfg):
+        cfg.actor_rollout_ref.actor.ppo_max_token_len_per_gpu = budget
+        cfg.actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu = budget
+    group = make_worker_group(cfg, "actor", world_size, f"grad{world_size}_{budget}")
+    data = batch.select_idxs(np.arange(len(batch)))
+    data.batch["old_log_probs"] = engine_calls.compute_log_prob(group, data, 1.0)
+    data.batch["rollout_log_probs"] = data.batch["old_log_probs"]
+    balance = balance_rows(data, world_size) if balance else {}
+    metrics = engine_calls.update_actor(group, data, cfg.actor_rollout_ref)
+    return {"grad_norm": metrics["actor/grad_norm"], **balance}
 
-    result = {"whole": grad_norm(1, 4096, False), "split": grad_norm(2, 40, True)}
-    ray.shutdown()
-    json.dump(result, open(out_path, "w"))
-    """
-)
+done({"whole": grad_norm(1, 4096, False), "split": grad_norm(2, 40, True)})
+"""
 
 
 @pytest.mark.ray  # a Ray of its own
 def test_gradient_with_balanced_micro_batches_equals_one_big_batch(demo_dir, tmp_path):
-    out = tmp_path / "grads.json"
-    here = os.path.dirname(os.path.abspath(__file__))
-    proc = subprocess.run(
-        [sys.executable, "-c", GRADIENT_SCRIPT, str(demo_dir), str(out), here],
-        cwd=tmp_path, env={**os.environ, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    result = json.loads(out.read_text())
+    result = run_on_workers(GRADIENT_SCRIPT, demo_dir, tmp_path)
     whole, split = result["whole"]["grad_norm"], result["split"]["grad_norm"]
     assert whole > 0
     assert split == pytest.approx(whole, rel=1e-5), result
