@@ -528,13 +528,18 @@ def test_the_overlap_limit_and_the_compute_share_come_from_verls_parts():
 
 def test_each_run_is_measured_against_verls_overlap_limit():
     verl, pipe = verl_and_pipeline()
+    pipe["mean_step_s"] = 7.5
     got = e2e.against_limit(pipe, verl)
-    assert got["per_step"] == pytest.approx(12.0 / 8.0)
-    assert got["per_step_of_limit"] == pytest.approx(1.5 / (10.0 / 6.0))  # 0.90
+    assert got["per_step"] == pytest.approx(12.0 / 7.5)
+    assert got["per_step_of_limit"] == pytest.approx(1.6 / (10.0 / 6.0))  # 0.96
     assert got["to_target"] == pytest.approx(48.0 / 16.0) and got["to_target_of_limit"] == pytest.approx(3.0 * 0.6)
     assert e2e.against_limit_line(pipe, verl) == (
-        "  async-pipeline k=2 seed 0 against verl-sync: 1.50x per step (12.00 s / 8.00 s), 0.90 of the overlap limit "
-        "1.67; time to 0.9: 3.00x (48 s / 16 s), 1.80 of the overlap limit")
+        "  async-pipeline k=2 seed 0 against verl-sync: 1.60x per step (12.00 s / 7.50 s), 0.96 of the overlap limit "
+        "1.67 (goal 0.9: met); time to 0.9: 3.00x (48 s / 16 s), 1.80 of the overlap limit")
+    pipe["mean_step_s"] = 10.0  # 1.2x a step: 0.72 of the limit
+    assert "0.72 of the overlap limit 1.67 (goal 0.9: missed);" in e2e.against_limit_line(pipe, verl)
+    # k = 1 trains each batch after generating it, by design: no verdict
+    assert "goal" not in e2e.against_limit_line({**pipe, "generate_ahead_steps": 1}, verl)
     verl, pipe = verl_and_pipeline(verl_reached=None)
     assert e2e.against_limit(pipe, verl)["to_target"] is None
     assert e2e.against_limit_line(pipe, verl).endswith("time to 0.9: not compared (verl-sync did not reach it)")
@@ -553,7 +558,7 @@ def test_the_cores_busy_are_measured_from_step_one_to_the_last_step_and_bound_th
     assert e2e.same_cores_limit(verl) is None
     verl.update(e2e.cpu_use(samples, verl["mean_step_s"], cores=2))
     assert e2e.same_cores_limit(verl) == pytest.approx(2.5) and verl["cpu_s_per_step"] == pytest.approx(0.4 * 2 * 12.0)
-    assert "0.90 of the overlap limit 1.67; time" in e2e.against_limit_line(pipe, verl)  # the pipeline's not recorded
+    assert "CPU a step" not in e2e.against_limit_line(pipe, verl)  # the pipeline's not recorded
     pipe.update(e2e.cpu_use([{**s, "busy_s": s["all_s"] * 0.8} for s in samples], pipe["mean_step_s"], cores=2))
     # 1.5x per step = 9.6 / 12.8 CPU-s a step (0.75x: more work) x 80% / 40% of the cores (2x)
     assert ("1.50x = CPU a step 9.6 / 12.8 CPU-s (0.75x) x cores busy 80% / 40% (2.00x)"
