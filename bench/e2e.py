@@ -97,6 +97,7 @@ import argparse
 import importlib.util
 import json
 import os
+import random
 import signal
 import statistics
 import subprocess
@@ -761,7 +762,8 @@ def across_seeds(rows: list[dict], system: str, peer: str, clock: str = "trainin
     are over the seeds `system` reached it (`counted`; those it did not are `unreached`); where `peer` did not, its
     whole run counts (`peer_unreached`: its mean, so the ratio peer / system, is then a lower bound). `sooner`: the
     counted seeds where `system` got there first. `step_s`, `peer_step_s`: the mean s a step over the counted seeds
-    (`Clock.step_s`), whose ratio is the part of `ratio` a step's speed gives (the rest: the steps each took). None
+    (`Clock.step_s`), whose ratio is the part of `ratio` a step's speed gives (the rest: the steps each took).
+    `interval`: the middle 95% of `ratio` over the counted seeds resampled (`resampled_ratios`). None
     when no seed ran both or a run has no time on `clock` (its row lacks the clock's keys or has no whole run)."""
     on = CLOCKS[clock]
     to_target, whole = on.to_target, on.whole
@@ -780,7 +782,26 @@ def across_seeds(rows: list[dict], system: str, peer: str, clock: str = "trainin
             "mean_s": mine_s, "peer_mean_s": theirs_s, "ratio": theirs_s / mine_s if counted else None,
             "sooner": sum(mine[s][to_target] < peer_s[s] for s in counted),
             "step_s": mean_over(counted, lambda s: on.step_s(mine[s])),
-            "peer_step_s": mean_over(counted, lambda s: on.step_s(theirs[s]))}
+            "peer_step_s": mean_over(counted, lambda s: on.step_s(theirs[s])),
+            "interval": middle_95([mine[s][to_target] for s in counted], [peer_s[s] for s in counted])}
+
+
+RESAMPLES = 2000  # bootstrap resamples of the seeds for `middle_95`
+
+
+def middle_95(mine: list[float], theirs: list[float], resamples: int = RESAMPLES) -> tuple[float, float] | None:
+    """The 2.5th and 97.5th percentiles of mean(theirs) / mean(mine) over the seeds resampled with replacement
+    (`mine[i]`, `theirs[i]`: one seed's two times; a fixed random seed, so a summary prints the same interval
+    every time); None with fewer than 2 seeds."""
+    if len(mine) < 2:
+        return None
+    rng = random.Random(0)
+    ratios = []
+    for _ in range(resamples):
+        picks = [rng.randrange(len(mine)) for _ in mine]
+        ratios.append(sum(theirs[i] for i in picks) / sum(mine[i] for i in picks))
+    ratios.sort()
+    return ratios[int(0.025 * (resamples - 1))], ratios[int(0.975 * (resamples - 1))]
 
 
 def mean_over(seeds: list[int], value) -> float | None:
@@ -795,8 +816,10 @@ def across_seeds_line(got: dict, system: str, peer: str, goal: float | None) -> 
     if not got["counted"]:
         return f"  {system} against {peer}: {system} did not reach the target on any of seeds {got['seeds']}"
     ratio = got["ratio"]
+    spread = got.get("interval")
+    spread = f"; 95% of seed resamples {spread[0]:.2f}-{spread[1]:.2f}x" if spread else ""
     line = (f"  {system} against {peer}, {len(got['seeds'])} seeds: {got['mean_s']:.0f} s against "
-            f"{got['peer_mean_s']:.0f} s ({ratio:.2f}x); sooner on {got['sooner']} of {len(got['counted'])}")
+            f"{got['peer_mean_s']:.0f} s ({ratio:.2f}x{spread}); sooner on {got['sooner']} of {len(got['counted'])}")
     if got["step_s"] and got["peer_step_s"]:
         per_step = got["peer_step_s"] / got["step_s"]
         line += (f"; a step {got['step_s']:.1f} s against {got['peer_step_s']:.1f} ({per_step:.2f}x), the steps each "

@@ -189,14 +189,19 @@ def test_across_seeds_means_the_seeds_reached_and_misses_the_goal_where_one_was_
     assert got["mean_s"] == pytest.approx(200.0) and got["peer_mean_s"] == pytest.approx(275.0)
     assert got["ratio"] == pytest.approx(1.375) and got["sooner"] == 2
     line = e2e.across_seeds_line(got, "pipe", "fa", 1.3)
-    assert "200 s against 275 s (1.38x); sooner on 2 of 2" in line
+    assert "200 s against 275 s (1.38x; 95% of seed resamples 1.17-2.00x); sooner on 2 of 2" in line
+    # the interval: seed 0 alone 2.00x, seed 1 alone 350 / 300 = 1.17x, each a quarter of the resamples
+    assert got["interval"] == (pytest.approx(350 / 300), pytest.approx(2.0))
+    assert e2e.middle_95([100.0, 200.0, 50.0], [150.0, 300.0, 75.0]) == (pytest.approx(1.5), pytest.approx(1.5))
+    assert e2e.middle_95([100.0], [150.0]) is None
     assert "fa did not reach it on seeds [1]" in line and "pipe did not reach it on seeds [2]" in line
     # a seed the pipeline never reached the target on fails the goal, whatever the mean of the others
     assert line.endswith("1.38x >= 1.3x, not reached on seeds [2]: goal missed")
     reached = e2e.across_seeds([run("pipe", 0, 100.0), run("fa", 0, 140.0), run("pipe", 1, 100.0),
                                 run("fa", 1, 110.0)], "pipe", "fa")
     assert e2e.across_seeds_line(reached, "pipe", "fa", 1.3).endswith(
-        "(1.25x); sooner on 2 of 2; a step 20.0 s against 20.0 (1.00x), the steps each took to it 1.25x; "
+        "(1.25x; 95% of seed resamples 1.10-1.40x); sooner on 2 of 2; a step 20.0 s against 20.0 (1.00x), the steps "
+        "each took to it 1.25x; "
         "1.25x < 1.3x: goal missed")
     faster = e2e.across_seeds([run("pipe", 0, 100.0), run("fa", 0, 140.0)], "pipe", "fa")
     assert e2e.across_seeds_line(faster, "pipe", "fa", 1.3).endswith("1.40x >= 1.3x: goal met")
@@ -712,7 +717,7 @@ def test_several_seeds_print_the_mean_against_fully_async_with_the_goals_verdict
     e2e.main(["--rollout", "vllm", "--ks", "2", "--skip-verl-sync", "--seeds", "0,1", "--metrics-dir", str(tmp_path)])
     out = capsys.readouterr().out
     line = next(line for line in out.splitlines() if "async-pipeline k=2 against verl-fully-async, 2 seeds" in line)
-    assert "(2.00x); sooner on 2 of 2; a step 2.0 s against 4.0 (2.00x), the steps each took to it 1.00x; 2.00x >= 1.3x: goal met" in line
+    assert "(2.00x; 95% of seed resamples 2.00-2.00x); sooner on 2 of 2; a step 2.0 s against 4.0 (2.00x), the steps each took to it 1.00x; 2.00x >= 1.3x: goal met" in line
     assert "in wall s" not in out  # no cores log: no wall clock
     # both validated after 0 and 4 updates on both seeds (rows_for: updates 1-4 without a global step logged)
     assert "  async-pipeline k=2: 0: 0.000, 4: 0.950" in out
@@ -750,10 +755,10 @@ def test_several_seeds_print_the_wall_clock_where_validation_outside_a_step_time
     training = next(line for line in out[0].splitlines() if "k=2 against verl-fully-async, 2 seeds" in line)
     wall = next(line for line in out[1].splitlines() if "k=2 against verl-fully-async, 2 seeds" in line)
     assert "(0.80x)" in training and training.endswith("goal missed")
-    assert ("60 s against 90 s (1.50x); sooner on 2 of 2; a step 20.0 s against 30.0 (1.50x), the steps each took "
+    assert ("60 s against 90 s (1.50x; 95% of seed resamples 1.50-1.50x); sooner on 2 of 2; a step 20.0 s against 30.0 (1.50x), the steps each took "
             "to it 1.00x; 1.50x >= 1.3x: goal met") in wall
     version = out[1].split("in version wall s")[1]
-    assert ("60 s against 80 s (1.33x); sooner on 2 of 2; a step 20.0 s against 30.0 (1.50x), the steps each took "
+    assert ("60 s against 80 s (1.33x; 95% of seed resamples 1.33-1.33x); sooner on 2 of 2; a step 20.0 s against 30.0 (1.50x), the steps each took "
             "to it 0.89x; 1.33x >= 1.3x: goal met") in version
 
 
