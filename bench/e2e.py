@@ -792,16 +792,20 @@ RESAMPLES = 2000  # bootstrap resamples of the seeds for `middle_95`
 def middle_95(mine: list[float], theirs: list[float], resamples: int = RESAMPLES) -> tuple[float, float] | None:
     """The 2.5th and 97.5th percentiles of mean(theirs) / mean(mine) over the seeds resampled with replacement
     (`mine[i]`, `theirs[i]`: one seed's two times; a fixed random seed, so a summary prints the same interval
-    every time); None with fewer than 2 seeds."""
+    every time; a resample whose `mine` are all 0 s has no ratio and is left out); None with fewer than 2 seeds
+    or no ratio."""
     if len(mine) < 2:
         return None
     rng = random.Random(0)
     ratios = []
     for _ in range(resamples):
         picks = [rng.randrange(len(mine)) for _ in mine]
-        ratios.append(sum(theirs[i] for i in picks) / sum(mine[i] for i in picks))
+        if sum(mine[i] for i in picks) > 0:
+            ratios.append(sum(theirs[i] for i in picks) / sum(mine[i] for i in picks))
+    if not ratios:
+        return None
     ratios.sort()
-    return ratios[int(0.025 * (resamples - 1))], ratios[int(0.975 * (resamples - 1))]
+    return ratios[int(0.025 * (len(ratios) - 1))], ratios[int(0.975 * (len(ratios) - 1))]
 
 
 def mean_over(seeds: list[int], value) -> float | None:

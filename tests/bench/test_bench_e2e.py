@@ -194,6 +194,10 @@ def test_across_seeds_means_the_seeds_reached_and_misses_the_goal_where_one_was_
     assert got["interval"] == (pytest.approx(350 / 300), pytest.approx(2.0))
     assert e2e.middle_95([100.0, 200.0, 50.0], [150.0, 300.0, 75.0]) == (pytest.approx(1.5), pytest.approx(1.5))
     assert e2e.middle_95([100.0], [150.0]) is None
+    # a seed that reached it at 0 s (at step 1 logged): the resamples of it alone have no ratio and are left out
+    low, high = e2e.middle_95([0.0, 100.0], [50.0, 150.0])
+    assert low == pytest.approx(1.5) and high == pytest.approx(2.0)  # 150 / 100 and 200 / 100
+    assert e2e.middle_95([0.0, 0.0], [50.0, 150.0]) is None
     assert "fa did not reach it on seeds [1]" in line and "pipe did not reach it on seeds [2]" in line
     # a seed the pipeline never reached the target on fails the goal, whatever the mean of the others
     assert line.endswith("1.38x >= 1.3x, not reached on seeds [2]: goal missed")
