@@ -41,6 +41,7 @@ SIZES = {"2M": (64, 2), "10M": (256, 6), "100M": (768, 12), "500M": (1280, 24)} 
 VOCAB = 8192
 TIMEOUT_S = 900
 BUCKET_MB = 512
+PARTS = ("gather", "send", "recv", "register_buffer", "load")  # the sync's five timers, `timing_s/param_update/*`
 
 
 def build_model(size: str, seed: int):
@@ -197,7 +198,8 @@ def main(argv=None) -> dict:
                           for key, metric in (("bytes", "async/param_update/bytes"),
                                               ("total_s", "timing_s/param_update/total"),
                                               ("is_delta", "async/param_update/delta"),
-                                              ("collective", "async/param_update/collective_receivers"))},
+                                              ("collective", "async/param_update/collective_receivers"),
+                                              *((f"{part}_s", f"timing_s/param_update/{part}") for part in PARTS))},
                        "full_bit_identical": held["full"], "delta_bit_identical": held["delta"]}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
@@ -221,6 +223,8 @@ def main(argv=None) -> dict:
             "full_mb": statistics.median(r["full_bytes"] for r in steady) / (1 << 20),
             "delta_mb": statistics.median(r["delta_bytes"] for r in steady) / (1 << 20),
             "bit_identical": all(r["full_bit_identical"] and r["delta_bit_identical"] for r in rows if r["lr"] == lr),
+            **{f"{kind}_{part}_s": statistics.median(r[f"{kind}_{part}_s"] for r in steady)
+               for kind in ("full", "delta") for part in PARTS},
         }
         for kind in ("full", "delta"):  # each sync's time less its bytes at this link's rate
             s = summary[lr]
@@ -239,6 +243,13 @@ def main(argv=None) -> dict:
     print("medians over the versions after each lr's first; 'bytes', 'time': delta / full; bit-identical: both "
           "holders held the trainer's weights cast to bf16 after every version. goal at lr 1e-6: bytes <= 0.10, "
           "time < 1")
+    print("\nwhere each sync's time goes: the medians of its parts' timers (timing_s/param_update/<part>, s), which "
+          "overlap (buckets are received and registered while later ones are sent)")
+    print(f"{'lr':>7} {'sync':>6} | " + " ".join(f"{part:>15}" for part in PARTS) + f" | {'total':>7}")
+    for lr, s in summary.items():
+        for kind in ("full", "delta"):
+            print(f"{lr:>7.0e} {kind:>6} | " + " ".join(f"{s[f'{kind}_{part}_s']:>15.3f}" for part in PARTS)
+                  + f" | {s[f'{kind}_total_s']:>7.3f}")
     print(f"\nthe link between the nodes: {full_bytes / (1 << 20):.1f} MB in {raw_link_s:.3f}s "
           f"({link_rate / (1 << 20):,.0f} MB/s, one gloo send)")
     for lr, s in summary.items():

@@ -348,6 +348,48 @@ def test_buckets_only_in_shared_memory_come_with_the_version_end_and_a_missing_o
     assert shm.calls[-1] == ("discard",) and ("commit",) not in shm.calls and log.versions == []
 
 
+@pytest.mark.parametrize("link", [SHM, STORE])
+def test_register_buffer_counts_the_check_where_a_delta_is_put_together(tmp_path, monkeypatch, link):
+    """On the shared-memory link the check ends the one staging call; on the others it is the sync's own
+    call: either way its seconds are register-buffer's."""
+    from param_update.staging import VersionStager
+    from param_update.sync import VersionEnd
+
+    check_s, check = 0.3, VersionStager.check_complete
+
+    def slow_check(self, version, num_buckets):
+        time.sleep(check_s)
+        check(self, version, num_buckets)
+
+    async def announce(stream, buckets):
+        for bucket in buckets:
+            await stream.put_bucket(bucket)
+        stream.end_version(VersionEnd(1, len(buckets), {"gather": 0.0, "send": 0.0}))
+
+    monkeypatch.setattr(VersionStager, "check_complete", slow_check)
+    (receiver,), log, _, metrics = sync_by_link(tmp_path, announce, [link])
+    assert log.versions == [1] and ("stage_version" if link == SHM else "check") in [c[0] for c in receiver.calls]
+    assert metrics["timing_s/param_update/register_buffer"] >= check_s
+
+
+def test_a_verl_replica_counts_its_workers_check_in_register_buffer():
+    from param_update.receivers import VerlReplicaReceiver
+
+    check_s = 0.3
+
+    async def execute(method, *args):
+        if method == "check_weights":
+            await asyncio.sleep(check_s)
+            return None
+        return {"recv_s": 0.01, "register_s": 0.02}
+
+    worker = SimpleNamespace(execute_checkpoint_engine=SimpleNamespace(remote=execute))
+    receiver = VerlReplicaReceiver("replica 0", SimpleNamespace(workers=[worker, worker]))
+    bucket = SimpleNamespace(version=1, index=0, slices=[], handle_for=lambda link: None)
+    totals = run(receiver.stage_version(1, [bucket, bucket], 2))
+    assert totals["recv_s"] == pytest.approx(0.02) and totals["register_s"] >= 0.04 + check_s
+
+
 # ---- through Ray ---------------------------------------------------------------------------------
 
 
