@@ -26,7 +26,6 @@ def test_bench_compares_delta_and_full_syncs_and_checks_bits(tmp_path):
     assert "the link between the nodes:" in proc.stdout and "where each sync's time goes" in proc.stdout
     for kind in ("full", "delta"):  # each part's median over the one steady version is that version's timer
         assert all(summary[f"{kind}_{part}_s"] == second[f"{kind}_{part}_s"] >= 0 for part in PARTS)
-    assert second["delta_register_buffer_s"] > 0  # the delta put together over the base counts there
 
 
 def test_at_the_crossover_both_syncs_take_as_long_and_a_cheaper_delta_wins_on_any_link():
