@@ -47,6 +47,7 @@ from bench import e2e  # noqa: E402
 from bench.command import command_line  # noqa: E402
 
 FLAG_OFF = {"+actor_rollout_ref.async_pipeline": False}
+ADMISSION_WINDOW = "+actor_rollout_ref.rollout.engine_kwargs.cpu.admission_window_ms"  # --admission-window-ms
 SYSTEMS = {  # name -> (verl's entry module, overrides on the demo's; `steps` is filled in)
     "verl-sync": (e2e.VERL_MAIN, FLAG_OFF),
     # verl's legacy synchronous trainer (main_ppo_v0: no TransferQueue, no replay buffer), deprecated in 0.9.1
@@ -61,6 +62,9 @@ SYSTEMS = {  # name -> (verl's entry module, overrides on the demo's; `steps` is
     "pipeline-k2-vllm": (e2e.VERL_MAIN, {**e2e.VLLM_ON_CPU, "+trainer.generate_ahead_steps": 2}),
     # the pipeline on 2 train ranks and 1 rollout server (bench/e2e.py --train-ranks 2), the long task's tuned split
     "pipeline-k2-train2": (e2e.VERL_MAIN, {"+trainer.generate_ahead_steps": 2, **e2e.train_split(2)}),
+    # the CPU engine's admission window (async_rl/rollout/cpu/options.py) on verl's trainer and on the pipeline
+    "verl-sync-window": (e2e.VERL_MAIN, {**FLAG_OFF, ADMISSION_WINDOW: None}),
+    "pipeline-k2-window": (e2e.VERL_MAIN, {"+trainer.generate_ahead_steps": 2, ADMISSION_WINDOW: None}),
 }
 # loaded by every Python process of a run: the probe from this checkout, whatever code the run itself uses
 # (as module `step_probe` in every process, so that Ray pickles what refers to it by reference)
@@ -698,6 +702,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--reuse", action="store_true", help="analyze the runs already in --raw-dir")
     parser.add_argument("--py-spy", default="agent-loop worker,rollout server,pipeline stages,trainer ranks",
                         help="process kinds to profile with py-spy from --warmup on ('' for none)")
+    parser.add_argument("--admission-window-ms", type=float, default=30.0,
+                        help="the CPU engine's admission window of the *-window systems")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     if args.reuse and not args.raw_dir:
@@ -726,13 +732,16 @@ def main(argv=None) -> dict:
                     from async_rl.demo import prepare
 
                     prepare(demo, seed=0, model_size=args.model_size)
+                window = {ADMISSION_WINDOW: args.admission_window_ms} if ADMISSION_WINDOW in SYSTEMS[system][1] else {}
                 run_system(system, demo, out, args.steps, args.warmup, args.task, args.sample_ms, args.timeout_s,
-                           set(filter(None, args.py_spy.split(","))), {}, code_at(ref, raw) if ref else ROOT)
+                           set(filter(None, args.py_spy.split(","))), window, code_at(ref, raw) if ref else ROOT)
             results[name] = analyze(system, out, args.warmup)
     lines = [f"command: {command}",
              f"cpus: {CORES}; task {args.task}; model {args.model_size}; {args.steps} steps a run, the first "
              f"{args.warmup} left out; CPU "
-             f"sampled every {args.sample_ms:g} ms; py-spy on: {args.py_spy or 'none'}"]
+             f"sampled every {args.sample_ms:g} ms; py-spy on: {args.py_spy or 'none'}"
+             + (f"; the CPU engine's admission window {args.admission_window_ms:g} ms in the *-window systems"
+                if any(n.endswith("-window") for n in names) else "")]
     for name in names:
         lines += [""] + report(name, results[name])
     print("\n".join(lines))

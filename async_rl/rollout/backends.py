@@ -11,7 +11,7 @@ from async_rl.rollout.vllm_digests import replica_weight_digests
 CPU = register_rollout_backend(RolloutBackend(
     name="cpu", start=cpu.start, make_receiver=cpu.receiver, relaunch=cpu.relaunch, read_digests=cpu.read_digests,
     waits_for_running=True, default_max_restarts=3, receivers_tell_nodes=True, replica_class=cpu.CPURolloutReplica,
-    serves_images=True,
+    serves_images=True, prepare_config=cpu.check_config,
 ))
 VLLM = register_rollout_backend(RolloutBackend(
     name="vllm", start=verl_replicas.start_on_devices, make_receiver=vllm.receiver,

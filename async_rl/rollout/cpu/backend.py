@@ -6,10 +6,17 @@ from __future__ import annotations
 
 from typing import Optional
 
+from async_rl.rollout.cpu.options import CpuEngineOptions
 from async_rl.rollout.cpu.replica import CPURolloutReplica
 from param_update.receivers import ActorReceiver
 
-__all__ = ["CPURolloutReplica", "read_digests", "receiver", "relaunch", "start"]
+__all__ = ["CPURolloutReplica", "check_config", "read_digests", "receiver", "relaunch", "start"]
+
+
+def check_config(config, consume_bucket_mb: float, dual_buffer: bool) -> None:
+    """The engine's own options (`actor_rollout_ref.rollout.engine_kwargs.cpu`) read before any worker starts,
+    so a wrong one is refused naming its key (AsyncConfigError)."""
+    CpuEngineOptions.from_rollout_config(config.actor_rollout_ref.rollout)
 
 
 async def start(replica: CPURolloutReplica, devices) -> None:

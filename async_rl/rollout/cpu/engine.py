@@ -2,8 +2,8 @@
 
 One background asyncio task owns the model. Every iteration ("step") it
 
-1. admits waiting requests (FIFO, up to ``max_num_seqs`` live sequences) and
-   *prefills* them: one forward over their prompts, left-padded, which also
+1. admits waiting requests (FIFO, up to ``max_num_seqs`` live sequences; with an admission window, once
+   the oldest has waited the window) and *prefills* them: one forward over their prompts, left-padded, which also
    yields their first new token;
 2. *decodes* every sequence already in the running batch: one forward of the
    last token of each row against the shared KV cache, one new token per row;
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import uuid
 from collections.abc import Iterable, Mapping
@@ -57,6 +58,9 @@ class ContinuousBatchingEngine(WeightSwap):
         max_prefill_tokens: padded tokens per prefill forward (rows x longest row); a larger
             prefill is split into several forwards.
         version: initial weight version.
+        admission_window_s: how long (s) the oldest waiting request waits for others before the waiting
+            requests are admitted together (sooner when they fill ``max_num_seqs``); rows already decoding go
+            on meanwhile. 0: every step admits whatever waits.
     """
 
     def __init__(
@@ -69,6 +73,7 @@ class ContinuousBatchingEngine(WeightSwap):
         max_model_len: Optional[int] = None,
         max_prefill_tokens: int = 8192,
         version: int = 0,
+        admission_window_s: float = 0.0,
     ):
         text_config = model.config.get_text_config(decoder=True)
         layer_types = getattr(text_config, "layer_types", None) or []
@@ -85,6 +90,9 @@ class ContinuousBatchingEngine(WeightSwap):
             raise ValueError(f"max_model_len {self.max_model_len} exceeds max_position_embeddings {position_limit}")
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
+        if not admission_window_s >= 0:
+            raise ValueError(f"admission_window_s must be 0 or more, got {admission_window_s}")
+        self.admission_window_s = float(admission_window_s)
         self.rope = MultimodalRope.for_model(self.model)  # None: a text-only model
         self._generator = torch.Generator().manual_seed(seed)
         self._version = version
@@ -166,8 +174,9 @@ class ContinuousBatchingEngine(WeightSwap):
         if max_len <= len(prompt_ids):
             return GenerationResult(request_id, [], [], [], STOP_LENGTH)
 
-        seq = SequenceState(request_id, prompt_ids, opts, asyncio.get_running_loop().create_future(), max_len,
-                            vision_inputs=vision_inputs)
+        loop = asyncio.get_running_loop()
+        seq = SequenceState(request_id, prompt_ids, opts, loop.create_future(), max_len, vision_inputs=vision_inputs,
+                            arrived_s=loop.time())
         self._requests[request_id] = seq
         self._waiting.append(seq)
         self._wakeup.set()
@@ -268,6 +277,12 @@ class ContinuousBatchingEngine(WeightSwap):
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
+            wait_s = self._admission_wait_s()
+            if wait_s > 0:  # nothing decodes: the waiting requests wait for more to join them
+                self._wakeup.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._wakeup.wait(), wait_s)
+                continue
             async with self._step_lock:
                 if self._paused:
                     continue
@@ -276,6 +291,18 @@ class ContinuousBatchingEngine(WeightSwap):
                 except Exception as error:  # a bug here must not leave callers waiting forever
                     logger.exception("CPU engine step failed")
                     self._fail_all(error)
+
+    def _admission_due_in_s(self) -> float:
+        """Seconds until the waiting requests are admitted: 0 once the oldest has waited the admission window,
+        or when they fill the batch."""
+        if not self._waiting or len(self._waiting) + len(self._batch) >= self.max_num_seqs:
+            return 0.0
+        waited_s = asyncio.get_running_loop().time() - self._waiting[0].arrived_s
+        return max(0.0, self.admission_window_s - waited_s)
+
+    def _admission_wait_s(self) -> float:
+        """Seconds the loop sleeps before its next step: the admission's wait when no row decodes, else 0."""
+        return 0.0 if self._live_rows() or self._cache_stale else self._admission_due_in_s()
 
     def _fail_all(self, error: Exception) -> None:
         for seq in list(self._requests.values()):
@@ -294,7 +321,8 @@ class ContinuousBatchingEngine(WeightSwap):
             self._cache_stale = False
         else:
             prefill = []
-        while self._admitting and self._waiting and len(batch) + len(prefill) < self.max_num_seqs:
+        admit = self._admitting and self._admission_due_in_s() == 0
+        while admit and self._waiting and len(batch) + len(prefill) < self.max_num_seqs:
             seq = self._waiting.popleft()
             if not seq.done:
                 prefill.append(seq)

@@ -47,6 +47,7 @@ class SequenceState:
     done: bool = False
     vision_inputs: Optional[dict[str, torch.Tensor]] = None  # the images' processor outputs (pixel_values, ...)
     rope_delta: int = 0  # multimodal RoPE: a token's position minus its index (set at prefill)
+    arrived_s: float = 0.0  # when it was submitted, on the engine's event-loop clock (s)
 
     @property
     def all_ids(self) -> list[int]:

@@ -23,6 +23,7 @@ from verl.workers.rollout.replica import RolloutMode, TokenOutput
 from async_rl.core.fault_points import delay_for
 from async_rl.core.node_address import bind_socket, service_host
 from async_rl.rollout.cpu.engine import ContinuousBatchingEngine
+from async_rl.rollout.cpu.options import CpuEngineOptions
 from async_rl.rollout.cpu.requests import STOP_ABORTED
 from param_update.buckets import tensor_digest
 from param_update.holder import AsyncStagedWeights
@@ -39,7 +40,8 @@ class CPURolloutServer(AsyncStagedWeights):
     Args:
         config: verl ``RolloutConfig`` (dataclass or DictConfig). Used: ``max_model_len``,
             ``prompt_length``/``response_length`` (default token budget), ``max_num_seqs``,
-            ``max_num_batched_tokens`` (prefill chunk, tokens), ``seed``, ``ignore_eos``.
+            ``max_num_batched_tokens`` (prefill chunk, tokens), ``seed``, ``ignore_eos``, ``engine_kwargs.cpu``
+            (the engine's own options: async_rl/rollout/cpu/options.py).
         model_config: verl ``HFModelConfig``; the model is loaded from ``model_config.local_path``.
         replica_rank: rank of the replica; the sampling seed is ``config.seed + replica_rank``.
         rollout_mode: kept for parity with verl's servers; CPU behaves the same in every mode.
@@ -59,6 +61,7 @@ class CPURolloutServer(AsyncStagedWeights):
     ):
         self.config: RolloutConfig = omega_conf_to_dataclass(config, dataclass_type=RolloutConfig)
         self.model_config: HFModelConfig = omega_conf_to_dataclass(model_config, dataclass_type=HFModelConfig)
+        self.engine_options = CpuEngineOptions.from_rollout_config(self.config)
         self.replica_rank = replica_rank
         self.rollout_mode = rollout_mode
         self.node_rank = node_rank
@@ -92,6 +95,7 @@ class CPURolloutServer(AsyncStagedWeights):
             max_num_seqs=int(self.config.max_num_seqs),
             max_model_len=self.config.max_model_len,
             max_prefill_tokens=int(self.config.max_num_batched_tokens),
+            admission_window_s=self.engine_options.admission_window_ms / 1e3,
         )
         self.max_model_len = engine.max_model_len
         self.engine = engine
