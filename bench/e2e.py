@@ -150,6 +150,7 @@ FULLY_ASYNC_NOT_RUN = (
 VLLM_ON_CPU = {"actor_rollout_ref.rollout.name": "vllm", "actor_rollout_ref.rollout.dtype": "float32",
                "actor_rollout_ref.rollout.enforce_eager": True}
 FULLY_ASYNC_MAIN = "verl.experimental.fully_async_policy.fully_async_main"
+ADMISSION_WINDOW = "+actor_rollout_ref.rollout.engine_kwargs.cpu.admission_window_ms"  # the CPU engine's (ms)
 VERL_MAIN = "verl.trainer.main_ppo"
 # the trainers a system runs on
 PIPELINE = "async-pipeline"  # verl's command with the flag
@@ -976,6 +977,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--verl-tp", type=int, default=1,
                         help="verl's synchronous runs with one rollout replica over this many of their ranks "
                              "(rollout.tensor_model_parallel_size; 1: a replica per rank, the demo's); named ' tpN'")
+    parser.add_argument("--verl-admission-window-ms", type=float, default=0.0,
+                        help="the CPU engine's admission window in verl's synchronous runs (named by it)")
     parser.add_argument("--fully-async-train-ranks", type=int, default=1,
                         help="verl-fully-async's trainer ranks (trainer.n_gpus_per_node), beside its one rollout "
                              "server, on logical devices of the same cores (1: fully_async_overrides')")
@@ -1028,10 +1031,15 @@ def main(argv=None) -> list[dict]:
         "trainer.test_freq": args.test_freq,
         "trainer.val_before_train": True,
     }
+    if args.verl_admission_window_ms and args.rollout != "cpu":
+        parser.error("--verl-admission-window-ms is the CPU engine's option: --rollout cpu")
+    window = args.verl_admission_window_ms
     flag_off = {"+actor_rollout_ref.async_pipeline": False,
                 **({"trainer.n_gpus_per_node": args.verl_ranks} if args.verl_ranks != 2 else {}),
-                **({"actor_rollout_ref.rollout.tensor_model_parallel_size": args.verl_tp} if args.verl_tp != 1 else {})}
-    verl_tp = f" tp{args.verl_tp}" if args.verl_tp != 1 else ""  # in the names of verl's synchronous runs
+                **({"actor_rollout_ref.rollout.tensor_model_parallel_size": args.verl_tp} if args.verl_tp != 1 else {}),
+                **({ADMISSION_WINDOW: window} if window else {})}
+    # in the names of verl's synchronous runs
+    verl_tp = (f" tp{args.verl_tp}" if args.verl_tp != 1 else "") + (f" window {window:g} ms" if window else "")
     if args.rollout == "vllm":
         common.update(VLLM_ON_CPU)
         flag_off.update({"trainer.n_gpus_per_node": 1, "actor_rollout_ref.rollout.agent.num_workers": 1})

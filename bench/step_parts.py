@@ -47,7 +47,7 @@ from bench import e2e  # noqa: E402
 from bench.command import command_line  # noqa: E402
 
 FLAG_OFF = {"+actor_rollout_ref.async_pipeline": False}
-ADMISSION_WINDOW = "+actor_rollout_ref.rollout.engine_kwargs.cpu.admission_window_ms"  # --admission-window-ms
+ADMISSION_WINDOW = e2e.ADMISSION_WINDOW  # the *-window systems' value: --admission-window-ms
 SYSTEMS = {  # name -> (verl's entry module, overrides on the demo's; `steps` is filled in)
     "verl-sync": (e2e.VERL_MAIN, FLAG_OFF),
     # verl's legacy synchronous trainer (main_ppo_v0: no TransferQueue, no replay buffer), deprecated in 0.9.1

@@ -669,6 +669,11 @@ def test_train_and_verl_ranks_reach_each_systems_keys(tmp_path, monkeypatch):
     assert list(runs) == ["verl-sync tp2", "async-pipeline k=2"]
     assert runs["verl-sync tp2"]["actor_rollout_ref.rollout.tensor_model_parallel_size"] == 2
     assert "actor_rollout_ref.rollout.tensor_model_parallel_size" not in runs["async-pipeline k=2"]
+    runs.clear()  # --verl-admission-window-ms: the CPU engine's window in verl's runs only, named by it
+    e2e.main(["--ks", "2", "--verl-admission-window-ms", "300", "--seeds", "0", "--metrics-dir", str(tmp_path / "w")])
+    assert list(runs) == ["verl-sync window 300 ms", "async-pipeline k=2"]
+    assert runs["verl-sync window 300 ms"][e2e.ADMISSION_WINDOW] == 300
+    assert e2e.ADMISSION_WINDOW not in runs["async-pipeline k=2"]
     runs.clear()  # --loglinear-ks: pi_prox interpolated, on the same split of train ranks as --ks
     e2e.main(["--ks", "2", "--loglinear-ks", "2", "--train-ranks", "2", "--seeds", "0", "--metrics-dir",
               str(tmp_path / "loglinear")])

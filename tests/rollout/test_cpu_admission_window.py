@@ -10,10 +10,13 @@ import transformers
 from omegaconf import OmegaConf
 
 from async_rl.core.errors import AsyncConfigError
+from async_rl.demo import demo_overrides
 from async_rl.rollout.cpu.engine import ContinuousBatchingEngine
 from async_rl.rollout.cpu.options import ENGINE_KWARGS_KEY, CpuEngineOptions
 from async_rl.rollout.cpu.registration import CPU_ROLLOUT_NAME
 from async_rl.rollout.cpu.server import CPURolloutServer
+from async_rl.run_config import read_run_config
+from helpers.lineage import compose_ppo
 
 TIMEOUT_S = 60
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -134,3 +137,10 @@ def test_a_wrong_option_is_refused_naming_its_key(cpu, key):
     with pytest.raises(AsyncConfigError) as error:
         CpuEngineOptions.from_rollout_config(OmegaConf.create({"engine_kwargs": {"cpu": cpu}}))
     assert error.value.key == key and key in str(error.value)
+
+
+def test_the_pipeline_refuses_a_wrong_option_before_ray_starts(demo_dir):
+    key = f"+{ENGINE_KWARGS_KEY}.admission_window_ms"
+    read_run_config(compose_ppo(demo_overrides(demo_dir, extra={key: 20})))  # the demo: CPU servers
+    with pytest.raises(AsyncConfigError, match="admission_window_ms"):
+        read_run_config(compose_ppo(demo_overrides(demo_dir, extra={key: -5})))
