@@ -302,7 +302,7 @@ class ContinuousBatchingEngine(WeightSwap):
 
     def _admission_wait_s(self) -> float:
         """Seconds the loop sleeps before its next step: the admission's wait when no row decodes, else 0."""
-        return 0.0 if self._live_rows() or self._cache_stale else self._admission_due_in_s()
+        return 0.0 if self._live_rows() else self._admission_due_in_s()
 
     def _fail_all(self, error: Exception) -> None:
         for seq in list(self._requests.values()):
