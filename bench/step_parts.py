@@ -48,11 +48,12 @@ from bench.command import command_line  # noqa: E402
 
 FLAG_OFF = {"+actor_rollout_ref.async_pipeline": False}
 ADMISSION_WINDOW = e2e.ADMISSION_WINDOW  # the *-window systems' value: --admission-window-ms
+ONE_REPLICA_ON_2_RANKS = {**FLAG_OFF, "actor_rollout_ref.rollout.tensor_model_parallel_size": 2}  # one replica on both ranks
 SYSTEMS = {  # name -> (verl's entry module, overrides on the demo's; `steps` is filled in)
     "verl-sync": (e2e.VERL_MAIN, FLAG_OFF),
     # verl's legacy synchronous trainer (main_ppo_v0: no TransferQueue, no replay buffer), deprecated in 0.9.1
     "verl-sync-v0": (e2e.VERL_MAIN, {**FLAG_OFF, "trainer.use_v1": False}),
-    "verl-sync-tp2": (e2e.VERL_MAIN, {**FLAG_OFF, "actor_rollout_ref.rollout.tensor_model_parallel_size": 2}),
+    "verl-sync-tp2": (e2e.VERL_MAIN, ONE_REPLICA_ON_2_RANKS),
     "verl-sync-aw2": (e2e.VERL_MAIN, {**FLAG_OFF, "actor_rollout_ref.rollout.agent.num_workers": 2}),
     "pipeline-k1": (e2e.VERL_MAIN, {"+trainer.generate_ahead_steps": 1}),
     "pipeline-k2": (e2e.VERL_MAIN, {"+trainer.generate_ahead_steps": 2}),
@@ -64,6 +65,7 @@ SYSTEMS = {  # name -> (verl's entry module, overrides on the demo's; `steps` is
     "pipeline-k2-train2": (e2e.VERL_MAIN, {"+trainer.generate_ahead_steps": 2, **e2e.train_split(2)}),
     # the CPU engine's admission window (async_rl/rollout/cpu/options.py) on verl's trainer and on the pipeline
     "verl-sync-window": (e2e.VERL_MAIN, {**FLAG_OFF, ADMISSION_WINDOW: None}),
+    "verl-sync-tp2-window": (e2e.VERL_MAIN, {**ONE_REPLICA_ON_2_RANKS, ADMISSION_WINDOW: None}),
     "pipeline-k2-window": (e2e.VERL_MAIN, {"+trainer.generate_ahead_steps": 2, ADMISSION_WINDOW: None}),
 }
 # loaded by every Python process of a run: the probe from this checkout, whatever code the run itself uses
