@@ -48,7 +48,7 @@ from bench.command import command_line  # noqa: E402
 
 FLAG_OFF = {"+actor_rollout_ref.async_pipeline": False}
 ADMISSION_WINDOW = e2e.ADMISSION_WINDOW  # the *-window systems' value: --admission-window-ms
-ONE_REPLICA_ON_2_RANKS = {**FLAG_OFF, "actor_rollout_ref.rollout.tensor_model_parallel_size": 2}  # one replica on both ranks
+ONE_REPLICA_ON_2_RANKS = {**FLAG_OFF, "actor_rollout_ref.rollout.tensor_model_parallel_size": 2}
 SYSTEMS = {  # name -> (verl's entry module, overrides on the demo's; `steps` is filled in)
     "verl-sync": (e2e.VERL_MAIN, FLAG_OFF),
     # verl's legacy synchronous trainer (main_ppo_v0: no TransferQueue, no replay buffer), deprecated in 0.9.1
@@ -68,6 +68,13 @@ SYSTEMS = {  # name -> (verl's entry module, overrides on the demo's; `steps` is
     "verl-sync-tp2-window": (e2e.VERL_MAIN, {**ONE_REPLICA_ON_2_RANKS, ADMISSION_WINDOW: None}),
     "pipeline-k2-window": (e2e.VERL_MAIN, {"+trainer.generate_ahead_steps": 2, ADMISSION_WINDOW: None}),
 }
+
+
+def windowed(system: str) -> bool:
+    """`system` runs with the CPU engine's admission window (`--admission-window-ms`)."""
+    return ADMISSION_WINDOW in SYSTEMS[system][1]
+
+
 # loaded by every Python process of a run: the probe from this checkout, whatever code the run itself uses
 # (as module `step_probe` in every process, so that Ray pickles what refers to it by reference)
 SITECUSTOMIZE = """import importlib.util, os, sys
@@ -734,7 +741,7 @@ def main(argv=None) -> dict:
                     from async_rl.demo import prepare
 
                     prepare(demo, seed=0, model_size=args.model_size)
-                window = {ADMISSION_WINDOW: args.admission_window_ms} if ADMISSION_WINDOW in SYSTEMS[system][1] else {}
+                window = {ADMISSION_WINDOW: args.admission_window_ms} if windowed(system) else {}
                 run_system(system, demo, out, args.steps, args.warmup, args.task, args.sample_ms, args.timeout_s,
                            set(filter(None, args.py_spy.split(","))), window, code_at(ref, raw) if ref else ROOT)
             results[name] = analyze(system, out, args.warmup)
@@ -743,7 +750,7 @@ def main(argv=None) -> dict:
              f"{args.warmup} left out; CPU "
              f"sampled every {args.sample_ms:g} ms; py-spy on: {args.py_spy or 'none'}"
              + (f"; the CPU engine's admission window {args.admission_window_ms:g} ms in the *-window systems"
-                if any(n.endswith("-window") for n in names) else "")]
+                if any(windowed(n.partition("@")[0]) for n in names) else "")]
     for name in names:
         lines += [""] + report(name, results[name])
     print("\n".join(lines))
