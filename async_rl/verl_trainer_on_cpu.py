@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 from omegaconf import OmegaConf, open_dict
 
 from async_rl.core.config import async_pipeline_enabled, runs_on_cpu, strip_async_keys
+from async_rl.rollout.cpu.options import CpuEngineOptions
 from async_rl.rollout.cpu.registration import register_cpu_rollout
 from verl_patches import sglang_cpu, vllm_cpu
 from verl_patches.cpu_patches import apply_cpu_worker_patches
@@ -31,16 +32,17 @@ from verl_patches.post_import import when_imported
 @dataclass(frozen=True)
 class RolloutOnCpu:
     """A rollout verl's own trainer can use on trainer.device=cpu: whether it is installed, the keys its
-    servers need there (set in place on `actor_rollout_ref.rollout`, returning the names changed) and the
-    environment of every Ray worker."""
+    servers need there (set in place on `actor_rollout_ref.rollout`, returning the names changed), the
+    environment of every Ray worker and the check of its servers' own settings (raises, naming the key)."""
     label: str
     installed: Callable[[], bool]
     server_overrides: Optional[Callable[[Any], list]] = None
     worker_env: dict = field(default_factory=dict)
+    check: Optional[Callable[[Any], Any]] = None
 
 
 ROLLOUTS_ON_CPU = {
-    "cpu": RolloutOnCpu("the CPU backend", lambda: True),
+    "cpu": RolloutOnCpu("the CPU backend", lambda: True, check=CpuEngineOptions.from_rollout_config),
     # installed: looked up at each call (a test or a late install changes the module's answer)
     "vllm": RolloutOnCpu("vLLM on CPU", lambda: vllm_cpu.vllm_cpu_installed(), vllm_cpu.cpu_rollout_overrides,
                          vllm_cpu.WORKER_ENV),
@@ -68,6 +70,8 @@ def prepare(config) -> None:
     strip_async_keys(config)  # the pipeline's keys may remain in a demo command with the flag off
     worker_env = dict(WORKER_ENV)
     rollout = ROLLOUTS_ON_CPU[str(config.actor_rollout_ref.rollout.name)]
+    if rollout.check is not None:
+        rollout.check(config.actor_rollout_ref.rollout)
     changed = rollout.server_overrides(config.actor_rollout_ref.rollout) if rollout.server_overrides else []
     if changed:
         print(f"[async_rl] {rollout.label}: " + ", ".join(f"actor_rollout_ref.rollout.{c}" for c in changed),

@@ -144,3 +144,13 @@ def test_the_pipeline_refuses_a_wrong_option_before_ray_starts(demo_dir):
     read_run_config(compose_ppo(demo_overrides(demo_dir, extra={key: 20})))  # the demo: CPU servers
     with pytest.raises(AsyncConfigError, match="admission_window_ms"):
         read_run_config(compose_ppo(demo_overrides(demo_dir, extra={key: -5})))
+
+
+def test_verls_own_trainer_refuses_a_wrong_option_before_ray_starts(demo_dir):
+    from async_rl import verl_trainer_on_cpu
+
+    config = compose_ppo(demo_overrides(demo_dir, extra={"+actor_rollout_ref.async_pipeline": False,
+                                                         f"+{ENGINE_KWARGS_KEY}.admission_window": 20}))
+    assert verl_trainer_on_cpu.wants_cpu_rollout(config)
+    with pytest.raises(AsyncConfigError, match="admission_window"):
+        verl_trainer_on_cpu.prepare(config)
