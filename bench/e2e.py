@@ -1038,8 +1038,8 @@ def main(argv=None) -> list[dict]:
                 **({"trainer.n_gpus_per_node": args.verl_ranks} if args.verl_ranks != 2 else {}),
                 **({"actor_rollout_ref.rollout.tensor_model_parallel_size": args.verl_tp} if args.verl_tp != 1 else {}),
                 **({ADMISSION_WINDOW: window} if window else {})}
-    # in the names of verl's synchronous runs
-    verl_tp = (f" tp{args.verl_tp}" if args.verl_tp != 1 else "") + (f" window {window:g} ms" if window else "")
+    # in the names of verl's synchronous runs: its replica size, its admission window
+    verl_suffix = (f" tp{args.verl_tp}" if args.verl_tp != 1 else "") + (f" window {window:g} ms" if window else "")
     if args.rollout == "vllm":
         common.update(VLLM_ON_CPU)
         flag_off.update({"trainer.n_gpus_per_node": 1, "actor_rollout_ref.rollout.agent.num_workers": 1})
@@ -1069,11 +1069,11 @@ def main(argv=None) -> list[dict]:
         systems.insert(0, System(FULLY_ASYNC + ranks_suffix(ranks), FULLY_ASYNC,
                                  overrides=fully_async_overrides(args.steps, TRAIN_BATCH_SIZE, ranks)))
     if grpo_verl and args.verl_v0:
-        systems.insert(0, System(VERL_V0 + verl_tp, VERL_V0, overrides={**flag_off, "trainer.use_v1": False}))
+        systems.insert(0, System(VERL_V0 + verl_suffix, VERL_V0, overrides={**flag_off, "trainer.use_v1": False}))
     if grpo_verl and not args.skip_verl_sync:
-        systems.insert(0, System(VERL_SYNC + verl_tp, VERL_SYNC, overrides=flag_off))
+        systems.insert(0, System(VERL_SYNC + verl_suffix, VERL_SYNC, overrides=flag_off))
     if ppo_ks and not args.skip_verl:
-        systems.append(System(f"{VERL_SYNC}{verl_tp} PPO", VERL_SYNC, overrides=flag_off, critic=True))
+        systems.append(System(f"{VERL_SYNC}{verl_suffix} PPO", VERL_SYNC, overrides=flag_off, critic=True))
     systems += [pipeline(k, " PPO", {}, critic=True) for k in ppo_ks]
     target = args.target
     stop_at = None if args.no_stop_at_target else target

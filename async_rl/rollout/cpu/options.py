@@ -47,4 +47,4 @@ class CpuEngineOptions:
 
 def _get(section: Any, key: str) -> Any:
     """`section[key]` of a mapping (verl's configs are mappings, its DictConfigs too), or None."""
-    return section.get(key) if isinstance(section, Mapping) or hasattr(section, "get") else None
+    return section.get(key) if hasattr(section, "get") else None
