@@ -485,6 +485,8 @@ SERIAL_TIMERS = (  # verl's step timers (`timing_s/<name>`) that run one after a
 )
 
 
+ROLLOUTER_CALLS = ("fully_async's calls to its rollouter around the weight sync (FullyAsyncTrainer._fit_update_weights "
+                   "beyond param_sync: sample counts, reset_staleness)")
 SPLIT_PHASES = ("old log-prob pass", "actor update", "critic update", "reference log-prob pass", "critic values")
 
 
@@ -541,6 +543,10 @@ def verl_parts(out: Path, warmup: int) -> dict:
                 parts.update({f"{label}: {k}": v for k, v in split_concurrent(span[1], span[2], cpu, spans, spy).items()})
             else:
                 parts[label] = span[2] - span[1]
+        sync_call = first("fully_async_update_weights")
+        if sync_call is not None:  # fully_async_policy's calls to its rollouter around the weight sync
+            sync = first("timer/timing_s/param_sync")
+            parts[ROLLOUTER_CALLS] = (sync_call[2] - sync_call[1]) - (sync[2] - sync[1] if sync else 0.0)
         parts["rest of the step (unnamed)"] = (b - a) - sum(parts.values())
         per_step.append(parts)
         serial.append(b - a)
@@ -601,7 +607,8 @@ def owner(system: str, part: str) -> str:
 
 def engine_facts(out: Path, warmup_end: float) -> dict:
     """Per step, after `warmup_end` (s on the monotonic clock): the engine's forwards, the rows they decoded and
-    prefilled, over every rollout server; and the mean response length of the run's steps."""
+    prefilled, over every rollout server; the mean response length of the run's steps; fully_async_policy: the
+    mean call of its rollouter's reset_staleness (s, in the rollouter)."""
     spans = load_spans(out)
     forwards = [s for ss in spans.values() for s in ss if s[0] == "engine_forward" and s[1] >= warmup_end]
     servers = sum(any(s[0] == "engine_forward" for s in ss) for ss in spans.values())
@@ -609,11 +616,14 @@ def engine_facts(out: Path, warmup_end: float) -> dict:
     lengths = [r["response_length/mean"] for r in rows if "response_length/mean" in r]
     gaps = sorted(gap for ss in spans.values() for gap in arrival_gaps(ss, warmup_end))
     walls = sorted(s[2] - s[1] for s in forwards)
+    resets = [s[2] - s[1] for ss in spans.values() for s in ss
+              if s[0] == "rollouter_reset_staleness" and s[1] >= warmup_end]
     return {"servers": servers, "forwards": len(forwards), "decode_rows": sum(s[4]["decode_rows"] for s in forwards),
             "prefill_rows": sum(s[4]["prefill_rows"] for s in forwards),
             "response_length": sum(lengths) / len(lengths) if lengths else None,
             "arrival_gap_ms": {"p50": 1e3 * quantile(gaps, 0.5), "p90": 1e3 * quantile(gaps, 0.9)} if gaps else None,
-            "forward_wall_ms": 1e3 * quantile(walls, 0.5) if walls else None}
+            "forward_wall_ms": 1e3 * quantile(walls, 0.5) if walls else None,
+            "reset_staleness_s": sum(resets) / len(resets) if resets else None}
 
 
 def arrival_gaps(spans: list[tuple], after: float, within_s: float = 1.0) -> list[float]:
@@ -687,6 +697,9 @@ def report(name: str, result: dict) -> list[str]:
             lines.append(f"  requests reach a server {gap['p50']:.1f} ms (median) / {gap['p90']:.1f} ms (90th percentile) "
                          f"after the one before; a forward takes {facts['forward_wall_ms']:.1f} ms (median, wall) "
                          f"for {rows:.1f} rows on average")
+    if facts.get("reset_staleness_s") is not None:
+        lines.append(f"  the rollouter's reset_staleness: {facts['reset_staleness_s']:.3f} s a call in the rollouter "
+                     f"(its wait for the rollouter's lock included)")
     lines.append(f"  mean response: {facts['response_length']:.2f} tokens")
     lines.append("  by code: " + ", ".join(f"{who} {sec:.3f} s" for who, sec in
                                           sorted(result["owners"].items(), key=lambda kv: -kv[1])))

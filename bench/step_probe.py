@@ -64,8 +64,9 @@ async def _awaited():
 
 
 def wrap(owner, attr: str, name: str, extra=None) -> None:
-    """Replace `owner.attr` by its timed version (once; a missing attribute is left alone). Not for a class
-    decorated `@ray.remote` at module level: Ray pickles such a class by value, and a wrapper's globals with it."""
+    """Replace `owner.attr` by its timed version (once; a missing attribute is left alone). A class decorated
+    `@ray.remote` at module level: its own class (`actor_class`), wrapped before Ray pickles it by value at the
+    first `.remote()` of the process that creates the actor."""
     fn = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
     if fn is None or getattr(fn, "__step_probe__", False):
         return
@@ -79,6 +80,12 @@ def wrap(owner, attr: str, name: str, extra=None) -> None:
         setattr(owner, attr, wrapped)
         return
     setattr(owner, attr, timed(name, fn, extra))
+
+
+def actor_class(remote):
+    """The class Ray made of a `@ray.remote` class: it holds a copy of each method, and Ray pickles it (by value)
+    for the actor's process."""
+    return remote.__ray_metadata__.modified_class
 
 
 def _marked_timer(debug) -> None:
@@ -136,6 +143,16 @@ def _patches():
         from verl.trainer.ppo.v1 import agent_loop_tq as tq
 
         wrap(tq.AgentLoopManagerTQ, "generate_sequences", "agent_loop_manager_dispatch")
+
+    def fully_async_trainer():
+        from verl.experimental.fully_async_policy import fully_async_trainer as trainer
+
+        wrap(actor_class(trainer.FullyAsyncTrainer), "_fit_update_weights", "fully_async_update_weights")
+
+    def fully_async_rollouter():
+        from verl.experimental.fully_async_policy import fully_async_rollouter as rollouter
+
+        wrap(actor_class(rollouter.FullyAsyncRollouter), "reset_staleness", "rollouter_reset_staleness")
 
     def llm_client():
         from verl.workers.rollout import llm_server
@@ -222,6 +239,8 @@ def _patches():
         "verl.experimental.agent_loop.agent_loop": agent_loop,
         "verl.trainer.ppo.v1.agent_loop_tq": agent_loop_tq,
         "verl.workers.rollout.llm_server": llm_client,
+        "verl.experimental.fully_async_policy.fully_async_trainer": fully_async_trainer,
+        "verl.experimental.fully_async_policy.fully_async_rollouter": fully_async_rollouter,
         "verl.experimental.reward_loop.reward_loop": reward_loop,
         "async_rl.rollout.cpu.server": cpu_server,
         "async_rl.rollout.cpu.engine": cpu_engine,

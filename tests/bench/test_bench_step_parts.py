@@ -73,6 +73,33 @@ def test_verl_sync_step_parts_sum_to_the_step_and_generation_splits_by_core_shar
     assert lines[-1] == "  goal: the named parts within 5% of the step: met (5.0% unnamed)"
 
 
+def test_fully_async_calls_to_its_rollouter_around_the_sync_are_a_part_of_their_own(tmp_path):
+    # a 10 s step: waiting for samples 4 s, update 4 s, then _fit_update_weights 1.8 s, of which param_sync 0.5;
+    # 0.2 s no span covers. The rollouter's reset_staleness runs 0.9 s of it.
+    def step(t0):
+        return [("timer/step", t0, t0 + 10, None, {}), ("timer/gen", t0, t0 + 4, None, {}),
+                ("timer/update_actor", t0 + 4, t0 + 8, None, {}),
+                ("fully_async_update_weights", t0 + 8, t0 + 9.8, None, {}),
+                ("timer/timing_s/param_sync", t0 + 8.2, t0 + 8.7, None, {})]
+
+    resets = [("rollouter_reset_staleness", t0 + 8.8, t0 + 9.7, None, {}) for t0 in (0, 10)]
+    times = [float(t) for t in range(21)]
+    write_run(tmp_path, {1: step(0) + step(10), 2: resets},
+              {1: "ray::FullyAsyncTrainer", 2: "ray::FullyAsyncRollouter"}, {1: times, 2: [0.0] * 21},
+              [[t, t] for t in times], times)
+    result = step_parts.analyze("verl-fully-async", tmp_path, warmup=0)
+    parts = result["parts"]
+    assert parts[step_parts.ROLLOUTER_CALLS] == pytest.approx(1.3)
+    assert parts["weight sync (this package's async_rl checkpoint engine)"] == pytest.approx(0.5)
+    assert parts["rest of the step (unnamed)"] == pytest.approx(0.2)
+    assert sum(parts.values()) == pytest.approx(10.0)
+    assert result["engine_per_step"]["reset_staleness_s"] == pytest.approx(0.9)
+    lines = step_parts.report("verl-fully-async", result)
+    assert "  the rollouter's reset_staleness: 0.900 s a call in the rollouter (its wait for the rollouter's lock " \
+           "included)" in lines
+    assert any(line.endswith(f"verl      {step_parts.ROLLOUTER_CALLS}") for line in lines)
+
+
 def test_pipeline_train_step_parts_and_the_generate_stage_busy_beside_it(tmp_path):
     times = [float(t) for t in range(9)]
     host = [("train_step", t0 + 1, t0 + 2, None, {}) for t0 in (0, 2, 4, 6)]
@@ -191,6 +218,27 @@ def test_the_probe_keeps_verls_auto_await_returning_the_coroutine_to_an_awaiting
     step_probe._FILE.flush()
     spans = [json.loads(line) for line in next(tmp_path.glob("spans-*.jsonl")).read_text().splitlines()]
     assert [s[0] for s in spans] == ["checkpoint_manager_update_weights"] * 2
+
+
+def test_the_probe_wraps_a_ray_actors_own_class_which_ray_pickles_for_the_actor(tmp_path, monkeypatch):
+    import cloudpickle
+    import ray
+
+    monkeypatch.setenv(step_probe.ENV, str(tmp_path))
+    monkeypatch.setattr(step_probe, "_FILE", None)
+
+    class Trainer:
+        async def _fit_update_weights(self):
+            return "synced"
+
+    remote = ray.remote(Trainer)
+    step_probe.wrap(step_probe.actor_class(remote), "_fit_update_weights", "fully_async_update_weights")
+    # what the actor's process gets: the class by value, the wrapper with it
+    copy = cloudpickle.loads(cloudpickle.dumps(remote.__ray_metadata__.modified_class))
+    assert asyncio.run(copy()._fit_update_weights()) == "synced"
+    step_probe._FILE.flush()
+    spans = [json.loads(line) for line in next(tmp_path.glob("spans-*.jsonl")).read_text().splitlines()]
+    assert [s[0] for s in spans] == ["fully_async_update_weights"]
 
 
 def test_the_long_task_needs_a_model_that_holds_its_responses_and_runs_with_its_overrides(tmp_path, monkeypatch):
