@@ -64,9 +64,9 @@ async def _awaited():
 
 
 def wrap(owner, attr: str, name: str, extra=None) -> None:
-    """Replace `owner.attr` by its timed version (once; a missing attribute is left alone). A class decorated
-    `@ray.remote` at module level: its own class (`actor_class`), wrapped before Ray pickles it by value at the
-    first `.remote()` of the process that creates the actor."""
+    """Replace `owner.attr` by its timed version (once; a missing attribute is left alone). For a class decorated
+    `@ray.remote` at module level pass Ray's copy of it (`actor_class`), wrapped before Ray pickles it by value at
+    the first `.remote()` of the process that creates the actor."""
     fn = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
     if fn is None or getattr(fn, "__step_probe__", False):
         return
