@@ -10,7 +10,8 @@ from bench_script import run_bench
 
 def test_bench_splits_the_servers_cpu_and_measures_rays_call_alone(tmp_path):
     out = tmp_path / "cost.json"
-    proc = run_bench("request_cost.py", ["--requests", "16", "--rounds", "1", "--window-ms", "300", "--json", out],
+    proc = run_bench("request_cost.py", ["--requests", "16", "--gap-ms", "10", "--rounds", "1", "--window-ms", "300",
+                                         "--json", out],
                      tmp_path, env={**os.environ, "RAY_ADDRESS": ""})
     assert "command: python" in proc.stdout and "Ray's call alone" in proc.stdout
     cases = json.loads(out.read_text())["cases"]
@@ -22,7 +23,8 @@ def test_bench_splits_the_servers_cpu_and_measures_rays_call_alone(tmp_path):
         assert cases[f"empty Ray actor | {sent}"]["forwards"] == 0 == cases[f"empty Ray actor | {sent}"]["tokens"]
         for name in ("server, window 300 ms", "server, window 0"):  # every request generated its tokens
             assert cases[f"{name} | {sent}"]["forwards"] >= 1 and 1 <= cases[f"{name} | {sent}"]["tokens"] <= 4
-    # without a window paced requests are prefilled as they come, in more forwards than sent at once; 16 requests
-    # 2.1 ms apart fall inside one 300 ms window, prefilled together
-    assert cases["server, window 0 | paced"]["forwards"] > cases["server, window 0 | burst"]["forwards"]
-    assert cases["server, window 0 | paced"]["forwards"] > cases["server, window 300 ms | paced"]["forwards"]
+    # without a window, requests 10 ms apart are prefilled one by one: many more forwards than sent at once;
+    # all 16 fall inside one 300 ms window, prefilled together
+    paced, burst = cases["server, window 0 | paced"]["forwards"], cases["server, window 0 | burst"]["forwards"]
+    assert paced > 1.5 * burst
+    assert paced > 1.5 * cases["server, window 300 ms | paced"]["forwards"]
