@@ -45,8 +45,7 @@ PATTERNS = ("burst", "paced")
 
 
 def measured_server_class():
-    """The CPU rollout server, counting its engine's forwards and the CPU of the threads that ran them (a class
-    made here: a Ray worker imports the server's module, not this script)."""
+    """The CPU rollout server, counting its engine's forwards and the CPU of the threads that ran them."""
     from async_rl.rollout.cpu.server import CPURolloutServer
 
     class MeasuredServer(CPURolloutServer):
