@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
 
 from bench.command import command_line  # noqa: E402
+from bench.demo_prompts import demo_prompts  # noqa: E402
 
 TIMEOUT_S = 300
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": 0}
@@ -82,19 +83,6 @@ class EmptyServer:
         return time.process_time(), 0.0, 0
 
 
-def demo_prompts(demo_dir: Path, count: int) -> list[list[int]]:
-    """The first `count` / 8 prompts of the demo's training set, each 8 times, as verl's agent loop
-    tokenizes them (the chat template with the generation prompt)."""
-    import pandas as pd
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(demo_dir / "model")
-    rows = pd.read_parquet(demo_dir / "data" / "train.parquet")["prompt"][: max(1, count // 8)]
-    prompts = [list(tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
-                                                  return_dict=True)["input_ids"]) for messages in rows]
-    return [prompts[i % len(prompts)] for i in range(count)]
-
-
 def start_server(demo_dir: Path, window_ms: float):
     from verl.workers.config import HFModelConfig, RolloutConfig
 
@@ -136,7 +124,8 @@ def measure(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         demo = Path(tmp)
         prepare(demo, seed=0)
-        prompts = demo_prompts(demo, args.requests)
+        distinct = demo_prompts(str(demo / "model"), max(1, args.requests // 8))  # each sampled 8 times
+        prompts = [distinct[i % len(distinct)] for i in range(args.requests)]
         servers = {f"server, window {args.window_ms:g} ms": start_server(demo, args.window_ms),
                    "server, window 0": start_server(demo, 0.0),
                    "empty Ray actor": ray.remote(EmptyServer).options(max_concurrency=1000, num_cpus=0).remote()}

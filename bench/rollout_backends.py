@@ -22,27 +22,12 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 from bench.command import command_line  # noqa: E402
+from bench.demo_prompts import demo_prompts  # noqa: E402
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the model in this process: loads timed directly
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-def demo_prompts(model_path: str, count: int) -> list[list[int]]:
-    """`count` chat-templated prompts of the demo's task (random digit strings)."""
-    import numpy as np
-    from transformers import AutoTokenizer
-
-    from async_rl.demo.task import make_rows, sample_prompts
-
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    train, _ = sample_prompts(np.random.default_rng(0), count, 0)
-    prompts = []
-    for messages in make_rows(list(train)[:count], "train")["prompt"]:
-        ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
-        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-    return prompts
 
 
 def perturbed_weights(model_path: str) -> dict:
