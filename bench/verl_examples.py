@@ -109,10 +109,13 @@ def run_keys(script: str, demo_dir: Path) -> dict:
 
 
 def with_demo_sizes(keys: dict) -> dict:
-    """`keys` with the demo's sizes (DEMO_SIZES), and a validation at the last step where they log validation
-    generations (`trainer.log_val_generations` above 0, as a number or as a script types it)."""
+    """`keys` with the demo's sizes (DEMO_SIZES; with a critic its mini-batch too, one step's prompts: a larger
+    one has verl's trainer pad each batch with empty samples to a multiple of it, whole actor mini-batches of
+    them, whose loss is 0 / 0 tokens), and a validation at the last step where they log validation generations
+    (`trainer.log_val_generations` above 0, as a number or as a script types it)."""
     logs = str(keys.get("trainer.log_val_generations", 0)) not in ("0", "None", "null", "False")
-    return {**keys, **DEMO_SIZES, **({"trainer.test_freq": STEPS} if logs else {})}
+    critic = {"critic.ppo_mini_batch_size": DEMO_SIZES["data.train_batch_size"]} if with_critic(keys) else {}
+    return {**keys, **DEMO_SIZES, **critic, **({"trainer.test_freq": STEPS} if logs else {})}
 
 
 def with_critic(keys: dict) -> bool:

@@ -34,9 +34,12 @@ def test_the_table_says_per_example_and_flag_whether_it_trained(monkeypatch, tmp
 def test_examples_get_the_demos_critic_reward_model_and_a_last_validation_where_their_script_needs_them(tmp_path):
     rm = verl_examples.run_keys("ppo_trainer/run_qwen2-7b_rm_seq_balance.sh", tmp_path)
     assert rm["reward_model.model.path"] == f"{tmp_path}/reward_model" and verl_examples.with_critic(rm)
+    # the critic's mini-batch is one step's prompts, so verl's trainer does not pad the batch with empty samples
+    sizes = ("critic.ppo_mini_batch_size", "data.train_batch_size", f"{verl_examples.ACTOR}.ppo_mini_batch_size")
+    assert len({rm[key] for key in sizes}) == 1
     gspo = verl_examples.run_keys("gspo_trainer/test_gspo_3b_math.sh", tmp_path)
     assert gspo["trainer.log_val_generations"] == 2 and gspo["trainer.test_freq"] == 2  # validates at step 2
-    assert not verl_examples.with_critic(gspo)
+    assert not verl_examples.with_critic(gspo) and "critic.ppo_mini_batch_size" not in gspo
 
 
 def test_a_nan_loss_shows_as_nan(monkeypatch, tmp_path, capsys):
