@@ -8,7 +8,7 @@ value being the demo's folder; a script that sets no group size gets the demo's,
 one run at a time, each with a Ray of its own. Per run: trained or failed (the error's last line),
 seconds, and step 2's `actor/pg_loss` and `critic/advantages/mean`. The flag-on half is also a test
 (tests/e2e/test_verl_examples_e2e.py); the flag-off half is verl's own trainer as a control, run here
-rather than in CI (about 20 minutes).
+rather than in CI (about 7 minutes on 2 cores).
 
     python bench/verl_examples.py [--examples rloo_trainer/run_qwen2-7b.sh,...] [--json PATH]
 """
