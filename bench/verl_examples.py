@@ -109,10 +109,10 @@ def run_keys(script: str, demo_dir: Path) -> dict:
 
 
 def with_demo_sizes(keys: dict) -> dict:
-    """`keys` with the demo's sizes (DEMO_SIZES; with a critic its mini-batch too, one step's prompts: a larger
-    one has verl's trainer pad each batch with empty samples to a multiple of it, whole actor mini-batches of
-    them, whose loss is 0 / 0 tokens), and a validation at the last step where they log validation generations
-    (`trainer.log_val_generations` above 0, as a number or as a script types it)."""
+    """`keys` with the demo's sizes (DEMO_SIZES, and with a critic `critic.ppo_mini_batch_size` of one step's
+    prompts: verl's trainer pads each batch with empty samples to a multiple of the critic's mini-batch, and
+    actor mini-batches made only of them log pg_loss NaN), and a validation at the last step where they log
+    validation generations (`trainer.log_val_generations` above 0, as a number or as a script types it)."""
     logs = str(keys.get("trainer.log_val_generations", 0)) not in ("0", "None", "null", "False")
     critic = {"critic.ppo_mini_batch_size": DEMO_SIZES["data.train_batch_size"]} if with_critic(keys) else {}
     return {**keys, **DEMO_SIZES, **critic, **({"trainer.test_freq": STEPS} if logs else {})}
