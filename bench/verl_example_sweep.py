@@ -293,11 +293,11 @@ def sweep(examples_dir: Path, demo_dir: Path, workdir: Path, only: tuple[str, ..
     exit status and last error line."""
     import verl
 
-    root = workdir / "root"  # the script's working folder: examples/ and verl/ (its Hydra search path)
+    root = workdir / "cwd"  # the script's working folder: examples/ and verl/ (its Hydra search path)
     root.mkdir(parents=True)
     (root / "examples").symlink_to(examples_dir.resolve())
     (root / "verl").symlink_to(Path(verl.__file__).parent)
-    recorder, home = workdir / "recorder", workdir / "home"
+    recorder, home = workdir / "recorder", workdir / "home_dir"
     write_recorder(recorder)
     home.mkdir()
     model_dir = stand_in_model(demo_dir / "model", workdir / "stand_in_model")

@@ -208,6 +208,6 @@ def test_the_results_show_the_sweeps_temporary_folder_as_a_placeholder(tmp_path,
     results = tmp_path / "sweep.json"
     sweep.main(["--examples-dir", str(examples), "--json", str(results)])
     printed, saved = capsys.readouterr().out, results.read_text()
-    placeholder = f"{sweep.WORKDIR}/sweep/root/examples/t/tools.yaml"
+    placeholder = f"{sweep.WORKDIR}/sweep/cwd/examples/t/tools.yaml"
     assert placeholder in printed and placeholder in saved
     assert tempfile.gettempdir() + "/" not in printed.split("\n\n", 1)[1] and tempfile.gettempdir() + "/" not in saved
