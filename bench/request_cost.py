@@ -32,10 +32,10 @@ from pathlib import Path
 
 import ray
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-# Ray's workers put the driver's script folder first on their path when the driver's path holds it; there
-# bench/param_update.py would hide the param_update package the server imports
-sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
+# this folder holds a module named like the `param_update` package (Ray's workers, too, put it first on their path
+# when the driver's path holds it): the repository root comes first
+sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.command import command_line  # noqa: E402
 from bench.demo_prompts import demo_prompts  # noqa: E402
@@ -147,17 +147,18 @@ def measure(args) -> dict:
 
 def report(result: dict) -> list[str]:
     n, cases = result["requests"], result["cases"]
-    lines = [f"{n} requests a round, paced: one every {result['gap_ms']:g} ms; the median of {result['rounds']} round(s); "
-             f"CPU of the receiving process, ms a request",
+
+    def per_round(ms: float) -> str:
+        return f"{ms * n / 1e3:+.3f} s a round"
+
+    lines = [f"{n} requests a round, paced: one every {result['gap_ms']:g} ms; the median of {result['rounds']} "
+             f"round(s); CPU of the receiving process, ms a request",
              f"{'receiver':<28} {'sent':<6} {'CPU':>7} {'forwards':>9} {'rest':>7} {'forwards/round':>15} "
              f"{'tokens/request':>15}"]
     for case, c in cases.items():
         name, pattern = case.split(" | ")
         lines.append(f"{name:<28} {pattern:<6} {c['cpu_ms']:>7.3f} {c['forwards_ms']:>9.3f} {c['rest_ms']:>7.3f} "
                      f"{c['forwards']:>15.0f} {c['tokens']:>15.2f}")
-    def per_round(ms: float) -> str:
-        return f"{ms * n / 1e3:+.3f} s a round"
-
     ray_call = {p: cases[f"empty Ray actor | {p}"]["rest_ms"] for p in PATTERNS}
     lines.append(f"Ray's call alone (the empty actor): {ray_call['burst']:.3f} ms a request at once, "
                  f"{ray_call['paced']:.3f} paced: pacing {per_round(ray_call['paced'] - ray_call['burst'])}")
