@@ -6,7 +6,7 @@
 # (marked `sglang`) in .venv-sglang; CI does not run them: that venv compiles SGLang's CPU kernels from
 # SGLang's source, which no package registry holds (docs/sglang_cpu.md, docs/tests.md).
 #
-#   bash scripts/test.sh          everything, as CI runs it (about 80 min on 2 cores: docs/tests.md)
+#   bash scripts/test.sh          everything, as CI runs it (about 41 min on 2 cores: docs/tests.md)
 #   bash scripts/test.sh --fast   the inner loop: no Ray start, no end-to-end run, no bench script (the
 #                                 tests' --fast option, tests/conftest.py; a few minutes)
 #
