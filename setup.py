@@ -33,6 +33,7 @@ setup(
     version="0.1.0",
     description="Asynchronous state-machine RL pipeline (PPO, GRPO, DAPO) on top of verl",
     packages=find_packages(include=["async_rl*", "state_machines*", "param_update*", "verl_patches*", "examples*"]),
+    package_data={"param_update": ["delta_kernel.c"]},  # built at first use (param_update/delta_kernel.py)
     python_requires=">=3.10",
     install_requires=INSTALL_REQUIRES,
     extras_require={

@@ -19,20 +19,29 @@ goes on the wire, ordinary named tensors packed into buckets like a full version
 `DeltaVersion` (the receiver) puts a staged version together from its base, the version it
 serves: the base's tensor with the changed values written in, or the tensor sent whole. Applying a
 delta gives exactly the bytes a full sync of the same version gives.
+
+Both loops run in C where the machine builds param_update/delta_kernel.c (delta_kernel.py), else in
+numpy; the encoder diffs tensors on `ENCODE_THREADS` threads while the next ones are cast.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional
 
 import numpy as np
 import torch
 
+from param_update import delta_kernel
+
 INDEX = "\x00delta_index"
 VALUE = "\x00delta_value"
 BASE = "\x00delta_base"  # the wire name of the base version's tensor
 GAP_LIMIT = (1 << 16) - 1  # the largest gap between two sent positions: uint16
+ENCODE_THREADS = 2  # tensors diffed at once, beside the cast of the next ones
+ENCODE_AHEAD = 16  # tensors cast ahead of the oldest one still being diffed
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -88,12 +97,34 @@ def positions_of(gaps: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.cumsum(gaps.contiguous().numpy().view(np.uint16), dtype=np.int64))
 
 
+def changes(new: torch.Tensor, old: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """(INDEX, VALUE) of the delta from `old` to `new` (same dtype and shape, on the CPU), or None when sending
+    `new` whole is no larger. delta_kernel.py's C loops where they take the tensor, else numpy's."""
+    cap = (new.nbytes - 1) // (2 + new.element_size())  # the most positions a delta smaller than `new` has
+    if cap < 0:
+        return None
+    native = delta_kernel.kernel()
+    if native is not None and native.handles(new):
+        return native.encode(new, old, cap)
+    positions, gaps = wire_positions(changed_positions(new, old))
+    return None if positions.numel() > cap else (gaps, new.reshape(-1)[positions])
+
+
 def wire_name(name: str) -> tuple[str, Optional[str]]:
     """(tensor name, INDEX / VALUE / None) of a name on the wire."""
     for part in (INDEX, VALUE):
         if name.endswith(part):
             return name[: -len(part)], part
     return name, None
+
+
+def _wire(name: str, held: torch.Tensor, delta: Optional[Future]) -> Iterator[tuple[str, torch.Tensor]]:
+    sent = delta.result() if delta is not None else None
+    if sent is None:
+        yield name, held
+    else:
+        yield name + INDEX, sent[0]
+        yield name + VALUE, sent[1]
 
 
 class DeltaEncoder:
@@ -108,6 +139,7 @@ class DeltaEncoder:
         self.held_dtypes = dict(held_dtypes or {})
         self.version: Optional[int] = None  # the version `previous` holds
         self.previous: dict[str, torch.Tensor] = {}
+        self._pool = ThreadPoolExecutor(ENCODE_THREADS, thread_name_prefix="delta-encode")
 
     def encode(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
                base: Optional[int]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -119,21 +151,19 @@ class DeltaEncoder:
         kept: dict[str, torch.Tensor] = {}
         if base is not None:
             yield BASE, torch.tensor([base], dtype=torch.int64)
+        pending: deque = deque()  # (name, held, the delta's future or None: sent whole), in order
         for name, tensor in named_tensors:
             held = as_held(tensor, self.held_dtypes.get(name))
             if held.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
                 held = held.clone()  # the trainer's own memory, which training changes: keep a copy
             old = self.previous.get(name) if base is not None else None
             kept[name] = held
-            if old is None or old.shape != held.shape or old.dtype != held.dtype:
-                yield name, held
-                continue
-            positions, gaps = wire_positions(changed_positions(held, old))
-            if positions.numel() * (2 + held.element_size()) >= held.nbytes:
-                yield name, held
-            else:
-                yield name + INDEX, gaps
-                yield name + VALUE, held.reshape(-1)[positions]
+            whole = old is None or old.shape != held.shape or old.dtype != held.dtype
+            pending.append((name, held, None if whole else self._pool.submit(changes, held, old)))
+            while pending and (len(pending) > ENCODE_AHEAD or pending[0][2] is None or pending[0][2].done()):
+                yield from _wire(*pending.popleft())
+        while pending:
+            yield from _wire(*pending.popleft())
         self.previous, self.version = kept, version
 
 
@@ -151,11 +181,25 @@ class DeltaVersion:
         if self.delta_from is not None and self.delta_from != base_version:
             raise ValueError(f"a delta from version {self.delta_from} arrived, the receiver holds version {base_version}")
 
-    def tensor(self, name: str) -> torch.Tensor:
-        """The full tensor `name` (canonical) of the version: sent whole, or its base with the changes."""
+    def sent_whole(self, name: str) -> bool:
+        """`name` (canonical) came whole: `tensor` returns what arrived, not a tensor put together."""
+        return name in self.wire
+
+    def tensor(self, name: str, into: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The full tensor `name` (canonical) of the version: sent whole, or its base with the changes, put
+        together in `into` (memory no longer served, of its dtype and shape) when given, else in a new tensor."""
         if name in self.wire:
             return self.wire[name]
         gaps, value = self.wire[name + INDEX], self.wire[name + VALUE]
-        out = self.base[name].detach().clone()
-        out.reshape(-1)[positions_of(gaps)] = value
+        base = self.base[name].detach()
+        fits = into is not None and into.dtype == base.dtype and into.shape == base.shape and into.is_contiguous()
+        out = into.copy_(base) if fits else base.clone(memory_format=torch.contiguous_format)
+        native = delta_kernel.kernel()
+        if native is not None and native.handles(out):
+            native.write(out, gaps, value)
+            return out
+        positions = positions_of(gaps)
+        if positions.numel() and int(positions[-1]) >= out.numel():
+            raise ValueError(f"a changed position past the end of a tensor of {out.numel()} values")
+        out.reshape(-1)[positions] = value
         return out

@@ -23,8 +23,10 @@ Either way nothing touches the serving weights before the version is complete, s
 failed sync leaves the previous version serving.
 
 A version sent as a delta (param_update/delta.py: the values changed since the version the
-receiver serves, its base) is put together over that base as it is loaded: the base's tensor with
-the changed values written in, a new tensor; the load then swaps or copies it like any other.
+receiver serves, its base) is put together over that base at the check: the base's tensor copied,
+the changed values written in. Under the dual buffer the copy goes into the memory of the tensors the
+last swap replaced (a version put together here and no longer served: memory already mapped), else
+into a new tensor; the load then swaps or copies it like any other.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import math
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 import torch
@@ -40,6 +43,8 @@ import torch
 from async_rl.api.weights import Bucket, BucketHandle
 from param_update.buckets import as_tensor, slice_tensor, tensor_bytes, write_slices
 from param_update.delta import BASE, INDEX, VALUE, DeltaVersion, wire_name
+
+PUT_TOGETHER_THREADS = 2  # a delta's tensors put together at once (copies and writes release the GIL)
 
 
 class StagingError(RuntimeError):
@@ -102,6 +107,9 @@ class VersionStager:
         self.checked: Optional[int] = None  # the version `check_complete` found complete (until reset)
         self.base: dict[str, torch.Tensor] = {}  # canonical name -> the tensor a delta applies to
         self.base_version: Optional[int] = None  # the version `base` holds (the one loaded last)
+        self._put_together: set[str] = set()  # names of the staged version a delta put together (its memory)
+        self._base_put_together: set[str] = set()  # names of `base` put together by this stager
+        self._spare: dict[str, torch.Tensor] = {}  # tensors put together here that no longer serve: reused
         self._sizes: dict[str, int] = {}  # incoming name -> its tensor's bytes
         self._full: Optional[dict[str, torch.Tensor]] = None  # a checked delta's tensors, put together
         self._held: dict[int, Bucket] = {}  # bucket index -> bucket, of the version being staged
@@ -202,11 +210,17 @@ class VersionStager:
                 delta = DeltaVersion(wire, self.base, self.base_version, self.aliases)
             except ValueError as exc:
                 raise StagingError(f"version {version}: {exc}") from None
-            full = {name: delta.tensor(name) for name in self.expected}
+            spare, names = self._spare, list(self.expected)
+            try:
+                with ThreadPoolExecutor(PUT_TOGETHER_THREADS, thread_name_prefix="delta-put-together") as pool:
+                    full = dict(zip(names, pool.map(lambda name: delta.tensor(name, into=spare.get(name)), names)))
+            except ValueError as exc:
+                raise StagingError(f"version {version}: {exc}") from None
             with self._changed:
                 if self.version != version:
                     raise StagingError(f"version {version} was dropped while its delta was applied")
                 self._full = full
+                self._put_together = {name for name in full if not delta.sent_whole(name)}
         with self._changed:
             self.checked = version
 
@@ -219,6 +233,7 @@ class VersionStager:
             self._received = {}
             self._sizes = {}
             self._full = None
+            self._put_together = set()
             self._assembled = {}
 
     def _ordered(self) -> list[Bucket]:
@@ -249,7 +264,8 @@ class VersionStager:
 
     def loaded(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         """`version` now serves as `tensors` (canonical name -> tensor, kept unchanged while it serves):
-        the base of the next delta."""
+        the base of the next delta. Tensors this stager put together and no longer serving are not reused."""
+        self._spare, self._base_put_together = {}, set()  # before `tensors` serve: none of them is spare
         self.base, self.base_version = tensors, version
 
     def swap_into(self, params: dict[str, torch.Tensor]) -> None:
@@ -259,16 +275,21 @@ class VersionStager:
         Tied parameters are one object, set once.
         """
         staged = dict(self.named_tensors())
+        replaced = {name: self.base[name] for name in self._base_put_together if name in self.base}
+        put_together = self._put_together
+        self._spare = {}  # the staged tensors may have been put together in spare memory: it serves now
         for name, param in params.items():
             param.data = staged[name]
         self._serving = self._ordered()
         self.loaded(self.version, staged)
+        self._spare, self._base_put_together = replaced, put_together  # the next delta is put together there
         self.reset()
 
     def release_serving(self) -> None:
         """The swapped-in weights were replaced by other means: unpin their buckets (no delta base left)."""
         self._serving = []
         self.base, self.base_version = {}, None
+        self._spare, self._base_put_together = {}, set()
 
     def copy_into(self, params: dict[str, torch.Tensor], consume_bytes: int) -> int:
         """load (single buffer): copy the staged bytes into the live `params`, `consume_bytes` at a
