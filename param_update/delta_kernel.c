@@ -39,8 +39,10 @@ enum { LEVEL_BEST = 0, LEVEL_PLAIN = 1, LEVEL_AVX2 = 2, LEVEL_AVX512 = 3 };
 
 /* NAME: encode elements of type T, STEP at a time by MASK (a bit per differing element of a[i..i+STEP)) */
 #define ENCODE(NAME, T, ATTR, STEP, MASK)                                                          \
-    ATTR static int64_t NAME(const T *a, const T *b, int64_t n, uint16_t *gaps, T *values,       \
-                             int64_t cap) {                                                       \
+    ATTR static int64_t NAME(const void *new_, const void *old, int64_t n, uint16_t *gaps,        \
+                             void *values_, int64_t cap) {                                        \
+        const T *a = new_, *b = old;                                                              \
+        T *values = values_;                                                                      \
         int64_t count = 0, last = 0, i = 0;                                                       \
         for (; STEP > 1 && i + STEP <= n; i += STEP) {                                            \
             uint64_t m = (MASK);                                                                  \
@@ -74,6 +76,19 @@ ENCODE(encode32_avx2, uint32_t, __attribute__((target("avx2"))), 8,
            & 0xFFu)
 #endif
 
+typedef int64_t (*encoder)(const void *, const void *, int64_t, uint16_t *, void *, int64_t);
+
+/* [element size 2, 4][level]: the loops built for this machine (NULL: none) */
+static const encoder ENCODERS[2][4] = {
+#ifdef HAVE_X86
+    {NULL, encode16_plain, encode16_avx2, encode16_avx512},
+    {NULL, encode32_plain, encode32_avx2, encode32_avx512},
+#else
+    {NULL, encode16_plain, NULL, NULL},
+    {NULL, encode32_plain, NULL, NULL},
+#endif
+};
+
 /* the highest level this CPU runs (LEVEL_PLAIN off x86) */
 int64_t async_rl_delta_level(void) {
 #ifdef HAVE_X86
@@ -89,24 +104,11 @@ int64_t async_rl_delta_level(void) {
  * UNSUPPORTED for another itemsize or a level above async_rl_delta_level(). `level` 0: the best. */
 int64_t async_rl_delta_encode(const void *new_, const void *old, int64_t n, int64_t itemsize, uint16_t *gaps,
                               void *values, int64_t cap, int64_t level) {
-    int64_t best = async_rl_delta_level();
+    static int64_t best = 0;
+    if (!best) best = async_rl_delta_level();
     if (level == LEVEL_BEST) level = best;
-    if (level > best || level < LEVEL_PLAIN) return UNSUPPORTED;
-    if (itemsize == 2) {
-#ifdef HAVE_X86
-        if (level == LEVEL_AVX512) return encode16_avx512(new_, old, n, gaps, values, cap);
-        if (level == LEVEL_AVX2) return encode16_avx2(new_, old, n, gaps, values, cap);
-#endif
-        return encode16_plain(new_, old, n, gaps, values, cap);
-    }
-    if (itemsize == 4) {
-#ifdef HAVE_X86
-        if (level == LEVEL_AVX512) return encode32_avx512(new_, old, n, gaps, values, cap);
-        if (level == LEVEL_AVX2) return encode32_avx2(new_, old, n, gaps, values, cap);
-#endif
-        return encode32_plain(new_, old, n, gaps, values, cap);
-    }
-    return UNSUPPORTED;
+    if (level > best || level < LEVEL_PLAIN || (itemsize != 2 && itemsize != 4)) return UNSUPPORTED;
+    return ENCODERS[itemsize / 4][level](new_, old, n, gaps, values, cap);
 }
 
 #define WRITE(NAME, T)                                                                                \
