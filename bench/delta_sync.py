@@ -16,7 +16,7 @@ loaded everywhere, `timing_s/param_update/total`), and whether both holders hold
 trainer's weights cast to bf16 (per-tensor digests). The first version is full on both (nothing to
 diff against) and left out of the medians.
 
-    python bench/delta_sync.py [--size 100M] [--lrs 1e-6,1e-5] [--steps 4] [--json PATH]
+    python bench/delta_sync.py [--size 100M] [--lrs 1e-6,1e-5] [--steps 6] [--json PATH]
 """
 
 from __future__ import annotations
@@ -94,6 +94,13 @@ class Trainer:
 
         return {name: tensor_digest(t.detach().to(torch.bfloat16)) for name, t in self.model.state_dict().items()}
 
+    def delta_loops(self) -> str:
+        """Which loops diff here: delta_kernel.c's (and its compare level) or numpy's."""
+        from param_update.delta_kernel import kernel
+
+        native = kernel()
+        return f"C ({native.level})" if native is not None else "numpy"
+
     def raw_link_s(self, nbytes: int, probe) -> float:
         return gloo_send_s(nbytes, probe)
 
@@ -169,7 +176,7 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="100M", help=f"one of {list(SIZES)}")
     parser.add_argument("--lrs", default="1e-6,1e-5", help="comma-separated Adam learning rates, run in turn")
-    parser.add_argument("--steps", type=int, default=4, help="training steps (versions) per learning rate")
+    parser.add_argument("--steps", type=int, default=6, help="training steps (versions) per learning rate")
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args(argv)
     command = command_line()
@@ -206,6 +213,7 @@ def main(argv=None) -> dict:
         full_bytes = int(statistics.median(r["full_bytes"] for r in rows))
         probe = LinkProbe.options(**on_node(far)).remote()
         raw_link_s = ray.get(trainer.raw_link_s.remote(full_bytes, probe), timeout=TIMEOUT_S)
+        loops = ray.get(trainer.delta_loops.remote(), timeout=TIMEOUT_S)
         ray.get(trainer.close.remote(), timeout=TIMEOUT_S)
     finally:
         ray.shutdown()
@@ -232,7 +240,7 @@ def main(argv=None) -> dict:
         summary[lr]["crossover_mb_s"] = crossover_rate(summary[lr]) / (1 << 20)
     print(f"\ncommand: {command}\ncpus: {os.cpu_count()}, torch {torch.__version__}, {args.size} ({params:,} "
           f"float32 parameters), rollout held in bf16, Adam, {args.steps} steps per lr, buckets {BUCKET_MB} MB, "
-          "both syncs through the collective transport to the second node")
+          f"both syncs through the collective transport to the second node; the delta's loops: {loops}")
     header = (f"{'lr':>7} | {'full MB':>8} {'delta MB':>9} {'bytes':>6} | {'full s':>7} {'delta s':>8} {'time':>6} | "
               f"{'bit-identical':>13}")
     print(f"{header}\n{'-' * len(header)}")
@@ -260,7 +268,8 @@ def main(argv=None) -> dict:
               "it sends "
               f"{s['full_mb'] - s['delta_mb']:.1f} MB less"))
     print("(each sync modelled as its time off the link, measured here, plus its bytes at the link's rate)")
-    result = {"command": command, "size": args.size, "params": params, "rows": rows, "raw_link_s": raw_link_s,
+    result = {"command": command, "size": args.size, "params": params, "delta_loops": loops, "rows": rows,
+              "raw_link_s": raw_link_s,
               "link_mb_s": link_rate / (1 << 20), "summary": {str(lr): s for lr, s in summary.items()}}
     if args.json:
         with open(args.json, "w") as f:

@@ -24,6 +24,7 @@ def test_bench_compares_delta_and_full_syncs_and_checks_bits(tmp_path):
     assert summary["bytes_ratio"] == second["delta_bytes"] / second["full_bytes"] < 1
     assert result["link_mb_s"] > 0 and summary["crossover_mb_s"] > 0
     assert "the link between the nodes:" in proc.stdout and "where each sync's time goes" in proc.stdout
+    assert result["delta_loops"].startswith("C (") and f"the delta's loops: {result['delta_loops']}" in proc.stdout
     for kind in ("full", "delta"):  # each part's median over the one steady version is that version's timer
         assert all(summary[f"{kind}_{part}_s"] == second[f"{kind}_{part}_s"] >= 0 for part in PARTS)
 
