@@ -21,7 +21,9 @@ serves: the base's tensor with the changed values written in, or the tensor sent
 delta gives exactly the bytes a full sync of the same version gives.
 
 Both loops run in C where the machine builds param_update/delta_kernel.c (delta_kernel.py), else in
-numpy; the encoder diffs tensors on `ENCODE_THREADS` threads while the next ones are cast.
+numpy; the encoder diffs tensors on `ENCODE_THREADS` threads while the next ones are cast. It keeps
+the version before `previous` too (`spare`): once the caller says every transport has copied it out,
+the next version is cast into its memory, already mapped, instead of new memory.
 """
 
 from __future__ import annotations
@@ -51,6 +53,16 @@ def as_held(tensor: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
     if dtype is not None and out.dtype != dtype:
         out = out.to(dtype)
     return out.contiguous()
+
+
+def cast_into(tensor: torch.Tensor, dtype: Optional[torch.dtype], into: Optional[torch.Tensor]) -> torch.Tensor:
+    """`as_held(tensor, dtype)`, written into `into` when it fits (a CPU tensor of that dtype and shape, contiguous):
+    the same bytes, in memory already mapped."""
+    want = dtype or tensor.dtype
+    if (into is None or into.device.type != "cpu" or into.dtype != want or into.shape != tensor.shape
+            or not into.is_contiguous()):
+        return as_held(tensor, dtype)
+    return into.copy_(tensor.detach())
 
 
 def changed_positions(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
@@ -139,21 +151,25 @@ class DeltaEncoder:
         self.held_dtypes = dict(held_dtypes or {})
         self.version: Optional[int] = None  # the version `previous` holds
         self.previous: dict[str, torch.Tensor] = {}
+        self.spare_version: Optional[int] = None  # the version before `previous`, as sent ...
+        self.spare: dict[str, torch.Tensor] = {}  # ... whose memory a later version may be cast into
         self._pool = ThreadPoolExecutor(ENCODE_THREADS, thread_name_prefix="delta-encode")
 
     def encode(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
-               base: Optional[int]) -> Iterator[tuple[str, torch.Tensor]]:
+               base: Optional[int], reuse_spare: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """`version` on the wire: a delta from `base` (which must be the version kept), or whole (`base`
         None); the version is kept as the next one's base as it goes. A tensor whose name repeats (tied
-        weights) is sent once per name, as a full sync sends it."""
+        weights) is sent once per name, as a full sync sends it. `reuse_spare`: the caller is done with
+        `spare` (every transport has copied it out), so the version is cast into its memory."""
         if base is not None and base != self.version:
             raise ValueError(f"a delta from version {base} asked, the sender keeps version {self.version}")
         kept: dict[str, torch.Tensor] = {}
         if base is not None:
             yield BASE, torch.tensor([base], dtype=torch.int64)
         pending: deque = deque()  # (name, held, the delta's future or None: sent whole), in order
+        spare = self.spare if reuse_spare else {}
         for name, tensor in named_tensors:
-            held = as_held(tensor, self.held_dtypes.get(name))
+            held = cast_into(tensor, self.held_dtypes.get(name), spare.pop(name, None))
             if held.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
                 held = held.clone()  # the trainer's own memory, which training changes: keep a copy
             old = self.previous.get(name) if base is not None else None
@@ -164,6 +180,7 @@ class DeltaEncoder:
                 yield from _wire(*pending.popleft())
         while pending:
             yield from _wire(*pending.popleft())
+        self.spare, self.spare_version = self.previous, self.version
         self.previous, self.version = kept, version
 
 

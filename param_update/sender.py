@@ -22,7 +22,8 @@ Every write of a bucket is split into `put_threads` pieces written at once from 
 
 Deltas (the table's `delta` option, learnt from the first version's route): each version after the
 first is packed as the values changed since the one before, as receivers hold them
-(param_update/delta.py); the sender keeps the previous version for that. With restartable
+(param_update/delta.py); the sender keeps the previous version for that, and casts the next one into
+the memory of the version before it once the send thread has copied that out. With restartable
 receivers (`Route.keep_whole`) the whole version is also written through the table's fallback,
 announced with its end, for a restarted receiver to load.
 """
@@ -110,6 +111,7 @@ class BucketSender:
         self._held_dtypes = dict(held_dtypes or {})
         self._encoder = DeltaEncoder(self._held_dtypes)
         self._delta: Optional[bool] = None  # the table's delta option, from the first route
+        self._sent_through: Optional[int] = None  # the last version every transport has copied out (the thread's)
         self._thread = threading.Thread(target=self._run, name="weight-bucket-sender", daemon=True)
         self._thread.start()
 
@@ -141,7 +143,9 @@ class BucketSender:
         if self._delta is None:  # the first version: whether the table sends deltas (its route, waited for once)
             self._delta = ray.get(route, timeout=ROUTE_TIMEOUT_S).delta
         if self._delta:
-            tensors = self._encoder.encode(named_tensors, version, self._encoder.version)
+            spare, sent = self._encoder.spare_version, self._sent_through
+            tensors = self._encoder.encode(named_tensors, version, self._encoder.version,
+                                           reuse_spare=spare is not None and sent is not None and sent >= spare)
         elif self._held_dtypes:
             tensors = ((name, as_held(t, self._held_dtypes.get(name))) for name, t in named_tensors)
         else:
@@ -203,6 +207,7 @@ class BucketSender:
                                                          {"gather": item.gather_s, "send": send_s}, at_end, whole),
                             timeout=SINK_TIMEOUT_S)
                     send_s, at_end = 0.0, []
+                    self._sent_through = item.version  # its buckets (and whole) are copied out: memory reusable
                     continue
                 bucket = item.bucket
                 start = time.perf_counter()

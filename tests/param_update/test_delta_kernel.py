@@ -10,7 +10,7 @@ import torch
 from async_rl.api.weights import Bucket
 from param_update import delta_kernel
 from param_update.buckets import pack_buckets, tensor_digest
-from param_update.delta import GAP_LIMIT, DeltaEncoder, changed_positions, changes, wire_positions
+from param_update.delta import GAP_LIMIT, DeltaEncoder, as_held, changed_positions, changes, wire_positions
 from param_update.staging import StagingError, VersionStager, weight_layout
 
 NATIVE = delta_kernel.kernel()
@@ -182,3 +182,22 @@ def test_a_delta_past_a_tensors_end_is_refused_at_the_check(native, monkeypatch)
     index[-1] = -1  # a last gap of 65535: past the 2,304 values of layer.weight
     with pytest.raises(StagingError, match="version 2: .*past the end"):
         stage(stager, wire, 2)
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_the_encoder_casts_into_the_version_two_back_only_when_told_it_is_copied_out(reuse):
+    state = model_state(0)
+    encoder = DeltaEncoder(dict.fromkeys(state, torch.bfloat16))
+    kept = []  # per version: name -> data_ptr of the tensor the encoder kept
+    for version in range(1, 5):
+        if version > 1:
+            state = nudged(state, version)
+        wire = dict(encoder.encode(state.items(), version, encoder.version, reuse_spare=reuse))
+        assert {n: tensor_digest(t) for n, t in encoder.previous.items()} == \
+            {n: tensor_digest(as_held(t, torch.bfloat16)) for n, t in state.items()}
+        if version == 1:
+            assert all(tensor_digest(wire[n]) == tensor_digest(encoder.previous[n]) for n in state)
+        kept.append({n: t.data_ptr() for n, t in encoder.previous.items()})
+        assert encoder.spare_version == (version - 1 if version > 1 else None)
+    for name in state:  # versions 3 and 4 cast into the memory of versions 1 and 2 when told they were copied out
+        assert (kept[2][name] == kept[0][name] and kept[3][name] == kept[1][name]) == reuse
