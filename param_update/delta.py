@@ -56,11 +56,11 @@ def as_held(tensor: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
 
 
 def cast_into(tensor: torch.Tensor, dtype: Optional[torch.dtype], into: Optional[torch.Tensor]) -> torch.Tensor:
-    """`as_held(tensor, dtype)`, written into `into` when it fits (a CPU tensor of that dtype and shape, contiguous):
-    the same bytes, in memory already mapped."""
+    """`as_held(tensor, dtype)` of a CPU `tensor`, written into `into` when it fits (a CPU tensor of that dtype and
+    shape, contiguous): the same bytes (torch's one CPU cast either way), in memory already mapped."""
     want = dtype or tensor.dtype
-    if (into is None or into.device.type != "cpu" or into.dtype != want or into.shape != tensor.shape
-            or not into.is_contiguous()):
+    if (into is None or tensor.device.type != "cpu" or into.device.type != "cpu" or into.dtype != want
+            or into.shape != tensor.shape or not into.is_contiguous()):
         return as_held(tensor, dtype)
     return into.copy_(tensor.detach())
 
