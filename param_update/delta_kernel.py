@@ -63,6 +63,9 @@ class DeltaKernel:
         """(gaps as uint16 in int16 bits, values of `new` there) of the positions where `new` and `old` (same
         dtype and shape, `handles`) differ bit for bit, bridged as delta.py's `wire_positions`; None when there
         are more than `cap`. `level`: the compare loop (LEVELS; for tests)."""
+        if not (self.handles(new) and self.handles(old) and old.dtype == new.dtype and old.shape == new.shape):
+            raise ValueError(f"the delta kernel diffs two contiguous CPU tensors of one dtype and shape, not "
+                             f"{new.dtype} {tuple(new.shape)} against {old.dtype} {tuple(old.shape)}")
         n = new.numel()
         slots = max(0, min(cap, n + n // GAP_LIMIT + 1))
         gaps = torch.empty(slots, dtype=torch.int16)
@@ -79,9 +82,10 @@ class DeltaKernel:
     def write(self, out: torch.Tensor, gaps: torch.Tensor, values: torch.Tensor) -> None:
         """`values` written into `out` (`handles`) at the positions `gaps` stand for. ValueError when a position
         falls past its end."""
-        if gaps.dtype != torch.int16 or values.dtype != out.dtype or gaps.numel() != values.numel():
+        if (not self.handles(out) or gaps.dtype != torch.int16 or values.dtype != out.dtype
+                or gaps.numel() != values.numel()):
             raise ValueError(f"a delta of {gaps.numel()} {gaps.dtype} gaps and {values.numel()} {values.dtype} values "
-                             f"for a {out.dtype} tensor")
+                             f"for a {out.dtype} tensor on {out.device} (the kernel writes contiguous CPU tensors)")
         gaps, values = gaps.contiguous(), values.contiguous()
         result = self._write(out.data_ptr(), out.numel(), out.element_size(), gaps.data_ptr(), values.data_ptr(),
                              gaps.numel())

@@ -89,6 +89,8 @@ def test_write_puts_the_new_version_together_and_refuses_positions_past_the_end(
     assert tensor_digest(out) == tensor_digest(new)
     with pytest.raises(ValueError, match="past the end"):
         NATIVE.write(old[:-1].clone(), gaps, values)  # the last change lies on the missing value
+    with pytest.raises(ValueError, match="one dtype and shape"):
+        NATIVE.encode(new, old[:-1], cap=old.numel())
     with pytest.raises(ValueError, match="gaps"):
         NATIVE.write(old.clone(), gaps, values.to(torch.float16 if dtype != torch.float16 else torch.float32))
 
