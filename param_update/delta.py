@@ -155,6 +155,10 @@ class DeltaEncoder:
         self.spare: dict[str, torch.Tensor] = {}  # ... whose memory a later version may be cast into
         self._pool = ThreadPoolExecutor(ENCODE_THREADS, thread_name_prefix="delta-encode")
 
+    def close(self) -> None:
+        """Stop its diff threads (once idle)."""
+        self._pool.shutdown(wait=False)
+
     def encode(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
                base: Optional[int], reuse_spare: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """`version` on the wire: a delta from `base` (which must be the version kept), or whole (`base`

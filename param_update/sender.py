@@ -190,6 +190,7 @@ class BucketSender:
         receivers' views stay valid)."""
         for transport in self._transports.values():
             transport.close()
+        self._encoder.close()
 
     def raise_if_failed(self) -> None:
         if self._error is not None:
