@@ -108,10 +108,22 @@ def test_a_tensor_is_sent_whole_when_its_delta_is_no_smaller(native, monkeypatch
     assert changes(new[:0], old[:0]) is None  # an empty tensor: whole (no bytes either way)
 
 
+def test_the_kernel_builds_into_an_empty_folder_once(tmp_path):
+    import ctypes
+
+    built = delta_kernel.build(tmp_path)
+    assert built.parent == tmp_path and built.name.startswith("delta_kernel-") and built.suffix == ".so"
+    assert delta_kernel.DeltaKernel(ctypes.CDLL(str(built))).level == NATIVE.level
+    mtime = built.stat().st_mtime_ns
+    assert delta_kernel.build(tmp_path) == built and built.stat().st_mtime_ns == mtime  # found, not rebuilt
+    assert [p.name for p in tmp_path.iterdir()] == [built.name]  # nothing left from the build
+
+
 def test_an_unbuildable_kernel_leaves_the_numpy_path(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", "false")  # a compiler that fails
     with pytest.raises(Exception, match="false exited"):
         delta_kernel.build(tmp_path)
+    assert not list(tmp_path.iterdir())  # no partial library left to load
     monkeypatch.setattr(delta_kernel, "_loaded", {})
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert delta_kernel.kernel() is None
