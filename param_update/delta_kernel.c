@@ -3,8 +3,8 @@
  *
  * encode: the positions where `new_` and `old` differ, written as gaps (from 0 to the first, then between
  * neighbours, each at most 65535: a longer gap gets a position every 65535 inside it, sent with its value)
- * and the values of `new_` there. One pass; the compare runs 16 or 32 elements at a time (AVX-512 or AVX2,
- * chosen at run time; plain C elsewhere).
+ * and the values of `new_` there. One pass; the compare takes 32 2-byte elements at a time (AVX-512 or AVX2),
+ * 16 or 8 4-byte ones, chosen at run time; plain C elsewhere.
  * write: the values written at the positions the gaps stand for, in place.
  */
 #include <stdint.h>
