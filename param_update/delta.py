@@ -55,12 +55,16 @@ def as_held(tensor: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
     return out.contiguous()
 
 
+def fits(into: Optional[torch.Tensor], dtype: torch.dtype, shape: torch.Size) -> bool:
+    """`into` can take a tensor of `dtype` and `shape` whole: of that dtype and shape, contiguous."""
+    return into is not None and into.dtype == dtype and into.shape == shape and into.is_contiguous()
+
+
 def cast_into(tensor: torch.Tensor, dtype: Optional[torch.dtype], into: Optional[torch.Tensor]) -> torch.Tensor:
-    """`as_held(tensor, dtype)` of a CPU `tensor`, written into `into` when it fits (a CPU tensor of that dtype and
-    shape, contiguous): the same bytes (torch's one CPU cast either way), in memory already mapped."""
-    want = dtype or tensor.dtype
-    if (into is None or tensor.device.type != "cpu" or into.device.type != "cpu" or into.dtype != want
-            or into.shape != tensor.shape or not into.is_contiguous()):
+    """`as_held(tensor, dtype)` of a CPU `tensor`, written into `into` when it `fits` and is on the CPU: the same
+    bytes (torch's one CPU cast either way), in memory already mapped."""
+    if (tensor.device.type != "cpu" or not fits(into, dtype or tensor.dtype, tensor.shape)
+            or into.device.type != "cpu"):
         return as_held(tensor, dtype)
     return into.copy_(tensor.detach())
 
@@ -213,8 +217,8 @@ class DeltaVersion:
             return self.wire[name]
         gaps, value = self.wire[name + INDEX], self.wire[name + VALUE]
         base = self.base[name].detach()
-        fits = into is not None and into.dtype == base.dtype and into.shape == base.shape and into.is_contiguous()
-        out = into.copy_(base) if fits else base.clone(memory_format=torch.contiguous_format)
+        reuse = fits(into, base.dtype, base.shape)
+        out = into.copy_(base) if reuse else base.clone(memory_format=torch.contiguous_format)
         native = delta_kernel.kernel()
         if native is not None and native.handles(out):
             native.write(out, gaps, value)
