@@ -41,7 +41,7 @@ from param_update import delta_kernel
 INDEX = "\x00delta_index"
 VALUE = "\x00delta_value"
 BASE = "\x00delta_base"  # the wire name of the base version's tensor
-GAP_LIMIT = (1 << 16) - 1  # the largest gap between two sent positions: uint16
+GAP_LIMIT = delta_kernel.GAP_LIMIT  # the largest gap between two sent positions: uint16
 ENCODE_THREADS = 2  # tensors diffed at once, beside the cast of the next ones
 ENCODE_AHEAD = 16  # tensors cast ahead of the oldest one still being diffed
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

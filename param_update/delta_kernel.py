@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("delta_kernel.c")
 FLAGS = ("-O3", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 120.0
-GAP_LIMIT = (1 << 16) - 1  # as delta_kernel.c's
+GAP_LIMIT = (1 << 16) - 1  # the largest gap between two positions of a delta (uint16), as delta_kernel.c's
 LEVELS = {"best": 0, "plain": 1, "avx2": 2, "avx512": 3}  # the compare loops delta_kernel.c has
 _TOO_MANY = _OUT_OF_RANGE = -1
 _UNSUPPORTED = -2
