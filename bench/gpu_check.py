@@ -15,8 +15,13 @@ Then the trainer compares every tensor the receiver loaded with its own, byte fo
 and prints each version's sync, the last version's parts and the first version's sync against the last.
 
 Choices (each printed with the run's parts):
-- `--gather tensor` (verl's FSDP2 engine: each parameter's `full_tensor()`) or `module` (each FSDP module
-  unsharded, one all-gather per module);
+- `--gather tensor` (verl's FSDP2 engine: each parameter's `full_tensor()`), `module` (each FSDP module
+  unshard()ed, one all-gather per module) or `local` (each parameter's shard, which on one rank is the whole
+  tensor: what remains of the sync when no other rank holds a part);
+- `--send ring` (as above) or `region` (the two-pass path: each bucket written once into the version's region,
+  one of two sets of buffers, and the receiver stages views of it, no copy; with `--load swap` its weights then
+  live in the trainer's region, which is written again two versions later, once they stopped serving: the
+  receiver checks they stayed unchanged while the next version arrived, exit 1 otherwise);
 - `--load copy` (`copy_into`: the bytes go into the live weights, as into a GPU engine) or `swap` (`swap_into`,
   the dual buffer: the staged tensors become the weights, zero copy).
 
@@ -58,8 +63,11 @@ SIZES = {
     "7B": (3584, 18944, 28, 28, 4, 152064, False),
 }
 PARTS = ("gather", "send", "recv", "register", "load")
-GATHERS = ("tensor", "module")
+GATHERS = ("tensor", "module", "local")
 LOADS = ("copy", "swap")
+SENDS = ("ring", "region")
+REGIONS = 2  # --send region: version v is written into region v % 2 (the other one serves v - 1)
+SERVING_CHECK = "serving check"  # the receiver's seconds checking its weights stayed unchanged (not the sync's)
 
 
 def qwen2(size: str, device: str, seed: int):
@@ -104,8 +112,26 @@ def copy_rates(device: str, nbytes: int) -> dict[str, float]:
     return rates
 
 
+def shared_buffer(nbytes: int, device: str) -> torch.Tensor:
+    """`nbytes` uint8 on `device` that a torch.multiprocessing queue hands over without a copy: CUDA IPC on a GPU,
+    shared memory on the CPU."""
+    buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return buffer.share_memory_() if device == "cpu" else buffer
+
+
+def local_tensors(model):
+    """(name, parameter) with each parameter as its local shard, which on a one-rank mesh is the whole tensor:
+    no gather, no copy. Refuses a parameter whose shard is not the whole tensor."""
+    for name, param in model.named_parameters():
+        local = param.to_local()
+        if local.shape != param.shape:
+            raise SystemExit(f"--gather local needs one rank: {name}'s shard is {tuple(local.shape)} "
+                             f"of {tuple(param.shape)}")
+        yield name, local.detach()
+
+
 def trainer(size: str, device: str, bucket_bytes: int, port: int, to_recv, to_train, save_dir: str | None,
-            gather: str, load: str, versions: int, ring: int) -> None:
+            gather: str, load: str, versions: int, ring: int, send: str) -> None:
     """Per version: one AdamW step under FSDP2, then gather and send the weights in buckets, then check the
     receiver's loaded weights byte for byte; then print each version's total and the last version's parts."""
     import torch.distributed as dist
@@ -122,15 +148,18 @@ def trainer(size: str, device: str, bucket_bytes: int, port: int, to_recv, to_tr
     fsdp_modules = [*model.model.layers, model]
     if gather == "module":  # one all-gather per module: its parameters are plain full tensors until reshard()
         full = lambda: ((n, p.detach()) for n, p in model.named_parameters())  # noqa: E731
+    elif gather == "local":  # one rank: each shard is its whole tensor
+        full = lambda: local_tensors(model)  # noqa: E731
     else:  # verl's FSDP2 engine's per-tensor gather
         full = lambda: ((n, p.full_tensor()) for n, p in model.named_parameters())  # noqa: E731
     if save_dir:
         torch.save({n: p.full_tensor().cpu() for n, p in model.named_parameters()}, os.path.join(save_dir, "before.pt"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     tokens = torch.randint(0, model.config.vocab_size, (2, 128 if device == "cuda" else 16), device=device)
-    buffers = [torch.empty(bucket_bytes, dtype=torch.uint8, device=device) for _ in range(ring)]
-    if device == "cpu":
-        buffers = [b.share_memory_() for b in buffers]
+    buffers = [shared_buffer(bucket_bytes, device) for _ in range(ring)] if send == "ring" else []
+    # --send region: region -> bucket index -> its buffer, made at the first version written there. The trainer
+    # starts version v once the receiver loaded v - 1, so nothing reads or serves v - 2, which region v % 2 held.
+    regions: list[dict[int, torch.Tensor]] = [{} for _ in range(REGIONS)]
     assert to_train.get(timeout=QUEUE_TIMEOUT_S) == "ready"
     totals, parts = [], {}
     for version in range(1, versions + 1):
@@ -153,9 +182,16 @@ def trainer(size: str, device: str, bucket_bytes: int, port: int, to_recv, to_tr
             seconds["gather"] += t1 - t0
             if bucket is None:
                 break
-            if count >= ring:  # the buffer's previous bucket must be staged before it is overwritten
-                assert to_train.get(timeout=QUEUE_TIMEOUT_S) == ("staged", version, count - ring)
-            buffer, offsets, at = buffers[count % ring], [], 0
+            if send == "region":
+                region = regions[version % REGIONS]
+                if count not in region or region[count].numel() < bucket.nbytes:
+                    region[count] = shared_buffer(bucket.nbytes, device)
+                buffer = region[count]
+            else:
+                if count >= ring:  # the buffer's previous bucket must be staged before it is overwritten
+                    assert to_train.get(timeout=QUEUE_TIMEOUT_S) == ("staged", version, count - ring)
+                buffer = buffers[count % ring]
+            offsets, at = [], 0
             for array in bucket.data:
                 n = len(array)
                 buffer[at:at + n].copy_(torch.as_tensor(array))
@@ -172,7 +208,7 @@ def trainer(size: str, device: str, bucket_bytes: int, port: int, to_recv, to_tr
         while message[0] == "staged":  # acks of the last buckets
             message = to_train.get(timeout=QUEUE_TIMEOUT_S)
         _, receiver_seconds, loaded = message
-        totals.append(time.perf_counter() - start)
+        totals.append(time.perf_counter() - start - receiver_seconds.pop(SERVING_CHECK, 0.0))
         seconds.update(receiver_seconds)
         differ, missing, after = [], [], {}
         for n, t in full():  # one gathered tensor at a time
@@ -202,10 +238,10 @@ def trainer(size: str, device: str, bucket_bytes: int, port: int, to_recv, to_tr
         torch.save(after, os.path.join(save_dir, "after.pt"))
     copy_bytes = 1 << (30 if device == "cuda" else 28)
     rates = copy_rates(device, copy_bytes)
+    through = f"through {ring} send buffers" if send == "ring" else f"into {REGIONS} regions"
     print(f"[{size}] {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {nbytes / 2**20:.2f} MiB "
-          f"in {count} buckets of {bucket_bytes / 2**20:.2f} MiB through {ring} send buffers, {device}, gather {gather}, "
-          f"load {load}; "
-          f"version {versions} of {versions}:", flush=True)
+          f"in {count} buckets of {bucket_bytes / 2**20:.2f} MiB {through}, {device}, gather {gather}, "
+          f"load {load}; version {versions} of {versions}:", flush=True)
     for part in PARTS:
         rate = nbytes / parts[part] / GB
         against = ", ".join(f"{rate / r:.3f} x {name}" for name, r in rates.items())
@@ -226,19 +262,24 @@ def trainer(size: str, device: str, bucket_bytes: int, port: int, to_recv, to_tr
     check_no_ray("trainer")
 
 
-def receiver(size: str, device: str, consume_bytes: int, to_recv, to_train, save_dir: str | None, load: str) -> None:
-    """Per version: stage each bucket into a device buffer, load the version into an HF model (copy or swap),
-    hand the loaded tensors back for the check."""
+def receiver(size: str, device: str, consume_bytes: int, to_recv, to_train, save_dir: str | None, load: str,
+             send: str) -> None:
+    """Per version: stage each bucket (ring: copied into a device buffer; region: zero-copy views of the trainer's
+    region), load the version into an HF model (copy or swap), hand the loaded tensors back for the check."""
     model = qwen2(size, device, seed=2)
     expected, aliases, params = weight_layout(model.state_dict())
-    stager = VersionStager(expected, aliases, device=device)
+    stager = VersionStager(expected, aliases, device=device if send == "ring" else None)
+    serving = None  # --send region --load swap: a fingerprint of the weights, which live in the trainer's region
     to_train.put("ready")
     while (message := to_recv.get(timeout=QUEUE_TIMEOUT_S)) != "done":
         seconds = {"recv": 0.0, "register": 0.0, "load": 0.0}
+        received = []  # --send region: the buffers this version arrived in
         t0 = time.monotonic()
         while message[0] == "bucket":
             _, version, index, buffer, offsets, slices, sent_at = message
             t1 = time.monotonic()
+            if send == "region":
+                received.append(buffer)
             stager.stage(version, Bucket(version, index, [buffer[at:at + n] for at, n in offsets], slices))
             sync(device)
             t2 = time.monotonic()
@@ -249,6 +290,11 @@ def receiver(size: str, device: str, consume_bytes: int, to_recv, to_train, save
             t0 = time.monotonic()
             message = to_recv.get(timeout=QUEUE_TIMEOUT_S)
         _, version, count = message
+        if serving is not None:  # the version arrived without writing over the region the weights serve from
+            t1 = time.perf_counter()
+            if fingerprint(params) != serving:
+                raise SystemExit(f"[{size}] version {version - 1}'s weights changed while version {version} arrived")
+            seconds[SERVING_CHECK] = time.perf_counter() - t1
         stager.check_complete(version, count)
         t0 = time.perf_counter()
         if load == "swap":
@@ -257,11 +303,31 @@ def receiver(size: str, device: str, consume_bytes: int, to_recv, to_train, save
             stager.copy_into(params, consume_bytes)
         sync(device)
         seconds["load"] = time.perf_counter() - t0
+        if send == "region" and load == "swap":
+            serving = fingerprint(params)
+            print(f"[{size}] version {version}: {served_from(params, received)} of {len(params)} weights serve from "
+                  f"the trainer's region, zero copy (a tensor split across buckets is put together)", flush=True)
         if save_dir:
             torch.save({n: t.detach().cpu() for n, t in params.items()}, os.path.join(save_dir, "receiver.pt"))
-        to_train.put(("loaded", seconds, {n: t.detach() for n, t in params.items()}))
+        # handed back for the check; a view of the trainer's region goes back as a copy (a tensor opened through
+        # CUDA IPC cannot be shared again)
+        loaded = {n: t.detach().clone() if send == "region" else t.detach() for n, t in params.items()}
+        del received
+        to_train.put(("loaded", seconds, loaded))
+        del loaded
         assert to_recv.get(timeout=QUEUE_TIMEOUT_S) == "checked"  # the trainer read our tensors
     check_no_ray("receiver")
+
+
+def fingerprint(params: dict[str, torch.Tensor]) -> list[int]:
+    """Each tensor's bytes summed: a change of the bytes (a version written over them) changes it."""
+    return torch.stack([tensor_bytes(t).sum(dtype=torch.int64) for t in params.values()]).tolist()
+
+
+def served_from(params: dict[str, torch.Tensor], buffers: list[torch.Tensor]) -> int:
+    """How many of `params` lie inside one of `buffers` (views of it)."""
+    spans = [(b.data_ptr(), b.data_ptr() + b.numel()) for b in buffers]
+    return sum(any(lo <= p.data_ptr() and p.data_ptr() + p.nbytes <= hi for lo, hi in spans) for p in params.values())
 
 
 def check_no_ray(process: str) -> None:
@@ -285,11 +351,17 @@ def main() -> int:
     parser.add_argument("--bucket-mb", type=float, default=512, help="gather / send bucket (MiB)")
     parser.add_argument("--consume-mb", type=float, default=128, help="load group (MiB)")
     parser.add_argument("--gather", choices=GATHERS, default="tensor",
-                        help="tensor: each parameter's full_tensor() (verl's); module: one all-gather per FSDP module")
+                        help="tensor: each parameter's full_tensor() (verl's); module: one all-gather per FSDP module; "
+                             "local: each parameter's shard, the whole tensor on one rank (no gather)")
     parser.add_argument("--load", choices=LOADS, default="copy",
                         help="copy into the live weights (copy_into), or swap the staged tensors in (swap_into)")
+    parser.add_argument("--send", choices=SENDS, default="ring",
+                        help="ring: each bucket copied into a send buffer, then into the receiver's device buffer; "
+                             f"region: written once into the version's region ({REGIONS}), whose views the receiver "
+                             "stages and serves")
     parser.add_argument("--send-buffers", type=int, default=2,
-                        help="the trainer's send buffers (a bucket each), reused once the receiver staged their bucket")
+                        help="--send ring: the trainer's send buffers (a bucket each), reused once the receiver "
+                             "staged their bucket")
     parser.add_argument("--versions", type=int, default=3,
                         help="versions synced per size, a training step before each; the last one's parts are printed")
     parser.add_argument("--save-dir", help="write before.pt / after.pt (trainer) and receiver.pt there")
@@ -307,9 +379,9 @@ def main() -> int:
         to_recv, to_train = ctx.Queue(), ctx.Queue()
         procs = [ctx.Process(target=trainer, args=(size, args.device, int(args.bucket_mb * 2**20), free_port(),
                                                    to_recv, to_train, args.save_dir, args.gather, args.load,
-                                                   args.versions, args.send_buffers)),
+                                                   args.versions, args.send_buffers, args.send)),
                  ctx.Process(target=receiver, args=(size, args.device, int(args.consume_mb * 2**20), to_recv,
-                                                    to_train, args.save_dir, args.load))]
+                                                    to_train, args.save_dir, args.load, args.send))]
         for p in procs:
             p.start()
         while any(p.is_alive() for p in procs):  # one failing ends the other (no wait for its queue timeout)
