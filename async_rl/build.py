@@ -22,9 +22,11 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from verl.trainer.ppo.utils import need_reference_policy
 
 import param_update.transports  # noqa: F401 - registers the built-in transports
+from async_rl.api.rollout import RolloutBackend
 from async_rl.api.weights import ReceiverSetup, TransportTable, transports_by_rank
 from async_rl.checkpoint_dir import CheckpointDir
 from async_rl.checkpoints import ResumePoint, RunCheckpointer, dataloader_workers_in_state, find_resume_point
+from async_rl.core.config import AsyncPipelineConfig
 from async_rl.core.devices import GroupDevices, reserve_nodes
 from async_rl.core.errors import PipelineError
 from async_rl.core.messages import NewWeights
@@ -282,9 +284,17 @@ def check_weight_sync_room(built: BuiltPipeline) -> dict[str, int]:
     run, settings = built.run, built.run.async_cfg
     links = planned_links(run.placement, run.backend.receivers_tell_nodes, run.proximal_logp_workers == "logp")
     rooms = {cls.name: cls.room_bytes() for cls in transports_by_rank()}
-    held = 2 if settings.enable_dual_buffer or settings.replica_max_restarts else 1
     return check_weight_sync(model_weight_bytes(run.config.actor_rollout_ref.model.path),
-                             settings.preduce_bucket_size_mb, settings.consume_bucket_size_mb, held, links, rooms)
+                             settings.preduce_bucket_size_mb, settings.consume_bucket_size_mb,
+                             versions_held(settings, run.backend), links, rooms)
+
+
+def versions_held(settings: AsyncPipelineConfig, backend: RolloutBackend) -> int:
+    """Versions the transports' memory holds for a receiver at once: 2 with the dual buffer (serving and
+    arriving), with restarts (the newest kept) or with deltas into verl's replicas (the base stays staged as views
+    of what arrived), else 1."""
+    keeps_base = settings.delta_sync and backend.gpu_server
+    return 2 if settings.enable_dual_buffer or settings.replica_max_restarts or keeps_base else 1
 
 
 def start_weight_sync(built: BuiltPipeline) -> None:
@@ -294,7 +304,8 @@ def start_weight_sync(built: BuiltPipeline) -> None:
                                        "read the trainer's weight layout")[ACTOR_TRAIN]
     settings = built.run.async_cfg
     setup = built.stages[PARAM_UPDATE].configure_rollout_servers.remote(ReceiverSetup(
-        settings.enable_dual_buffer, built.bucket_bytes["consume"], layout, settings.partial_rollout, built.adapter))
+        settings.enable_dual_buffer, built.bucket_bytes["consume"], layout, settings.partial_rollout, built.adapter,
+        settings.delta_sync))
     built.wait({PARAM_UPDATE: setup}, SETUP_TIMEOUT_S, "set up the rollout servers' weight staging")
 
 

@@ -4,6 +4,9 @@ device parts between two processes, at Qwen2-shaped sizes built locally (random 
     python bench/gpu_check.py --device cuda --sizes 0.5B,1.5B,7B
     python bench/gpu_check.py --device cpu --sizes tiny          # what CI runs (tests/param_update/test_gpu_check.py)
 
+First a delta check: versions 1 and 2 of three tensors through `param_update.delta` (a bf16 rollout of a float32
+trainer), staged and loaded on the device, where the delta is put together (exit 1 unless bit for bit).
+
 Per size, two spawned processes, and per version (`--versions`, 3):
 - trainer: a Qwen2ForCausalLM wrapped in `fully_shard` (one rank), one AdamW step on random tokens, then
   **gather** (packed by `param_update.buckets.pack_buckets` on the device) and **send** (each bucket copied
@@ -330,6 +333,32 @@ def served_from(params: dict[str, torch.Tensor], buffers: list[torch.Tensor]) ->
     return sum(any(lo <= p.data_ptr() and p.data_ptr() + p.nbytes <= hi for lo, hi in spans) for p in params.values())
 
 
+def check_delta(device: str) -> bool:
+    """Versions 1 (whole) and 2 (a delta: 2 % of the values moved) of three float32 tensors, sent as a bf16
+    rollout holds them, staged and loaded on `device` (the delta put together there); prints and returns whether
+    the loaded bytes are version 2's cast to bf16, bit for bit."""
+    from param_update.delta import DeltaEncoder, as_held
+
+    g = torch.Generator().manual_seed(0)
+    trained = {f"w{i}": torch.randn(n, generator=g) for i, n in enumerate((5, 70_000, 300_000))}
+    encoder = DeltaEncoder({name: torch.bfloat16 for name in trained})
+    stager = VersionStager({name: (torch.bfloat16, tuple(t.shape)) for name, t in trained.items()}, device=device)
+    params = {name: torch.zeros(t.shape, dtype=torch.bfloat16, device=device) for name, t in trained.items()}
+    for version, base in ((1, None), (2, 1)):
+        if base is not None:
+            trained = {name: t + (torch.rand(t.shape, generator=g) < 0.02) * 0.05 for name, t in trained.items()}
+        buckets = list(pack_buckets(encoder.encode(trained.items(), version, base), 1 << 16, version))
+        for bucket in buckets:
+            stager.stage(version, bucket)
+        stager.check_complete(version, len(buckets))
+        stager.copy_into(params, 1 << 20)
+    same = all(tensor_bytes(params[n].cpu()).equal(tensor_bytes(as_held(t, torch.bfloat16))) for n, t in trained.items())
+    print(f"delta put together on {device}: version 2 loaded bit for bit: {same} "
+          f"({sum(s.nbytes for b in buckets for s in b.slices)} bytes sent of "
+          f"{sum(t.numel() * 2 for t in trained.values())})", flush=True)
+    return same
+
+
 def check_no_ray(process: str) -> None:
     """Exit 1 if this process imported Ray, vLLM or verl: the kit must run where they are not installed."""
     loaded = [name for name in ("ray", "vllm", "verl") if name in sys.modules]
@@ -374,6 +403,8 @@ def main() -> int:
         parser.error("--device cuda but torch sees no GPU (torch.cuda.is_available() is False)")
     print(command_line(), flush=True)
     print(f"torch {torch.__version__}" + (f", {torch.cuda.get_device_name()}" if args.device == "cuda" else ""), flush=True)
+    if not check_delta(args.device):
+        return 1
     ctx = mp.get_context("spawn")
     for size in sizes:
         to_recv, to_train = ctx.Queue(), ctx.Queue()

@@ -17,7 +17,8 @@ goes on the wire, ordinary named tensors packed into buckets like a full version
 - and first `BASE`, an int64 tensor holding the version the delta applies to.
 
 `DeltaVersion` (the receiver) puts a staged version together from its base, the version it
-serves: the base's tensor with the changed values written in, or the tensor sent whole. Applying a
+serves: the base's tensor with the changed values written in (on the base's device), or the tensor sent
+whole. Applying a
 delta gives exactly the bytes a full sync of the same version gives.
 
 Both loops run in C where the machine builds param_update/delta_kernel.c (delta_kernel.py), else in
@@ -111,6 +112,11 @@ def positions_of(gaps: torch.Tensor) -> torch.Tensor:
     """The int64 flat positions INDEX's gaps (uint16 in int16 bits) stand for: their running sum, in one
     pass (numpy's cumsum into int64 from the uint16 view)."""
     return torch.from_numpy(np.cumsum(gaps.contiguous().numpy().view(np.uint16), dtype=np.int64))
+
+
+def positions_on_device(gaps: torch.Tensor) -> torch.Tensor:
+    """`positions_of` in torch on the gaps' own device (a GPU's staged delta), the same int64 positions."""
+    return torch.cumsum(gaps.to(torch.int64) & 0xFFFF, 0)
 
 
 def changes(new: torch.Tensor, old: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
@@ -223,7 +229,10 @@ class DeltaVersion:
         if native is not None and native.handles(out):
             native.write(out, gaps, value)
             return out
-        positions = positions_of(gaps)
+        if out.device.type == "cpu":
+            positions = positions_of(gaps)
+        else:  # a register-buffer in device memory: put together there
+            positions, value = positions_on_device(gaps.to(out.device)), value.to(out.device)
         if positions.numel() and int(positions[-1]) >= out.numel():
             raise ValueError(f"a changed position past the end of a tensor of {out.numel()} values")
         out.reshape(-1)[positions] = value

@@ -112,7 +112,7 @@ class VerlReplicaReceiver:
                 raise ValueError(f"{self.name}: the adapter has no PEFT config to serve it with")
             await asyncio.gather(*(w.__ray_call__.remote(load_versions_as_adapter, adapter.peft_config)
                                    for w in self.replica.workers))
-        await asyncio.gather(*self._on_workers("configure", setup.layout, setup.dual_buffer))
+        await asyncio.gather(*self._on_workers("configure", setup.layout, setup.dual_buffer, setup.delta))
 
     async def nodes(self) -> Optional[list]:
         return None

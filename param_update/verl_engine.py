@@ -103,6 +103,7 @@ class StagedCheckpointEngine(CheckpointEngine, StagedWeights):
         self.is_master = is_master
         self.handoff_timeout_s = handoff_timeout_s
         self.handoff = None  # verl's manager: the WeightHandoff actor trainer rank 0 made
+        self.keep_base = False  # the last version loaded stays staged as a delta's base (`configure`)
 
     # ---- verl's CheckpointEngine interface --------------------------------------------------
     def prepare(self) -> dict:
@@ -170,23 +171,32 @@ class StagedCheckpointEngine(CheckpointEngine, StagedWeights):
         return self._staging is not None and self._staging.stager.checked is not None
 
     def _staged_version(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The complete staged version, tensor by tensor; the staging buffer is freed for the next one."""
+        """The complete staged version, tensor by tensor; the staging buffer is freed for the next one. With
+        `keep_base`, a version read to its end stays as the next delta's base: the bytes the server loaded."""
         if not self._checked():
             raise RuntimeError("receive_weights() before a staged version was checked complete")
+        stager = self.staging.stager
+        version, served = stager.version, {}
         try:
-            yield from self.staging.stager.named_tensors()
+            for name, tensor in stager.named_tensors():
+                served[name] = tensor
+                yield name, tensor
+            if self.keep_base:
+                stager.loaded(version, served)
         finally:
-            self.staging.stager.reset()
+            stager.reset()
 
     # ---- called by the param_update stage (execute_checkpoint_engine) ------------------------------
-    def configure(self, expected: dict, dual_buffer: Optional[bool] = None) -> None:
+    def configure(self, expected: dict, dual_buffer: Optional[bool] = None, keep_base: bool = False) -> None:
         """Set up staging for the trainer's layout (name -> (dtype, shape)); the other calls are the
-        `WeightHolder` methods of `StagedWeights`.
+        `WeightHolder` methods of `StagedWeights`. `keep_base`: versions may arrive as deltas, so the version
+        the server loaded last stays staged as their base (one more version held, in staging memory).
 
         A GPU engine always loads by copying (its own weight loader); the staged version's
         buckets stay in the node's object store until then."""
         if dual_buffer is not None:
             self.dual_buffer = dual_buffer
+        self.keep_base = keep_base
         self.start_staging(expected, device=self.staging_device)
 
 

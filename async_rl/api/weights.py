@@ -94,13 +94,15 @@ class ReceiverSetup:
     `consume_bytes`: bytes loaded at a time. `layout`: the trainer's name -> (dtype, shape), checked
     against the receiver's model (None: not checked). `partial_rollout`: a load interrupts running
     requests (else waits for them). `adapter` (LoRA, a `param_update.lora.LoraAdapter`): versions carry
-    the adapter's tensors only."""
+    the adapter's tensors only. `delta`: versions after the first may arrive as deltas (param_update/delta.py),
+    so a receiver keeps the version it serves as their base."""
 
     dual_buffer: bool
     consume_bytes: int
     layout: Optional[dict] = None
     partial_rollout: bool = True
     adapter: Any = None
+    delta: bool = False
 
 
 class WeightTransport(ABC):

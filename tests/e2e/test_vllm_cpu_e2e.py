@@ -236,13 +236,16 @@ def test_pipeline_on_vllm_on_policy_every_version_reaches_vllm_a_killed_server_t
     newest version before serving, and the run ends with every step trained once on the prompts an unfaulted
     run trains. After training, the weights the restarted vLLM computes with are the trainer's, bit for bit.
     With `rollout.prometheus.enable`, Prometheus's config names the server as its scrape target, its
-    /metrics answering there, and is written again for the restarted server.
-    (One run for all three: a vLLM run's start costs about 2.5 core-minutes on 2 cores.)"""
+    /metrics answering there, and is written again for the restarted server. Versions after the first go as
+    deltas (`param_update_delta_sync`): vLLM's replica puts them together over the version it loaded last, and
+    the restarted one loads the whole version kept for restarts.
+    (One run for all four: a vLLM run's start costs about 2.5 core-minutes on 2 cores.)"""
     steps = 6
     dumps, prometheus = tmp_path / "dumps", tmp_path / "prometheus" / "prometheus.yml"
     extra = {**PIPELINE, "+trainer.generate_ahead_steps": 1, "trainer.total_training_steps": steps,
              "trainer.test_freq": steps, "trainer.rollout_data_dir": str(dumps),
              "+actor_rollout_ref.rollout.max_restarts": 1,
+             "+actor_rollout_ref.rollout.param_update_delta_sync": True,
              "actor_rollout_ref.rollout.prometheus.enable": True,
              "actor_rollout_ref.rollout.prometheus.file": str(prometheus),
              f"+ray_kwargs.ray_init.runtime_env.env_vars.{ALLOW_PICKLE_ENV}": "1"}  # in the servers' environment
@@ -266,10 +269,11 @@ def test_pipeline_on_vllm_on_policy_every_version_reaches_vllm_a_killed_server_t
     assert prometheus.stat().st_mtime_ns > written and len(scrape_targets(prometheus)) == 1  # the new server's
     rows = read_jsonl(metrics)
     by_step = every_step_with(rows, steps, ["rollout_corr/log_ppl_abs_diff", "async/staleness/max",
-                                            "async/faults/replica_restarts"])
+                                            "async/faults/replica_restarts", "async/param_update/delta"])
     assert killed_after < steps
     assert by_step[steps]["async/faults/replica_restarts"] == 1.0
     assert by_step[1]["async/faults/replica_restarts"] == 0.0
+    assert [m["async/param_update/delta"] for m in by_step.values()] == [1.0] * steps  # each version a delta
     # the supervisor's warnings reach the log (LOG_LEVEL: vLLM's server import would silence them)
     assert "lost (ActorDiedError" in log and "back (restart 1)" in log
     for step, m in by_step.items():  # the restarted server served the trainer's newest weights, not dummy ones

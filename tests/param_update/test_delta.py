@@ -15,7 +15,8 @@ import torch
 
 from async_rl.api.weights import Bucket, ReceiverSetup, TransportTable
 from param_update.buckets import pack_buckets, tensor_digest
-from param_update.delta import BASE, GAP_LIMIT, INDEX, VALUE, DeltaEncoder, DeltaVersion, as_held, positions_of
+from param_update.delta import (BASE, GAP_LIMIT, INDEX, VALUE, DeltaEncoder, DeltaVersion, as_held, positions_of,
+                                positions_on_device)
 from param_update.staging import StagingError, VersionStager, weight_layout
 from sync_actors import TIMEOUT_S, Trainer, served, start_server, start_stage, sync, tiny_model
 
@@ -82,6 +83,7 @@ def test_changes_far_apart_go_as_16_bit_gaps_with_unchanged_values_bridging_them
     gaps, values = wire["w" + INDEX], wire["w" + VALUE]
     assert gaps.dtype == torch.int16 and values.dtype == torch.bfloat16
     positions = positions_of(gaps)
+    assert torch.equal(positions_on_device(gaps), positions)  # torch's running sum, as a GPU's staged delta takes it
     assert set(changed) <= set(positions.tolist())
     assert int((torch.diff(positions, prepend=positions.new_zeros(1)) > GAP_LIMIT).sum()) == 0
     bridged = [p for p in positions.tolist() if p not in set(changed)]
@@ -90,6 +92,12 @@ def test_changes_far_apart_go_as_16_bit_gaps_with_unchanged_values_bridging_them
     assert 2 * gaps.numel() + values.nbytes < new.nbytes
     out = DeltaVersion(wire, {"w": old}, 1).tensor("w")
     assert torch.equal(out.view(torch.int16), new.view(torch.int16))
+
+
+def test_positions_on_device_read_gaps_of_32768_and_more_as_uint16():
+    gaps = torch.tensor([3, 65_535, 40_000, 32_768, 1], dtype=torch.int32).to(torch.int16)  # the wire's int16 bits
+    want = [3, 65_538, 105_538, 138_306, 138_307]
+    assert positions_of(gaps).tolist() == want and positions_on_device(gaps).tolist() == want
 
 
 def test_a_delta_over_a_base_the_receiver_does_not_hold_is_refused_at_its_check():
@@ -149,3 +157,18 @@ def test_the_stage_syncs_deltas_bit_identical_and_a_restart_loads_the_whole_kept
     assert sync(stage, trainer, 4)["async/param_update/delta"] == 1.0
     assert served(restarted) == (4, ray.get(trainer.digests.remote(), timeout=TIMEOUT_S))
     ray.get(trainer.close.remote(), timeout=TIMEOUT_S)
+
+
+def test_deltas_into_verls_replicas_hold_their_base_as_a_second_version():
+    """verl's replicas keep the version they loaded staged (views of what arrived) as a delta's base, so the
+    start-time room check counts two versions for them; the CPU servers' base is their own weights."""
+    import async_rl.rollout.backends  # noqa: F401 - registers the backends
+    from async_rl.api.rollout import rollout_backend
+    from async_rl.build import versions_held
+    from async_rl.core.config import AsyncPipelineConfig
+
+    single = AsyncPipelineConfig(enable_dual_buffer=False, replica_max_restarts=0)
+    deltas = AsyncPipelineConfig(enable_dual_buffer=False, replica_max_restarts=0, delta_sync=True)
+    vllm, cpu = rollout_backend("vllm"), rollout_backend("cpu")
+    assert [versions_held(single, vllm), versions_held(deltas, vllm), versions_held(deltas, cpu)] == [1, 2, 1]
+    assert versions_held(AsyncPipelineConfig(enable_dual_buffer=True, replica_max_restarts=0), cpu) == 2

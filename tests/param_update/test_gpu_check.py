@@ -40,6 +40,8 @@ def test_gpu_check_cpu_path_loads_the_trained_weights_bit_for_bit(tmp_path, gath
     assert "[tiny] bitwise: 0 of 26 tensors differ in each of 3 versions, 0 never loaded, 0 not the trainer's" in run.stdout
     assert len(re.findall(r"^\[tiny\] version \d: loss [\d.]+, sync [\d.]+ s, gather", run.stdout, re.M)) == 3
     assert run.stdout.count("imported none of ray, vllm, verl: True") == 2
+    assert re.search(r"^delta put together on cpu: version 2 loaded bit for bit: True \(\d+ bytes sent of 740010\)$",
+                     run.stdout, re.M)
 
 
 def test_local_gather_refuses_a_shard_that_is_not_the_whole_tensor():

@@ -80,6 +80,54 @@ def test_verl_replica_receiver_stages_then_loads_through_verl_update_weights(sma
     assert log.get() == [1]
 
 
+@pytest.mark.parametrize("keeps_base", [True, False])
+def test_verl_replicas_load_deltas_over_the_version_update_weights_read(small_objects_ray, keeps_base):
+    """With deltas on (`ReceiverSetup(delta=True)`), each replica's engine keeps the version verl's update_weights
+    read as the next delta's base: versions 2 and 3 go as deltas and every worker loads the trainer's bytes, as a
+    full sync gives them. Without it the engine holds no base, and the first delta fails naming why."""
+    import torch
+
+    from param_update.delta import DeltaEncoder
+
+    model = tiny_model(1)
+    layout = {n: (t.dtype, tuple(t.shape)) for n, t in model.state_dict().items()}
+    replica = FakeReplica([FakeCheckpointEngineWorker.remote() for _ in range(2)])
+    receiver = VerlReplicaReceiver("rollout_replica_0", replica)
+    stream = BucketStream(max_in_flight=64)
+    sync = OverlappedWeightSync([receiver], DriverLog(), stream, timeout_s=30)
+    encoder = DeltaEncoder()
+
+    async def send(version):
+        wire = list(encoder.encode(model.state_dict().items(), version, encoder.version))
+        buckets = list(pack_buckets(wire, 3000, version=version))
+        await announce(stream, buckets, [[ray.put(run) for run in split_arrays(b.data, 2)] for b in buckets])
+        stream.end_version(VersionEnd(version, len(buckets), {"gather": 0.0, "send": 0.0}))
+        return await sync.sync(version, time.time())
+
+    async def main():
+        await receiver.configure(ReceiverSetup(False, 0, layout, delta=keeps_base))
+        sent = [await send(1)]
+        for version in (2, 3):
+            with torch.no_grad():  # a step that moves 2 % of the values
+                for i, param in enumerate(model.parameters()):
+                    moved = torch.rand(param.shape, generator=torch.Generator().manual_seed(version * 100 + i)) < 0.02
+                    param.add_(moved * 0.05)
+            sent.append(await send(version))
+            want = {n: tensor_digest(t) for n, t in model.state_dict().items()}
+            for worker in replica.workers:
+                loaded, calls = ray.get(worker.get.remote(), timeout=TIMEOUT_S)
+                assert loaded == want and calls[-1] == ("update_weights", version)
+        return sent
+
+    if not keeps_base:
+        with pytest.raises(Exception, match="version 2: a delta from version 1 arrived, the receiver holds version None"):
+            asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
+        return
+    sent = asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
+    assert [t["async/param_update/delta"] for t in sent] == [0.0, 1.0, 1.0]
+    assert max(t["async/param_update/bytes"] for t in sent[1:]) < 0.5 * sent[0]["async/param_update/bytes"]
+
+
 @ray.remote
 class EngineRank:
     """A process holding the `async_rl` checkpoint engine as verl's trainer ranks and
