@@ -109,7 +109,7 @@ def read_run_config(config: DictConfig) -> RunConfig:
             f"True with rollout.name={backend.name} (its server aborts requests around a weight load; waiting for "
             "them instead needs a backend that can: cpu, vllm)",
         )
-    _check_delta_sync(config, async_cfg)
+    _check_delta_sync(config, async_cfg, backend)
     check_proximal_method(config, async_cfg.proximal_logp_method, async_cfg.decoupled_ppo)
     check_files(config)
     check_agent_loops(config, agent_names_in(config.data.train_files) | agent_names_in(config.data.get("val_files") or []))
@@ -173,13 +173,15 @@ def size_dataloader_workers(config: DictConfig) -> bool:
     return False
 
 
-def _check_delta_sync(config: DictConfig, async_cfg: AsyncPipelineConfig) -> None:
+def _check_delta_sync(config: DictConfig, async_cfg: AsyncPipelineConfig, backend: RolloutBackend) -> None:
     """A delta applies to the full weights a receiver serves: the CPU rollout servers' (their load swaps or
-    copies whole tensors) and verl's replicas' (their staged version, kept after verl's `update_weights`);
-    a LoRA version is an adapter merged at load, logp ranks load into shards."""
+    copies whole tensors) and verl's replicas' (their staged version, kept after verl's `update_weights`),
+    where the backend `loads_deltas`; a LoRA version is an adapter merged at load, logp ranks load into shards."""
     if not async_cfg.delta_sync:
         return
     why = []
+    if not backend.loads_deltas:
+        why.append(f"rollout.name={backend.name} (delta sync into its replicas is untested: no end-to-end run of it)")
     if int(OmegaConf.select(config, "actor_rollout_ref.model.lora_rank", default=0) or 0) > 0:
         why.append("actor_rollout_ref.model.lora_rank > 0 (a version is an adapter, merged at its load)")
     if async_cfg.proximal_logp_workers == "logp":

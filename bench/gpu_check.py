@@ -352,7 +352,8 @@ def check_delta(device: str) -> bool:
             stager.stage(version, bucket)
         stager.check_complete(version, len(buckets))
         stager.copy_into(params, 1 << 20)
-    same = all(tensor_bytes(params[n].cpu()).equal(tensor_bytes(as_held(t, torch.bfloat16))) for n, t in trained.items())
+    same = all(tensor_bytes(params[name].cpu()).equal(tensor_bytes(as_held(t, torch.bfloat16)))
+               for name, t in trained.items())
     print(f"delta put together on {device}: version 2 loaded bit for bit: {same} "
           f"({sum(s.nbytes for b in buckets for s in b.slices)} bytes sent of "
           f"{sum(t.numel() * 2 for t in trained.values())})", flush=True)

@@ -40,8 +40,9 @@ def check_weight_sync(model_bytes: int, preduce_mb: float, consume_mb: float, ve
     """Raise BucketSizeError when the sync cannot work; returns the bucket sizes in bytes.
 
     `versions_held`: versions a receiver keeps staged at once (async_rl/build.py `versions_held`: 2 with the
-    dual buffer, with restartable servers, which keep the newest, or with deltas into verl's replicas, else 1); `links`: the transports in use
-    (`planned_links`); `rooms`: transport name -> its room in bytes (None: not checked).
+    dual buffer, with restartable servers, which keep the newest, or with deltas into verl's replicas, else 1);
+    `links`: the transports in use (`planned_links`); `rooms`: transport name -> its room in bytes (None: not
+    checked).
     """
     sizes = check_bucket_sizes(model_bytes, preduce_mb, consume_mb)
     for name in sorted(links):

@@ -65,6 +65,8 @@ class RolloutBackend:
     gpu_server: it runs verl's GPU server (vllm, sglang, trtllm), whose replicas need devices: a reward
         model on it takes devices of its own (`reward.reward_model.nnodes x n_gpus_per_node`); else (this
         package's CPU engine) its reward-model replicas run on logical CPUs beside the workers.
+    loads_deltas: its receivers keep the version they serve as a delta's base, and delta sync
+        (`param_update_delta_sync`) has run through them end to end; else that key is refused at start.
     replica_class: verl `RolloutReplica` class to register in verl's registry under `name` (None:
         verl has it).
     """
@@ -86,6 +88,7 @@ class RolloutBackend:
     logical_gpus_on_cpu: bool = False
     serves_images: bool = False
     gpu_server: bool = False
+    loads_deltas: bool = False
     replica_class: Optional[type] = None
 
 

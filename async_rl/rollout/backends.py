@@ -11,14 +11,14 @@ from async_rl.rollout.vllm_digests import replica_weight_digests
 CPU = register_rollout_backend(RolloutBackend(
     name="cpu", start=cpu.start, make_receiver=cpu.receiver, relaunch=cpu.relaunch, read_digests=cpu.read_digests,
     waits_for_running=True, default_max_restarts=3, receivers_tell_nodes=True, replica_class=cpu.CPURolloutReplica,
-    serves_images=True, prepare_config=cpu.check_config,
+    serves_images=True, prepare_config=cpu.check_config, loads_deltas=True,
 ))
 VLLM = register_rollout_backend(RolloutBackend(
     name="vllm", start=verl_replicas.start_on_devices, make_receiver=vllm.receiver,
     relaunch=verl_replicas.relaunch_on_devices, read_digests=replica_weight_digests, waits_for_running=True,
     starts_on_dummy_weights=True, replica_world_size=verl_replicas.replica_world_size, unavailable=vllm.unavailable,
     prepare_config=vllm.prepare_config, prepare_server_config=vllm.prepare_server_config, ray_env=vllm.ray_env,
-    logical_gpus_on_cpu=True, gpu_server=True,
+    logical_gpus_on_cpu=True, gpu_server=True, loads_deltas=True,
 ))
 SGLANG = register_rollout_backend(RolloutBackend(
     name="sglang", start=verl_replicas.start_on_devices, make_receiver=verl_replicas.receiver,

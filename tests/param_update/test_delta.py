@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import ray
 import torch
+from omegaconf import OmegaConf
 
 from async_rl.api.weights import Bucket, ReceiverSetup, TransportTable
 from param_update.buckets import pack_buckets, tensor_digest
@@ -127,6 +128,23 @@ def test_delta_sync_is_refused_at_start_where_a_receiver_keeps_no_base(demo_dir)
                        ({"actor_rollout_ref.model.lora_rank": 8}, "lora_rank > 0")):
         with pytest.raises(AsyncConfigError, match=f"param_update_delta_sync=True.*False with .*{why}"):
             read_run_config(compose_ppo(demo_overrides(demo_dir, extra={key: True, **extra})))
+
+
+def test_delta_sync_is_refused_at_start_with_a_backend_it_has_not_run_through():
+    """Deltas into SGLang's and TRT-LLM's replicas have never run end to end (vLLM's: tests/e2e/test_vllm_cpu_e2e.py),
+    so the key is refused there, naming the backend (checked without their packages, which this venv lacks)."""
+    import async_rl.rollout.backends as backends
+    from async_rl.core.config import AsyncPipelineConfig
+    from async_rl.core.errors import AsyncConfigError
+    from async_rl.run_config import _check_delta_sync
+
+    config = OmegaConf.create({"actor_rollout_ref": {"model": {"lora_rank": 0}}})
+    deltas = AsyncPipelineConfig(delta_sync=True)
+    for backend in (backends.CPU, backends.VLLM):
+        _check_delta_sync(config, deltas, backend)
+    for backend in (backends.SGLANG, backends.TRTLLM):
+        with pytest.raises(AsyncConfigError, match=f"False with rollout.name={backend.name} .*untested"):
+            _check_delta_sync(config, deltas, backend)
 
 
 @pytest.fixture(scope="module")
