@@ -18,8 +18,7 @@ goes on the wire, ordinary named tensors packed into buckets like a full version
 
 `DeltaVersion` (the receiver) puts a staged version together from its base, the version it
 serves: the base's tensor with the changed values written in (on the base's device), or the tensor sent
-whole. Applying a
-delta gives exactly the bytes a full sync of the same version gives.
+whole. Applying a delta gives exactly the bytes a full sync of the same version gives.
 
 Both loops run in C where the machine builds param_update/delta_kernel.c (delta_kernel.py), else in
 numpy; the encoder diffs tensors on `ENCODE_THREADS` threads while the next ones are cast. It keeps
