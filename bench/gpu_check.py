@@ -70,7 +70,7 @@ GATHERS = ("tensor", "module", "local")
 LOADS = ("copy", "swap")
 SENDS = ("ring", "region")
 REGIONS = 2  # --send region: version v is written into region v % 2 (the other one serves v - 1)
-SERVING_CHECK = "serving check"  # the receiver's seconds checking its weights stayed unchanged (not the sync's)
+CHECKS = "checks"  # the receiver's seconds in the kit's own checks, inside the trainer's wait: not the sync's
 
 
 def qwen2(size: str, device: str, seed: int):
@@ -211,7 +211,7 @@ def trainer(size: str, device: str, bucket_bytes: int, port: int, to_recv, to_tr
         while message[0] == "staged":  # acks of the last buckets
             message = to_train.get(timeout=QUEUE_TIMEOUT_S)
         _, receiver_seconds, loaded = message
-        totals.append(time.perf_counter() - start - receiver_seconds.pop(SERVING_CHECK, 0.0))
+        totals.append(time.perf_counter() - start - receiver_seconds.pop(CHECKS))
         seconds.update(receiver_seconds)
         differ, missing, after = [], [], {}
         for n, t in full():  # one gathered tensor at a time
@@ -275,7 +275,7 @@ def receiver(size: str, device: str, consume_bytes: int, to_recv, to_train, save
     serving = None  # --send region --load swap: a fingerprint of the weights, which live in the trainer's region
     to_train.put("ready")
     while (message := to_recv.get(timeout=QUEUE_TIMEOUT_S)) != "done":
-        seconds = {"recv": 0.0, "register": 0.0, "load": 0.0}
+        seconds = {"recv": 0.0, "register": 0.0, "load": 0.0, CHECKS: 0.0}
         received = []  # --send region: the buffers this version arrived in
         t0 = time.monotonic()
         while message[0] == "bucket":
@@ -297,7 +297,7 @@ def receiver(size: str, device: str, consume_bytes: int, to_recv, to_train, save
             t1 = time.perf_counter()
             if fingerprint(params) != serving:
                 raise SystemExit(f"[{size}] version {version - 1}'s weights changed while version {version} arrived")
-            seconds[SERVING_CHECK] = time.perf_counter() - t1
+            seconds[CHECKS] += time.perf_counter() - t1
         stager.check_complete(version, count)
         t0 = time.perf_counter()
         if load == "swap":
@@ -306,6 +306,7 @@ def receiver(size: str, device: str, consume_bytes: int, to_recv, to_train, save
             stager.copy_into(params, consume_bytes)
         sync(device)
         seconds["load"] = time.perf_counter() - t0
+        t1 = time.perf_counter()
         if send == "region" and load == "swap":
             serving = fingerprint(params)
             print(f"[{size}] version {version}: {served_from(params, received)} of {len(params)} weights serve from "
@@ -316,6 +317,8 @@ def receiver(size: str, device: str, consume_bytes: int, to_recv, to_train, save
         # CUDA IPC cannot be shared again)
         loaded = {n: t.detach().clone() if send == "region" else t.detach() for n, t in params.items()}
         del received
+        sync(device)
+        seconds[CHECKS] += time.perf_counter() - t1
         to_train.put(("loaded", seconds, loaded))
         del loaded
         assert to_recv.get(timeout=QUEUE_TIMEOUT_S) == "checked"  # the trainer read our tensors
