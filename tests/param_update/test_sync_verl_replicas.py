@@ -14,6 +14,7 @@ import pytest
 import ray
 
 from async_rl.api.weights import ReceiverSetup
+from async_rl.core.errors import WeightSyncError
 from param_update.buckets import pack_buckets, tensor_digest
 from param_update.receivers import VerlReplicaReceiver
 from param_update.sync import BucketStream, OverlappedWeightSync, VersionEnd
@@ -121,7 +122,7 @@ def test_verl_replicas_load_deltas_over_the_version_update_weights_read(small_ob
 
     if not keeps_base:
         no_base = "version 2: a delta from version 1 arrived, the receiver holds version None"
-        with pytest.raises(Exception, match=no_base):
+        with pytest.raises(WeightSyncError, match=no_base):
             asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
         return
     sent = asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
