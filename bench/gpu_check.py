@@ -28,9 +28,9 @@ Choices (each printed with the run's parts):
 - `--load copy` (`copy_into`: the bytes go into the live weights, as into a GPU engine) or `swap` (`swap_into`,
   the dual buffer: the staged tensors become the weights, zero copy).
 
-Why not verl's engine: `import verl` imports `verl.protocol`, which imports Ray, so verl's FSDP2 engine (and
-the project's worker, async_rl/training/workers.py, built on it) cannot run where Ray is not installed. The
-gather here is what verl's FSDP2 engine does per tensor (`full_tensor()` of each sharded parameter).
+Neither Ray nor verl is imported, so this check runs on any CUDA PyTorch machine; verl's FSDP2 engine through the
+pipeline's worker, which needs both (`import verl` imports Ray), is bench/gpu_worker_step.py. The gather here is
+what verl's FSDP2 engine does per tensor (`full_tensor()` of each sharded parameter).
 
 Prints per part seconds and GB/s (model bytes / seconds) against the device's own copy (device to device on a
 GPU, memcpy on the CPU) and, on a GPU, the pinned host-to-device copy, each the best of five copies of 1 GiB

@@ -1,43 +1,73 @@
 #!/usr/bin/env bash
-# GPU check kit (docs/weight_sync.md, "GPU check kit"): bench/gpu_check.py on a bare CUDA PyTorch machine
-# (torch, transformers; no Ray, no vLLM, no package index), run from this checkout.
+# GPU check kit (docs/weight_sync.md, "GPU check kit"), run from this checkout on a CUDA PyTorch machine with no
+# package index (Python 3.12, torch, transformers, numpy, pandas, pyarrow, peft; no Ray, no verl, no vLLM):
+# bench/gpu_worker_step.py (verl's FSDP2 engine training through the pipeline's worker), then bench/gpu_check.py
+# (the sync's GPU parts between two processes).
 #
-#   bash scripts/gpu_check.sh bundle [DIR]          # here: the wheels the kit needs into DIR (gpu_check_wheels/)
-#   bash scripts/gpu_check.sh run [DIR] [ARGS...]   # there: install DIR's wheels into DIR/site, run the check
-#                                                   # (default ARGS: --device cuda --sizes 0.5B,1.5B,7B), 8 min limit
+#   bash scripts/gpu_check.sh bundle [DIR]          # here: Python 3.12 wheels of scripts/gpu_check_requirements.txt
+#                                                   # at this checkout's .venv's versions, cut into parts DIR/1, DIR/2,
+#                                                   # ... (default DIR: gpu_check_bundle/)
+#   bash scripts/gpu_check.sh receive [DIR]         # there: which parts have arrived
+#   bash scripts/gpu_check.sh run [DIR] [ARGS...]   # there: the parts put together and installed into DIR/site, then
+#                                                   # the worker step (sizes: WORKER_SIZES, default 0.5B,1.5B) and
+#                                                   # gpu_check.py ARGS (default --device cuda --sizes 0.5B,1.5B,7B);
+#                                                   # 8 min limit for both (KIT_DEVICE=cpu: both on the CPU)
 #
-# The kit imports omegaconf (async_rl/core/config.py, under param_update/buckets.py) and antlr4 (omegaconf's)
-# beyond torch and transformers; the versions carried are this checkout's venv's. verl is not carried: its
-# `import verl` imports Ray (verl/protocol.py), which such a machine does not have (bench/gpu_check.py says more).
+# A device call carries 64 MiB with the checkout, and Ray's wheel alone is 76 MiB: each call carries one part, all on
+# one warm machine (what a call leaves in an ignored folder stays there until the machine goes back), and the call
+# with the last part runs the kit. `run` names any part missing, and `bundle` prints the calls.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-}
-dir=${2:-gpu_check_wheels}
-LIMIT_MIB=60
+dir=${2:-gpu_check_bundle}
+PART_MIB=56  # + the checkout (about 5 MiB) under the 64 MiB a device call carries
+LIMIT_S=480
 case "$mode" in
   bundle)
     py=${PYTHON:-.venv/bin/python}
-    pins=$("$py" -c "import importlib.metadata as m; print(' '.join(f'{p}=={m.version(p)}' for p in ('omegaconf', 'antlr4-python3-runtime')))")
-    rm -rf "$dir" && mkdir -p "$dir"
-    timeout 600 "$py" -m pip wheel --quiet --no-deps --wheel-dir "$dir" $pins
-    total=0
-    for w in "$dir"/*; do
-      size=$(stat -c %s "$w"); total=$((total + size))
-      printf '%10.2f MiB  %s\n' "$(echo "$size / 1048576" | bc -l)" "$(basename "$w")"
+    mapfile -t names < <(grep -v '^#' scripts/gpu_check_requirements.txt)
+    mapfile -t pins < <("$py" -c "import importlib.metadata as m, sys; [print(f'{n}=={m.version(n)}') for n in sys.argv[1:]]" "${names[@]}")
+    rm -rf "$dir" && mkdir -p "$dir/wheels"
+    for pin in "${pins[@]}"; do  # the Python 3.12 wheel; a package published only as source is pure Python: built here
+      timeout 300 "$py" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --abi cp312 --abi abi3 --abi none --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 --platform any -d "$dir/wheels" "$pin" 2>/dev/null \
+      || timeout 300 "$py" -m pip wheel --quiet --no-deps --wheel-dir "$dir/wheels" "$pin"
     done
-    printf '%10.2f MiB  in all (limit %d MiB)\n' "$(echo "$total / 1048576" | bc -l)" "$LIMIT_MIB"
-    if [ "$total" -gt $((LIMIT_MIB * 1048576)) ]; then echo "bundle over ${LIMIT_MIB} MiB" >&2; exit 1; fi
+    for w in "$dir"/wheels/*.whl; do
+      case "$w" in *-cp312-*|*-abi3-*|*-none-any.whl) ;;
+        *) echo "not a Python 3.12 wheel: $w" >&2; exit 1 ;; esac
+    done
+    printf '%s wheels, %.2f MiB\n' "$(ls "$dir"/wheels/*.whl | wc -l)" "$(du -cb "$dir"/wheels/*.whl | tail -1 | cut -f1 | awk '{print $1 / 1048576}')"
+    python3 scripts/gpu_bundle.py split "$dir/wheels" "$dir" --part-mib "$PART_MIB"
+    rm -rf "$dir/wheels"
+    count=$(ls -d "$dir"/[0-9]* | wc -l)
+    echo "device calls, one after the other on one warm machine:"
+    for ((k = 1; k < count; k++)); do echo "  carry [$dir/$k]  command: bash scripts/gpu_check.sh receive $dir"; done
+    echo "  carry [$dir/$count]  command: bash scripts/gpu_check.sh run $dir"
+    ;;
+  receive)
+    python3 scripts/gpu_bundle.py status "$dir" || true
     ;;
   run)
-    py=${PYTHON:-python}
+    py=${PYTHON:-python3}
+    device=${KIT_DEVICE:-cuda}
     shift; [ $# -gt 0 ] && shift
-    [ $# -gt 0 ] || set -- --device cuda --sizes 0.5B,1.5B,7B
-    ls "$dir"/*.whl >/dev/null || { echo "no wheels in $dir: run 'bash scripts/gpu_check.sh bundle' first" >&2; exit 1; }
-    "$py" -m pip install --quiet --no-deps --no-index --target "$dir/site" "$dir"/*.whl
-    export PYTHONPATH="$PWD/$dir/site${PYTHONPATH:+:$PYTHONPATH}"
-    "$py" -c "import torch, transformers; print('python', __import__('sys').version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
-    timeout 480 "$py" bench/gpu_check.py "$@"
+    [ $# -gt 0 ] || set -- --device "$device" --sizes 0.5B,1.5B,7B
+    start=$SECONDS
+    rm -rf "$dir/wheels" "$dir/site"
+    "$py" scripts/gpu_bundle.py join "$dir" "$dir/wheels"
+    "$py" -m pip install --quiet --no-deps --no-index --no-compile --target "$dir/site" "$dir"/wheels/*.whl
+    PYTHONPATH="$(cd "$dir/site" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
+    export PYTHONPATH
+    "$py" -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
+    echo "installed in $((SECONDS - start)) s"
+    rc=0
+    left() { local s=$((LIMIT_S - (SECONDS - start))); [ "$s" -gt 0 ] || { echo "the kit's ${LIMIT_S} s are spent" >&2; exit 124; }; echo "$s"; }
+    timeout "$(left)" "$py" bench/gpu_worker_step.py --device "$device" --sizes "${WORKER_SIZES:-0.5B,1.5B}" || rc=$?
+    timeout "$(left)" "$py" bench/gpu_check.py "$@" || rc=$?
+    exit $rc
     ;;
   *)
-    echo "usage: bash scripts/gpu_check.sh bundle [DIR] | run [DIR] [ARGS...]" >&2; exit 2 ;;
+    echo "usage: bash scripts/gpu_check.sh bundle [DIR] | receive [DIR] | run [DIR] [ARGS...]" >&2; exit 2 ;;
 esac
