@@ -63,9 +63,13 @@ case "$mode" in
     "$py" -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
     echo "installed in $((SECONDS - start)) s"
     rc=0
-    left() { local s=$((LIMIT_S - (SECONDS - start))); [ "$s" -gt 0 ] || { echo "the kit's ${LIMIT_S} s are spent" >&2; exit 124; }; echo "$s"; }
-    timeout "$(left)" "$py" bench/gpu_worker_step.py --device "$device" --sizes "${WORKER_SIZES:-0.5B,1.5B}" || rc=$?
-    timeout "$(left)" "$py" bench/gpu_check.py "$@" || rc=$?
+    within() {  # "$@" in what is left of the kit's LIMIT_S
+      local left=$((LIMIT_S - (SECONDS - start)))
+      if [ "$left" -le 0 ]; then echo "the kit's ${LIMIT_S} s are spent: $* not run" >&2; return 124; fi
+      timeout "$left" "$@"
+    }
+    within "$py" bench/gpu_worker_step.py --device "$device" --sizes "${WORKER_SIZES:-0.5B,1.5B}" || rc=$?
+    within "$py" bench/gpu_check.py "$@" || rc=$?
     exit $rc
     ;;
   *)
