@@ -377,6 +377,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def parse_checked(parser: argparse.ArgumentParser) -> tuple[argparse.Namespace, list[str]]:
+    """The arguments, and `--sizes` as a list; a parser error for a size not in SIZES, or `--device cuda`
+    where torch sees no GPU."""
+    args = parser.parse_args()
+    sizes = args.sizes.split(",")
+    unknown = [s for s in sizes if s not in SIZES]
+    if unknown:
+        parser.error(f"unknown sizes {unknown}; known: {list(SIZES)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda but torch sees no GPU (torch.cuda.is_available() is False)")
+    return args, sizes
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -398,13 +411,7 @@ def main() -> int:
     parser.add_argument("--versions", type=int, default=3,
                         help="versions synced per size, a training step before each; the last one's parts are printed")
     parser.add_argument("--save-dir", help="write before.pt / after.pt (trainer) and receiver.pt there")
-    args = parser.parse_args()
-    sizes = args.sizes.split(",")
-    unknown = [s for s in sizes if s not in SIZES]
-    if unknown:
-        parser.error(f"unknown sizes {unknown}; known: {list(SIZES)}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda but torch sees no GPU (torch.cuda.is_available() is False)")
+    args, sizes = parse_checked(parser)
     print(command_line(), flush=True)
     print(f"torch {torch.__version__}" + (f", {torch.cuda.get_device_name()}" if args.device == "cuda" else ""), flush=True)
     if not check_delta(args.device):

@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.command import command_line  # noqa: E402
-from bench.gpu_check import GB, SIZES, copy_rates, fingerprint, qwen2, sync  # noqa: E402
+from bench.gpu_check import GB, SIZES, copy_rates, fingerprint, parse_checked, qwen2, sync  # noqa: E402
 from param_update.buckets import pack_buckets  # noqa: E402
 
 BUCKET_BYTES = 512 << 20  # the pipeline's default preduce bucket (param_update_preduce_bucket_size_mb)
@@ -195,13 +195,7 @@ def main() -> int:
     parser.add_argument("--rows", type=int, help="rows per batch (default: 16 on cuda, 4 on cpu)")
     parser.add_argument("--prompt-tokens", type=int, help="default: 128 on cuda, 4 on cpu")
     parser.add_argument("--response-tokens", type=int, help="default: 512 on cuda, 8 on cpu")
-    args = parser.parse_args()
-    sizes = args.sizes.split(",")
-    unknown = [s for s in sizes if s not in SIZES]
-    if unknown:
-        parser.error(f"unknown sizes {unknown}; known: {list(SIZES)}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda but torch sees no GPU (torch.cuda.is_available() is False)")
+    args, sizes = parse_checked(parser)
     gpu = args.device == "cuda"
     rows = args.rows or (16 if gpu else 4)
     prompt_tokens = args.prompt_tokens or (128 if gpu else 4)
