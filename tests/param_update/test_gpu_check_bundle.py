@@ -80,3 +80,12 @@ def test_run_installs_the_bundle_then_runs_the_worker_step_and_the_sync_check(tm
                              capture_output=True, text=True, timeout=60)
     assert missing.returncode == 3
     assert "missing or damaged [1]" in missing.stderr and "[tiny] step" not in missing.stdout
+
+
+def test_a_part_and_the_checkout_fit_one_device_call():
+    # a device call carries 64 MiB: the checkout's tracked files and one part of PART_MIB
+    part_mib = float(re.search(r"^PART_MIB=(\d+)", (ROOT / "scripts" / "gpu_check.sh").read_text(), re.M).group(1))
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout.split(b"\0")
+    checkout = sum((ROOT / f.decode()).stat().st_size for f in files if f and (ROOT / f.decode()).is_file())
+    assert checkout > 2**20  # the checkout was read
+    assert part_mib * 2**20 + checkout <= 64 * 2**20, f"checkout {checkout / 2**20:.1f} MiB + a part of {part_mib} MiB"
