@@ -41,6 +41,14 @@ case "$mode" in
     printf '%s wheels, %.2f MiB\n' "$(ls "$dir"/wheels/*.whl | wc -l)" "$(du -cb "$dir"/wheels/*.whl | tail -1 | cut -f1 | awk '{print $1 / 1048576}')"
     python3 scripts/gpu_bundle.py split "$dir/wheels" "$dir" --part-mib "$PART_MIB"
     rm -rf "$dir/wheels"
+    # what a call carries besides its part: the checkout's files that git does not ignore
+    tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {print s + 0}')
+    for part in "$dir"/[0-9]*/part; do
+      total=$(( $(stat -c %s "$part") + tree ))
+      if [ "$total" -gt $((64 * 1048576)) ]; then
+        echo "a call carrying $part and the checkout ($tree bytes) would carry $total bytes, over 64 MiB" >&2; exit 1
+      fi
+    done
     count=$(ls -d "$dir"/[0-9]* | wc -l)
     echo "device calls, one after the other on one warm machine:"
     for ((k = 1; k < count; k++)); do echo "  carry [$dir/$k]  command: bash scripts/gpu_check.sh receive $dir"; done
