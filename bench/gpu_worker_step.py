@@ -2,7 +2,7 @@
 async_rl/training/workers.py), in one process with no Ray cluster: the GPU check kit's trainer part.
 
     python bench/gpu_worker_step.py --device cuda --sizes 0.5B,1.5B
-    python bench/gpu_worker_step.py --device cpu --sizes tiny          # what CI runs (tests/training/test_gpu_worker_step.py)
+    python bench/gpu_worker_step.py --device cpu --sizes tiny    # CI: tests/training/test_gpu_worker_step.py
 
 Per size (`bench.gpu_check.SIZES`: Qwen2.5 shapes, random init, built locally):
 - the model (bf16) and the demo's tokenizer are written to a temporary folder, verl's `ppo_trainer` config is
@@ -67,8 +67,9 @@ def attention_overrides(device: str) -> list[str]:
             return ["+actor_rollout_ref.model.override_config.attn_implementation=flash_attention_2"]
         return ["+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
                 "actor_rollout_ref.model.use_remove_padding=False"]
+    fp32 = "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"  # the demo's CPU precision
     return ["+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
-            "+actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"]
+            f"+actor_rollout_ref.actor.fsdp_config.mixed_precision={fp32}"]
 
 
 def actor_config(model_path: str, device: str, rows: int, max_tokens: int):

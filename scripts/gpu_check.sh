@@ -26,23 +26,27 @@ case "$mode" in
   bundle)
     py=${PYTHON:-.venv/bin/python}
     mapfile -t names < <(grep -v '^#' scripts/gpu_check_requirements.txt)
-    mapfile -t pins < <("$py" -c "import importlib.metadata as m, sys; [print(f'{n}=={m.version(n)}') for n in sys.argv[1:]]" "${names[@]}")
+    pinned="import importlib.metadata as m, sys; [print(f'{n}=={m.version(n)}') for n in sys.argv[1:]]"
+    mapfile -t pins < <("$py" -c "$pinned" "${names[@]}")
     rm -rf "$dir" && mkdir -p "$dir/wheels"
     for pin in "${pins[@]}"; do  # the Python 3.12 wheel; a package published only as source is pure Python: built here
-      timeout 300 "$py" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        --abi cp312 --abi abi3 --abi none --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-        --platform manylinux2014_x86_64 --platform any -d "$dir/wheels" "$pin" 2>/dev/null \
+      timeout 300 "$py" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp --abi cp312 --abi abi3 --abi none --platform manylinux_2_28_x86_64 \
+        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any -d "$dir/wheels" "$pin" \
+        2>/dev/null \
       || timeout 300 "$py" -m pip wheel --quiet --no-deps --wheel-dir "$dir/wheels" "$pin"
     done
     for w in "$dir"/wheels/*.whl; do
       case "$w" in *-cp312-*|*-abi3-*|*-none-any.whl) ;;
         *) echo "not a Python 3.12 wheel: $w" >&2; exit 1 ;; esac
     done
-    printf '%s wheels, %.2f MiB\n' "$(ls "$dir"/wheels/*.whl | wc -l)" "$(du -cb "$dir"/wheels/*.whl | tail -1 | cut -f1 | awk '{print $1 / 1048576}')"
+    wheel_bytes=$(du -cb "$dir"/wheels/*.whl | tail -1 | cut -f1)
+    printf '%s wheels, %.2f MiB\n' "$(ls "$dir"/wheels/*.whl | wc -l)" "$(awk "BEGIN {print $wheel_bytes / 1048576}")"
     python3 scripts/gpu_bundle.py split "$dir/wheels" "$dir" --part-mib "$PART_MIB"
     rm -rf "$dir/wheels"
     # what a call carries besides its part: the checkout's files that git does not ignore
-    tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {print s + 0}')
+    tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c %s 2>/dev/null \
+      | awk '{s += $1} END {print s + 0}')
     for part in "$dir"/[0-9]*/part; do
       total=$(( $(stat -c %s "$part") + tree ))
       if [ "$total" -gt $((64 * 1048576)) ]; then
@@ -68,7 +72,8 @@ case "$mode" in
     "$py" -m pip install --quiet --no-deps --no-index --no-compile --target "$dir/site" "$dir"/wheels/*.whl
     PYTHONPATH="$(cd "$dir/site" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
     export PYTHONPATH
-    "$py" -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
+    "$py" -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__,
+      'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
     echo "installed in $((SECONDS - start)) s"
     rc=0
     within() {  # "$@" in what is left of the kit's LIMIT_S

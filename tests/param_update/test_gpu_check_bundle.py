@@ -54,7 +54,8 @@ def test_parts_put_back_together_bit_for_bit_and_name_what_is_missing(tmp_path):
     (parts / "3" / "part").write_bytes(bytes(damaged))
     status = bundle("status", parts)
     assert status.returncode == 3
-    assert "parts here [1] of 3; missing or damaged [2, 3]: carry each in a call on this same warm machine" in status.stdout
+    assert ("parts here [1] of 3; missing or damaged [2, 3]: carry each in a call on this same warm machine"
+            in status.stdout)
     joined = bundle("join", parts, tmp_path / "again")
     assert joined.returncode == 3 and "missing or damaged [2, 3]" in joined.stderr
     assert not (tmp_path / "again").exists()
