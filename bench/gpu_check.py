@@ -71,6 +71,7 @@ LOADS = ("copy", "swap")
 SENDS = ("ring", "region")
 REGIONS = 2  # --send region: version v is written into region v % 2 (the other one serves v - 1)
 CHECKS = "checks"  # the receiver's seconds in the kit's own checks, inside the trainer's wait: not the sync's
+COPY_BYTES = {"cuda": 1 << 30, "cpu": 1 << 28}  # the reference copies' size per device (copy_rates)
 
 
 def qwen2(size: str, device: str, seed: int):
@@ -239,7 +240,7 @@ def trainer(size: str, device: str, bucket_bytes: int, port: int, to_recv, to_tr
     to_recv.put("done")
     if save_dir:
         torch.save(after, os.path.join(save_dir, "after.pt"))
-    copy_bytes = 1 << (30 if device == "cuda" else 28)
+    copy_bytes = COPY_BYTES[device]
     rates = copy_rates(device, copy_bytes)
     through = f"through {ring} send buffers" if send == "ring" else f"into {REGIONS} regions"
     print(f"[{size}] {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {nbytes / 2**20:.2f} MiB "

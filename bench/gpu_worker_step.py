@@ -27,7 +27,6 @@ import argparse
 import importlib.util
 import math
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -38,7 +37,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.command import command_line  # noqa: E402
-from bench.gpu_check import GB, SIZES, copy_rates, fingerprint, parse_checked, qwen2, sync  # noqa: E402
+from bench.gpu_check import (COPY_BYTES, GB, SIZES, copy_rates, fingerprint, free_port, parse_checked,  # noqa: E402
+                             qwen2, sync)
 from param_update.buckets import pack_buckets  # noqa: E402
 
 BUCKET_BYTES = 512 << 20  # the pipeline's default preduce bucket (param_update_preduce_bucket_size_mb)
@@ -116,11 +116,8 @@ def random_batch(rows: int, prompt_tokens: int, response_tokens: int, vocab: int
 def start_rank(device: str) -> None:
     """This process as rank 0 of 1 (the env verl's worker reads; Ray would set it), on the CPU with verl's CPU
     platform selected, as the pipeline's CPU runs do."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+                      MASTER_PORT=str(free_port()))
     if device == "cpu":
         from verl_patches.cpu_patches import set_engine_device_env, use_cpu_platform
 
@@ -157,7 +154,7 @@ def step_size(size: str, device: str, steps: int, rows: int, prompt_tokens: int,
         t2 = time.perf_counter()
         print(f"[{size}] model written in {t1 - t0:.1f} s; PipelineWorker(role=actor) built and verl's FSDP2 engine "
               f"initialised in {t2 - t1:.1f} s", flush=True)
-        rate = copy_rates(device, 1 << 30 if device == "cuda" else 1 << 28)["device copy"]
+        rate = copy_rates(device, COPY_BYTES[device])["device copy"]
         _, _, before = gathered(worker, device)
         temperature = float(config.actor_rollout_ref.rollout.temperature)
         for step in range(1, steps + 1):
