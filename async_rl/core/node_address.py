@@ -6,6 +6,8 @@ address as Ray advertises it (clients on other nodes reach it there, and only th
 interface). `bind_socket(host)` binds port 0, so the kernel picks a free port, read back from the
 socket: nothing can take the port between choosing and binding it. A fixed port (a restarted
 server keeps its predecessor's address) is retried while the old process still holds it.
+`listen_socket` listens too, and lets a successor bind its port while the connections it accepted
+wait out TIME_WAIT (60 s on Linux).
 """
 
 from __future__ import annotations
@@ -47,3 +49,13 @@ def bind_socket(host: str, port: int = 0, wait_s: float = 0.0) -> socket.socket:
             if exc.errno != errno.EADDRINUSE or time.monotonic() >= deadline:
                 raise
             time.sleep(0.2)
+
+
+def listen_socket(host: str, port: int = 0, wait_s: float = 0.0, backlog: int = 2048) -> socket.socket:
+    """`bind_socket`, then listening (connections queue from here on, up to `backlog`). SO_REUSEADDR,
+    set once bound (so port 0 stays the kernel's exclusive pick) and before listening, passes to every
+    connection it accepts: a successor binding this port is not held off by them in TIME_WAIT."""
+    sock = bind_socket(host, port, wait_s)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.listen(backlog)
+    return sock

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -31,7 +29,7 @@ from ray.util.placement_group import remove_placement_group
 
 import async_rl.rollout.backends  # noqa: F401 - registers the rollout backends (the reward model's is one)
 from async_rl.api.rollout import rollout_backend
-from async_rl.core.node_address import bind_socket, service_host
+from async_rl.rollout.reward_router import launch_router
 from async_rl.rollout.supervisor import kill_actor
 from async_rl.rollout.verl_replicas import replica_world_size, start_standalone
 
@@ -100,42 +98,6 @@ async def relaunch_standalone(replica, attempt: int) -> None:
     await replica.init_standalone()
 
 
-def serve_router(sock: socket.socket, worker_urls: list[str]) -> None:
-    """verl's naive router (`NaiveRouter`, its FastAPI app) served by uvicorn on the bound socket `sock`."""
-    import uvicorn
-    from verl.experimental.reward_loop.router.naive_router import NaiveRouter
-
-    router = NaiveRouter(worker_urls=worker_urls, verbose=False)
-    uvicorn.Server(uvicorn.Config(router.app, log_level="warning")).run(sockets=[sock])
-
-
-def launch_router(address: Optional[str], worker_urls: list[str], timeout_s: float = 120.0):
-    """verl's naive router in a process of its own, on `address` ("ip:port"; None: `service_host()` and a
-    port the kernel picks when it is bound), listening on that address only; returns (its address, the
-    process) once it accepts connections. TimeoutError when it does not within `timeout_s`."""
-    if address is None:
-        host, port = service_host(), 0
-    else:
-        host, port = address.rsplit(":", 1)
-        host, port = host.strip("[]"), int(port)
-    sock = bind_socket(host, port, wait_s=timeout_s)  # a restarted router's port: its predecessor may hold it a moment
-    port = sock.getsockname()[1]
-    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    process = multiprocessing.Process(target=serve_router, args=(sock, worker_urls), daemon=True)
-    process.start()
-    sock.close()  # the router's process holds its own copy
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            socket.create_connection((host, port), timeout=1.0).close()
-            return address, process
-        except OSError:
-            if not process.is_alive() or time.monotonic() > deadline:
-                process.kill()
-                raise TimeoutError(f"verl's reward-model router did not start on {address} within {timeout_s:g} s")
-            time.sleep(0.1)
-
-
 @dataclass
 class RewardModelService:
     """The run's reward-model replicas (verl `RolloutReplica`s, `is_reward_model=True`) and the address
@@ -175,7 +137,10 @@ class RewardModelService:
         """verl's router, which keeps the list it started with, started again on its address with the
         replicas' addresses now (rows sent meanwhile are retried by verl's client)."""
         self._stop_router()
+        started = time.monotonic()
         _, self.router_process = launch_router(self.router_address, self.worker_urls())
+        logger.warning("verl's reward-model router started again on %s in %.1f s, serving %s", self.router_address,
+                       time.monotonic() - started, ", ".join(self.worker_urls()))
 
     def worker_urls(self) -> list[str]:
         return [f"http://{replica.server_address}" for replica in self.replicas]

@@ -9,7 +9,8 @@ import threading
 
 import pytest
 
-from async_rl.core.node_address import LOOPBACK, bind_socket, service_host
+from async_rl.core.node_address import LOOPBACK, bind_socket, listen_socket, service_host
+from helpers.sockets import time_wait_ports
 
 
 def test_port_zero_is_picked_by_binding_and_held_from_then_on():
@@ -35,6 +36,27 @@ def test_a_fixed_port_is_retried_while_its_predecessor_holds_it():
         assert sock.getsockname() == (LOOPBACK, port)
     finally:
         sock.close()
+
+
+def test_a_listening_sockets_successor_binds_its_port_while_its_connections_wait_in_time_wait():
+    listener = listen_socket(LOOPBACK)
+    port = listener.getsockname()[1]
+    with pytest.raises(OSError) as taken:  # listening: nobody shares its port
+        bind_socket(LOOPBACK, port)
+    assert taken.value.errno == errno.EADDRINUSE
+    client = socket.create_connection((LOOPBACK, port))
+    accepted, _ = listener.accept()
+    accepted.close()  # the server closes first: its side of the connection waits out TIME_WAIT (60 s)
+    client.recv(1)  # the server's FIN
+    client.close()
+    listener.close()  # the server's process is gone
+    assert port in time_wait_ports()
+    successor = listen_socket(LOOPBACK, port)  # at once, no wait
+    try:
+        assert successor.getsockname() == (LOOPBACK, port)
+        socket.create_connection((LOOPBACK, port)).close()  # and listening
+    finally:
+        successor.close()
 
 
 def test_servers_bind_loopback_on_one_node_and_the_nodes_address_on_several(monkeypatch):

@@ -106,7 +106,7 @@ def listening_ports(process) -> set[int]:
 
 def router_processes(driver_pid: int) -> list:
     """verl's reward-model router: a `multiprocessing.Process` of the driver (the pipeline runs there), so a
-    child with the driver's command line (fork; spawn: `--multiprocessing-fork`) that listens."""
+    child with the driver's command line (fork) or spawn's (`--multiprocessing-fork`) that listens."""
     import psutil
 
     driver = psutil.Process(driver_pid)

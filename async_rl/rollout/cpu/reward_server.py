@@ -21,7 +21,7 @@ import torch
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import HFModelConfig, RolloutConfig
 
-from async_rl.core.node_address import bind_socket, service_host
+from async_rl.core.node_address import listen_socket, service_host
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class CPURewardModelServer:
         await self._runner.setup()
         # port 0: the kernel's pick, read back; a restarted server's port may still be held by the
         # process it replaces, a moment longer
-        sock = await asyncio.to_thread(bind_socket, self._address, self._port or 0, PORT_WAIT_S)
+        sock = await asyncio.to_thread(listen_socket, self._address, self._port or 0, PORT_WAIT_S)
         self._port = sock.getsockname()[1]
         await web.SockSite(self._runner, sock).start()
         logger.info("CPU reward model %d up: %s at %s:%d", self.replica_rank, path, self._address, self._port)
