@@ -135,7 +135,8 @@ class RewardModelService:
 
     def _restart_router(self) -> None:
         """verl's router, which keeps the list it started with, started again on its address with the
-        replicas' addresses now (rows sent meanwhile are retried by verl's client)."""
+        replicas' addresses now (rows its predecessor failed are retried by verl's client; rows sent while
+        it starts wait in its queue)."""
         self._stop_router()
         started = time.monotonic()
         _, self.router_process = launch_router(self.router_address, self.worker_urls())
