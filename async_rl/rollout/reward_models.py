@@ -138,10 +138,10 @@ class RewardModelService:
         replicas' addresses now (rows its predecessor failed are retried by verl's client; rows sent while
         it starts wait in its queue)."""
         self._stop_router()
-        started = time.monotonic()
-        _, self.router_process = launch_router(self.router_address, self.worker_urls())
+        started, urls = time.monotonic(), self.worker_urls()
+        _, self.router_process = launch_router(self.router_address, urls)
         logger.warning("verl's reward-model router started again on %s in %.1f s, serving %s", self.router_address,
-                       time.monotonic() - started, ", ".join(self.worker_urls()))
+                       time.monotonic() - started, ", ".join(urls))
 
     def worker_urls(self) -> list[str]:
         return [f"http://{replica.server_address}" for replica in self.replicas]
