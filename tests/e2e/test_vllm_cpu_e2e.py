@@ -105,8 +105,8 @@ def listening_ports(process) -> set[int]:
 
 
 def router_processes(driver_pid: int) -> list:
-    """verl's reward-model router: a `multiprocessing.Process` of the driver (the pipeline runs there), so a
-    child with the driver's command line (fork) or spawn's (`--multiprocessing-fork`) that listens."""
+    """verl's reward-model router: a process the driver spawns (the pipeline runs there), so a child with
+    spawn's command line (`--multiprocessing-fork`) that listens."""
     import psutil
 
     driver = psutil.Process(driver_pid)
@@ -116,7 +116,7 @@ def router_processes(driver_pid: int) -> list:
             cmdline = child.cmdline()
         except psutil.NoSuchProcess:
             continue
-        if (cmdline == driver.cmdline() or "--multiprocessing-fork" in cmdline) and listening_ports(child):
+        if "--multiprocessing-fork" in cmdline and listening_ports(child):
             found.append(child)
     return found
 
